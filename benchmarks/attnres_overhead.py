@@ -1,0 +1,104 @@
+"""Cost of Attention Residuals against the standard residual, side by side in one run.
+
+    python benchmarks/attnres_overhead.py [--dim 256 --layers 8 --seq 128 --batch 8 --rounds 10]
+
+Prints one JSON object: training-step time (forward, backward, AdamW) and activation memory of
+`block` and `full` AttnRes relative to `standard` on the same data, and the activation memory of the
+memory-efficient / two-phase read paths relative to plain autograd (the `reference` read). Activation
+memory is the bytes autograd saves for backward (on CUDA also the allocator's peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import device_info, interleaved_times, saved_activation_bytes  # noqa: E402
+
+from depthscale.config import ModelConfig  # noqa: E402
+from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=8, help="Block AttnRes: number of blocks N")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = dict(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        max_seq_len=args.seq,
+        attnres_n_blocks=args.blocks,
+    )
+    variants = {
+        "standard": ModelConfig(**base),
+        "block": ModelConfig(**base, residual="block"),
+        "full": ModelConfig(**base, residual="full"),
+        "block_efficient": ModelConfig(**base, residual="block", attnres_read="efficient"),
+        "block_reference": ModelConfig(**base, residual="block", attnres_read="reference"),
+        "full_reference": ModelConfig(**base, residual="full", attnres_read="reference"),
+    }
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    torch.manual_seed(0)
+    reference = Transformer(variants["standard"]).to(device)
+    models, optims, steps, memory = {}, {}, {}, {}
+    for name, cfg in variants.items():
+        model = Transformer(cfg).to(device)
+        model.load_state_dict(reference.state_dict(), strict=False)  # identical shared weights
+        models[name] = model
+        optims[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model=model, opt=optims[name]) -> None:
+            cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[name] = step
+        memory[name] = saved_activation_bytes(
+            lambda model=model: cross_entropy(model(x), y), list(model.parameters())
+        )
+    timed = {k: steps[k] for k in ("standard", "block", "full")}
+    times = interleaved_times(timed, args.rounds)
+    result = {
+        "benchmark": "attnres_overhead",
+        **device_info(),
+        "config": {k: v for k, v in vars(args).items() if k not in ("rounds", "threads")},
+        "step_time_s": times,
+        "step_time_ratio": {
+            "block/standard": times["block"] / times["standard"],
+            "full/standard": times["full"] / times["standard"],
+        },
+        "saved_activation_bytes": memory,
+        "activation_memory_ratio": {
+            "block/standard": memory["block"] / memory["standard"],
+            "full/standard": memory["full"] / memory["standard"],
+            "block two_phase/reference": memory["block"] / memory["block_reference"],
+            "block efficient/reference": memory["block_efficient"] / memory["block_reference"],
+            "full two_phase/reference": memory["full"] / memory["full_reference"],
+        },
+        "goal": "block/standard step time <= 1.05 (paper: negligible overhead without PP)",
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

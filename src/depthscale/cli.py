@@ -1,0 +1,176 @@
+"""depthscale command line: train, generate, convert.
+
+depthscale train -c configs/tiny.toml --model.residual block --train.steps 100
+depthscale generate --run runs/tiny --prompt "def main("
+depthscale convert hf-to-ds --hf path/to/llama --out runs/llama
+depthscale convert ds-to-hf --run runs/tiny --out exported/
+depthscale trace depth --run runs/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from depthscale.errors import CheckpointError, ConfigError, DepthscaleError
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from depthscale.config import load_config
+    from depthscale.train.trainer import Trainer
+
+    cfg = load_config(args.config, overrides)
+    if cfg.world_size != 1 or cfg.parallel.nproc != 1:
+        raise ConfigError(
+            f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} and "
+            f"parallel.nproc={cfg.parallel.nproc}: multi-process training is not available "
+            "in this build; allowed: all parallel degrees 1 and nproc 1"
+        )
+    Trainer(cfg).fit()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from depthscale.interop.run_dir import load_run
+    from depthscale.model.generate import generate
+
+    model, tokenizer = load_run(Path(args.run), args.checkpoint)
+    if tokenizer is None:
+        raise CheckpointError(f"{args.run} has no tokenizer/ directory; generation needs one")
+    ids = [
+        tokenizer.eos_id,
+        *tokenizer.encode(args.prompt),
+    ]  # training puts EOS before every document
+    prompt = torch.tensor([ids], dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed)
+    out = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        eos_id=tokenizer.eos_id,
+        generator=gen,
+    )
+    print(tokenizer.decode(out[0, 1:].tolist()))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from depthscale.interop.run_dir import hf_to_run, run_to_hf
+
+    if args.direction == "hf-to-ds":
+        out = hf_to_run(Path(args.hf), Path(args.out))
+    else:
+        out = run_to_hf(Path(args.run), Path(args.out), args.checkpoint)
+    print(f"wrote {out}")
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    import json
+
+    from depthscale.data.loader import build_data
+    from depthscale.interop.run_dir import load_run, run_config
+    from depthscale.observe.depth_trace import plot_depth_trace, trace_depth
+
+    run = Path(args.run)
+    model, _ = load_run(run, args.checkpoint)
+    cfg = run_config(run)
+    data = build_data(cfg.data, cfg.train.seed, args.batch)
+    split = data.val if data.val is not None else data.train
+    tokens, _ = next(iter(split.iter_eval(1)))
+    trace = trace_depth(model, tokens)
+    out = Path(args.out) if args.out else run / "depth_trace.png"
+    plot_depth_trace(trace, out)
+    out.with_suffix(".json").write_text(json.dumps(vars(trace), indent=1))
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="depthscale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser(
+        "train",
+        help="train a model from a TOML config",
+        description="Train a model. Any config field can be overridden as --section.key VALUE "
+        "(e.g. --model.dim 256 --optim.name lamb --train.steps 500).",
+        epilog="sections: model, data, train, optim, parallel, checkpoint, logging; see configs/*.toml "
+        "and src/depthscale/config.py for every key, its type and default.",
+    )
+    train.add_argument("-c", "--config", help="TOML config file (defaults apply to missing keys)")
+    train.add_argument(
+        "--nproc", type=int, help="local worker processes (same as --parallel.nproc)"
+    )
+
+    gen = sub.add_parser("generate", help="sample text from a trained run (KV-cache decoding)")
+    gen.add_argument(
+        "--run", required=True, help="run directory (holds config.toml, tokenizer/, checkpoints/)"
+    )
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--checkpoint", help="a step_* directory (default: the newest in the run)")
+
+    trace = sub.add_parser("trace", help="diagnostic pictures of a trained run")
+    trace.add_argument(
+        "what",
+        choices=["depth"],
+        help="depth: AttnRes depth-attention weights per sublayer and output RMS per sublayer",
+    )
+    trace.add_argument("--run", required=True, help="run directory")
+    trace.add_argument("--checkpoint", help="a step_* directory (default: the newest)")
+    trace.add_argument("--batch", type=int, default=4, help="held-out sequences to average over")
+    trace.add_argument("--out", help="PNG path (default: RUN/depth_trace.png; a .json beside it)")
+
+    conv = sub.add_parser("convert", help="convert between Hugging Face Llama and depthscale runs")
+    conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])
+    conv.add_argument(
+        "--hf", help="hf-to-ds: Hugging Face model directory (config.json + safetensors)"
+    )
+    conv.add_argument("--run", help="ds-to-hf: depthscale run directory")
+    conv.add_argument("--checkpoint", help="ds-to-hf: a step_* directory (default: the newest)")
+    conv.add_argument("--out", required=True, help="output directory")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            if args.nproc is not None:
+                rest = [*rest, "--parallel.nproc", str(args.nproc)]
+            return _train(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "trace":
+            return _trace(args)
+        if args.command == "convert":
+            if args.direction == "hf-to-ds" and not args.hf:
+                parser.error("convert hf-to-ds needs --hf DIR")
+            if args.direction == "ds-to-hf" and not args.run:
+                parser.error("convert ds-to-hf needs --run DIR")
+            return _convert(args)
+    except ConfigError as err:
+        print(f"depthscale: config error: {err}", file=sys.stderr)
+        return 2
+    except (DepthscaleError, FileNotFoundError) as err:
+        print(f"depthscale: error: {err}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

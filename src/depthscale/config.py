@@ -1,0 +1,458 @@
+"""One typed config tree, loaded from TOML and overridable from the command line.
+
+Every field has a type and a default. Loading checks keys and types strictly and then runs the
+cross-field checks in `Config.validate`, so a bad config fails with one message that names the key
+and what is allowed, before any model, data or process group is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from depthscale.errors import ConfigError
+
+__all__ = ["Config", "ConfigError", "load_config"]
+
+
+ResidualMode = Literal["standard", "full", "block"]
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0
+    """0: take the tokenizer's vocabulary size, rounded up to a multiple of 64."""
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0
+    """Grouped-query attention: 0 means n_heads (plain multi-head attention)."""
+    ffn_dim: int = 0
+    """SwiGLU hidden size; 0 means the Llama rule: 8/3·dim rounded up to `multiple_of`."""
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    parallel_block: bool = False
+    """MegaScale/PaLM parallel block: attention and MLP read the same normalized input; outputs summed."""
+    sliding_window: int = 0
+    """Causal sliding-window attention span in tokens (each token sees itself and window-1 before it); 0 = full."""
+    residual: ResidualMode = "standard"
+    """Residual stream: standard PreNorm, Full AttnRes, or Block AttnRes."""
+    attnres_block_size: int = 0
+    """Block AttnRes: sublayers per block (attention and MLP each count one). 0: use attnres_n_blocks."""
+    attnres_n_blocks: int = 8
+    """Block AttnRes: number of blocks N when attnres_block_size is 0; leftover sublayers join the last block."""
+    attnres_key_norm_gain: bool = True
+    """AttnRes key RMSNorm has a learnable gain (paper-faithful default); False: a plain RMSNorm."""
+    attnres_eps: float = 1e-6
+    attnres_read: Literal["two_phase", "efficient", "reference"] = "two_phase"
+    """How depth reads are computed; all exact. two_phase: batched inter-block read + online-softmax
+    merge (fused Triton kernels on CUDA); efficient: one read per sublayer saving only per-token
+    scalars for backward; reference: plain autograd."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def n_sublayers(self) -> int:
+        """Sublayers that read the depth state: 2 per layer, 1 with the parallel block."""
+        return self.n_layers * (1 if self.parallel_block else 2)
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"
+    """Corpus: 'stdlib' (the running Python's standard library source), or a .txt, .jsonl or .bin file or a directory of them."""
+    tokenizer: str = "byte"
+    """'byte', 'bpe' (trained on the corpus with HF tokenizers and cached), or a path to a tokenizer.json."""
+    bpe_vocab_size: int = 4096
+    seq_len: int = 128
+    val_fraction: float = 0.01
+    """Fraction of the token stream (taken from its end) held out for evaluation."""
+    max_bytes: int = 0
+    """Read at most this many bytes of raw text from the corpus; 0 = all of it."""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of pre-tokenized .bin token files."""
+    cache_dir: str = ""
+    """Where tokenized corpora and trained tokenizers are cached; '' = ~/.cache/depthscale."""
+    jsonl_field: str = "text"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16
+    """Global batch: sequences per optimizer step."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward; 0 = batch_size. Gradient accumulation = batch_size / micro_batch_size."""
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: float32, or bfloat16 autocast (parameters and optimizer state stay float32)."""
+    compile: bool = False
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    eval_every: int = 50
+    eval_batches: int = 4
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    run_dir: str = "runs/{name}"
+    name: str = "tiny"
+    deterministic: bool = False
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "lamb"] = "adamw"
+    lr: float = 3e-3
+    """Peak learning rate. LAMB scales each layer's step by ‖w‖/‖update‖, so its lr is a relative
+    step size: typically 1e-2..1e-1 where AdamW would use 1e-4..3e-3."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine and WSD)."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2
+    """WSD: the fraction of steps spent in the final decay."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_virtual: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
+    nproc: int = 1
+    """Local worker processes to launch (depthscale train --nproc N)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save every this many steps (and at the end); 0 = only at the end."""
+    keep: int = 2
+    """Keep the newest this many checkpoints; 0 = keep all."""
+    resume: str = "auto"
+    """'auto' (newest checkpoint in the run directory, if any), 'none', or a checkpoint directory."""
+    async_save: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    tensorboard: bool = True
+    progress: bool = True
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s used for MFU; 0 = detect (known GPUs) or measure (CPU matmul)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.batch_size // (self.train.micro_batch_size or self.train.batch_size)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.train.run_dir.format(name=self.train.name))
+
+    def validate(self) -> Config:
+        """Cross-field checks; raises ConfigError naming the key and what is allowed."""
+        m, d, t, o, p = self.model, self.data, self.train, self.optim, self.parallel
+        _positive(
+            self,
+            "model.dim",
+            "model.n_layers",
+            "model.n_heads",
+            "data.seq_len",
+            "train.steps",
+            "train.batch_size",
+            "optim.lr",
+            "model.max_seq_len",
+        )
+        _non_negative(
+            self,
+            "model.vocab_size",
+            "model.n_kv_heads",
+            "model.ffn_dim",
+            "model.sliding_window",
+            "train.micro_batch_size",
+            "train.grad_clip",
+            "train.eval_every",
+            "optim.warmup_steps",
+            "optim.weight_decay",
+            "checkpoint.every",
+            "checkpoint.keep",
+            "model.attnres_block_size",
+            "data.max_bytes",
+            "logging.peak_tflops",
+        )
+        if m.dim % m.n_heads:
+            raise ConfigError(
+                f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
+                f"allowed: a divisor of {m.dim}"
+            )
+        if m.head_dim % 2:
+            raise ConfigError(f"model.dim / model.n_heads = {m.head_dim} must be even for RoPE")
+        if m.n_heads % m.kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}"
+            )
+        if d.seq_len > m.max_seq_len:
+            raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if (
+            m.residual == "block"
+            and m.attnres_block_size == 0
+            and not 1 <= m.attnres_n_blocks <= m.n_sublayers
+        ):
+            raise ConfigError(
+                f"model.attnres_n_blocks={m.attnres_n_blocks} must be in 1..{m.n_sublayers} "
+                f"(the number of sublayers) when model.attnres_block_size is 0"
+            )
+        if m.residual == "block" and m.attnres_block_size > m.n_sublayers:
+            raise ConfigError(
+                f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
+                f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
+            )
+        mb = t.micro_batch_size or t.batch_size
+        if t.batch_size % mb:
+            raise ConfigError(
+                f"train.micro_batch_size={mb} must divide train.batch_size={t.batch_size}"
+            )
+        if not 0.0 <= d.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+        if not 0.0 <= o.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 < o.decay_fraction <= 1.0:
+            raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+        for beta in ("beta1", "beta2"):
+            if not 0.0 <= getattr(o, beta) < 1.0:
+                raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
+        if o.warmup_steps > t.steps:
+            raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "pp_virtual", "nproc"):
+            if getattr(p, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+        if (
+            self.checkpoint.resume not in ("auto", "none")
+            and not Path(self.checkpoint.resume).exists()
+        ):
+            raise ConfigError(
+                f"checkpoint.resume={self.checkpoint.resume!r} does not exist; "
+                "allowed: 'auto', 'none' or an existing checkpoint directory"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+
+
+def _non_negative(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: TOML file, then dotted overrides, each value checked against the field's type.
+
+
+def _section_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
+    """Check (TOML) or parse (command line) one value against its declared type."""
+    if get_origin(tp) is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; allowed: " + ", ".join(repr(a) for a in allowed)
+            )
+        return value
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        raise ConfigError(f"{key}: union types are not supported in the config schema")
+    if tp is bool:
+        if from_string and isinstance(value, str):
+            low = value.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a bool (true/false), got {value!r}")
+    if tp is int:
+        if from_string and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an int, got {value!r}")
+    if tp is float:
+        if from_string and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _unknown(kind: str, name: str, allowed: list[str]) -> ConfigError:
+    hint = difflib.get_close_matches(name, allowed, n=1)
+    did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ConfigError(f"unknown {kind} {name!r}{did_you_mean}; allowed: " + ", ".join(allowed))
+
+
+def set_value(cfg: Config, dotted: str, value: Any, from_string: bool = False) -> None:
+    """Set `section.key` on cfg after checking the key exists and the value has the right type."""
+    parts = dotted.split(".")
+    sections = [f.name for f in dataclasses.fields(Config)]
+    if len(parts) != 2:
+        raise ConfigError(
+            f"config key {dotted!r} must look like 'section.key' "
+            f"with section one of: {', '.join(sections)}"
+        )
+    section, key = parts
+    if section not in sections:
+        raise _unknown("config section", section, sections)
+    sec = getattr(cfg, section)
+    hints = _section_types(type(sec))
+    if key not in hints:
+        raise _unknown(f"key in [{section}]", key, list(hints))
+    setattr(sec, key, _coerce(dotted, value, hints[key], from_string))
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            sections = [f.name for f in dataclasses.fields(Config)]
+            if section not in sections:
+                raise _unknown("config section", section, sections)
+            raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialize a config as TOML (the run directory keeps one, so a run can be reproduced)."""
+    lines: list[str] = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """Turn ['--model.dim', '128', '--train.compile=true'] into [('model.dim', '128'), ...]."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unexpected argument {arg!r}; overrides look like --section.key VALUE"
+            )
+        arg = arg[2:]
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{arg} is missing its value")
+            key, value = arg, args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML config file (or the defaults), apply `--section.key value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+    cfg = from_dict(data)
+    for key, value in parse_overrides(overrides or []):
+        set_value(cfg, key, value, from_string=True)
+    return cfg.validate()

@@ -1,0 +1,45 @@
+"""Where trained tokenizers and tokenized corpora are cached, and how cache entries are named.
+
+Entries are keyed by a hash of everything that determines their content, and written to a
+temporary name and renamed into place, so concurrent ranks or an interrupted run never leave a
+half-written entry that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from depthscale.config import DataConfig
+
+FORMAT_VERSION = 1
+"""Bump when the cached formats change, so old entries are ignored instead of misread."""
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """`data.cache_dir`, else $DEPTHSCALE_CACHE, else ~/.cache/depthscale."""
+    root = cfg.cache_dir or os.environ.get("DEPTHSCALE_CACHE") or "~/.cache/depthscale"
+    return Path(root).expanduser()
+
+
+def cache_key(*parts: Any) -> str:
+    """A short stable hash of JSON-serialisable parts."""
+    blob = json.dumps([FORMAT_VERSION, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `target` to write; rename it onto `target` on success."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,238 @@
+"""From a DataConfig to batches: tokenize the corpus once (cached), hold out its end, pack windows.
+
+The token stream is every document followed by EOS, concatenated. Training reads it as windows of
+seq_len+1 tokens starting every seq_len tokens: inputs never overlap, and every token is a label
+exactly once. Each epoch visits the windows in a permutation seeded by (seed, epoch), so the order is
+reproducible and a run resumes exactly from (epoch, cursor) alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import torch
+
+from depthscale.config import DataConfig
+from depthscale.data.cache import atomic_path, cache_key, cache_root
+from depthscale.data.sources import corpus_identity, is_pretokenized, iter_documents, read_bin
+from depthscale.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from depthscale.errors import DataError
+
+__all__ = ["DataBundle", "PackedBatches", "build_data", "split_stream", "tokenize_corpus"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+_CHUNK_CHARS = 1 << 22  # documents are encoded in batches of about this much text
+
+
+@dataclass
+class DataBundle:
+    """What the trainer needs from the data side: the tokenizer and the train/val batch streams."""
+
+    tokenizer: Tokenizer
+    train: PackedBatches
+    val: PackedBatches | None
+
+
+def build_data(cfg: DataConfig, seed: int, batch_size: int) -> DataBundle:
+    """The one entry point: tokenizer, cached token stream, train/val split, batch streams."""
+    tokenizer = build_tokenizer(cfg, lambda: iter_documents(cfg))
+    tokens = tokenize_corpus(cfg, tokenizer)
+    train_tokens, val_tokens = split_stream(tokens, cfg.val_fraction, cfg.seq_len)
+    train = PackedBatches(train_tokens, cfg.seq_len, batch_size, seed)
+    val = None
+    if len(val_tokens):
+        val_windows = (len(val_tokens) - 1) // cfg.seq_len
+        val = PackedBatches(val_tokens, cfg.seq_len, min(batch_size, val_windows), seed)
+    return DataBundle(tokenizer, train, val)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest stream dtype that holds every id: half the memory of uint32 for most vocabs."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """The corpus as one token stream (EOS after each document); cached, so later runs are instant.
+
+    A .bin corpus is already tokens: it is memory-mapped (at most `max_bytes` bytes of it, if set)
+    and checked to fit the tokenizer's vocabulary.
+    """
+    if is_pretokenized(cfg):
+        tokens = read_bin(cfg)
+        if cfg.max_bytes:
+            tokens = tokens[: cfg.max_bytes // tokens.itemsize]
+        if len(tokens) and int(tokens.max()) >= tokenizer.vocab_size:
+            raise DataError(
+                f"data.path={cfg.path!r} holds token id {int(tokens.max())}, outside the "
+                f"tokenizer's vocabulary ({tokenizer.vocab_size}); check data.tokenizer "
+                "and data.bin_dtype"
+            )
+        return tokens
+    key = cache_key("tokens", corpus_identity(cfg), tokenizer.fingerprint)
+    path = cache_root(cfg) / "tokens" / f"{key}.npy"
+    if path.is_file():
+        return np.load(path, mmap_mode="r")
+    tokens = encode_documents(iter_documents(cfg), tokenizer)
+    with atomic_path(path) as tmp, tmp.open("wb") as f:
+        np.save(f, tokens)
+    return tokens
+
+
+def encode_documents(docs: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
+    """Encode documents into one stream, EOS after each; bytes take a vectorised fast path."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    chunks = [_encode_chunk(chunk, tokenizer, dtype) for chunk in _chunks(docs)]
+    return np.concatenate(chunks) if chunks else np.empty(0, dtype)
+
+
+def split_stream(
+    tokens: np.ndarray, val_fraction: float, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): val is the END of the stream, val_fraction of it and at least seq_len+1 tokens.
+
+    A held-out tail (rather than random windows) keeps the two disjoint with no bookkeeping. With
+    val_fraction 0 the val part is empty.
+    """
+    if val_fraction <= 0:
+        return tokens, tokens[:0]
+    n_val = max(int(len(tokens) * val_fraction), seq_len + 1)
+    if n_val >= len(tokens):
+        raise DataError(
+            f"the corpus has {len(tokens)} tokens; holding out data.val_fraction="
+            f"{val_fraction} (at least seq_len+1={seq_len + 1} tokens) leaves nothing to "
+            "train on; use a larger corpus or data.val_fraction=0"
+        )
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+
+
+class PackedBatches:
+    """Batches of (inputs, labels) LongTensor[B, T] packed from one token stream, reproducibly.
+
+    Window i is tokens[i*T : i*T + T + 1]; inputs = window[:-1], labels = window[1:]. Epoch e visits
+    the windows in the permutation drawn from (seed, e), B at a time; the < B windows left at an
+    epoch's end are skipped (a different few each epoch). The position is just (epoch, cursor);
+    `state_dict()` adds seed, seq_len and n_windows so resuming over a different stream is refused.
+
+    Data parallel: every rank holds the same PackedBatches and calls `next_batch(rank, world)`,
+    which returns the contiguous rows [rank*B/world, (rank+1)*B/world) of the global batch, so the
+    ranks' slices concatenated in rank order are exactly the world=1 batch and all ranks' states
+    stay identical.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.n_windows = max(len(tokens) - 1, 0) // seq_len
+        if self.n_windows < batch_size:
+            raise DataError(
+                f"the token stream has {len(tokens)} tokens, too short for one batch of "
+                f"batch_size={batch_size} sequences of seq_len={seq_len} (needs at least "
+                f"{batch_size * seq_len + 1}); use a larger corpus (data.path, "
+                "data.max_bytes) or a smaller train.batch_size or data.seq_len"
+            )
+        self.epoch = 0
+        self.cursor = 0
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n_windows // self.batch_size
+
+    def next_batch(self, rank: int = 0, world: int = 1) -> Batch:
+        """The next global batch (or this rank's contiguous slice of it); advances the state."""
+        rows = self._rows(rank, world)
+        if self.cursor + self.batch_size > self.n_windows:
+            self.epoch, self.cursor = self.epoch + 1, 0
+        windows = self._permutation(self.epoch)[self.cursor : self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return self._gather(windows[rows])
+
+    def iter_eval(self, n_batches: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        """The first n batches of windows in stream order: the same every call; state untouched."""
+        rows = self._rows(rank, world)
+        for b in range(min(n_batches, self.batches_per_epoch)):
+            windows = np.arange(b * self.batch_size, (b + 1) * self.batch_size)
+            yield self._gather(windows[rows])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "n_windows": self.n_windows,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at (epoch, cursor); refuses a state taken over a different stream or seed."""
+        mine = self.state_dict()
+        diffs = [
+            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
+            for k in ("seed", "seq_len", "n_windows")
+            if k in state and state[k] != mine[k]
+        ]
+        if diffs:
+            raise DataError(
+                "cannot resume the data stream: it differs from the saved one ("
+                + "; ".join(diffs)
+                + "); the corpus, tokenizer, seq_len or seed changed"
+            )
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+    def _rows(self, rank: int, world: int) -> slice:
+        if world < 1 or not 0 <= rank < world or self.batch_size % world:
+            raise ValueError(
+                f"rank={rank}, world={world}: need 0 <= rank < world and world "
+                f"dividing batch_size={self.batch_size}"
+            )
+        per_rank = self.batch_size // world
+        return slice(rank * per_rank, (rank + 1) * per_rank)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            rng = np.random.default_rng([self.seed % (1 << 64), epoch])
+            self._perm = (epoch, rng.permutation(self.n_windows))
+        return self._perm[1]
+
+    def _gather(self, windows: np.ndarray) -> Batch:
+        t = self.seq_len
+        rows = np.stack([self.tokens[i * t : i * t + t + 1] for i in windows.tolist()])
+        rows = rows.astype(np.int64)
+        return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+
+
+def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for doc in docs:
+        chunk.append(doc)
+        size += len(doc)
+        if size >= _CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encode_chunk(docs: Sequence[str], tokenizer: Tokenizer, dtype: np.dtype) -> np.ndarray:
+    if isinstance(tokenizer, ByteTokenizer):
+        encoded = [d.encode("utf-8", errors="replace") for d in docs]
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        flat = np.frombuffer(b"".join(encoded), np.uint8)
+    else:
+        ids = tokenizer.encode_batch(docs)
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum()))
+    ends = np.cumsum(lengths + 1) - 1  # where each document's EOS goes
+    out = np.empty(int(ends[-1]) + 1, dtype)
+    is_text = np.ones(len(out), bool)
+    is_text[ends] = False
+    out[is_text] = flat
+    out[ends] = tokenizer.eos_id
+    return out

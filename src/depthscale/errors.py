@@ -1,0 +1,17 @@
+"""Errors caused by the user's input. The CLI prints these as one clear line instead of a traceback."""
+
+
+class DepthscaleError(Exception):
+    """Base of every error that names bad user input (config, data, checkpoint, world size)."""
+
+
+class ConfigError(DepthscaleError, ValueError):
+    """A config key or value is wrong; the message names the key and what is allowed."""
+
+
+class DataError(DepthscaleError, ValueError):
+    """A corpus, tokenizer or data file is missing, malformed or too small."""
+
+
+class CheckpointError(DepthscaleError, RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the model being trained."""

@@ -1,0 +1,318 @@
+"""Map between Hugging Face Llama checkpoints and depthscale models.
+
+The model follows HF Llama conventions (rotate-half RoPE, fp32 RMSNorm statistics, SwiGLU, no
+biases), so a checkpoint converts by renaming tensors alone: no weight permutation. Only json and
+safetensors are needed here; `transformers` is never imported, so conversion works without it.
+Anything a depthscale model cannot represent (RoPE scaling, biases, other architectures) and
+anything HF Llama cannot represent (AttnRes, parallel blocks, sliding windows) is refused with a
+`ConfigError` naming the field, rather than converted into a model that silently computes
+something else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from depthscale.config import ModelConfig
+from depthscale.errors import CheckpointError, ConfigError
+from depthscale.model.transformer import Transformer
+
+__all__ = [
+    "config_from_hf",
+    "hf_config_from",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
+    "state_dict_from_hf",
+    "state_dict_to_hf",
+]
+
+# Per-layer names: depthscale suffix -> HF suffix (both under the layer prefix).
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w_gate.weight": "mlp.gate_proj.weight",
+    "feed_forward.w_up.weight": "mlp.up_proj.weight",
+    "feed_forward.w_down.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_FROM_HF_LAYER = {hf: ds for ds, hf in _LAYER_NAMES.items()}
+_FROM_HF_TOP = {hf: ds for ds, hf in _TOP_NAMES.items()}
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_DS_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+
+# HF LlamaConfig defaults, used for keys a config.json leaves out.
+_HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+
+
+def _rope(hf_config: Mapping[str, Any]) -> tuple[float, str | None]:
+    """RoPE theta and scaling type, wherever this transformers version put them: 5.x nests both
+    in `rope_parameters`; 4.x has a top-level `rope_theta` and an optional `rope_scaling`."""
+    params = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf_config.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
+    kind = None
+    for source in (params, scaling):
+        kind = kind or source.get("rope_type") or source.get("type")
+    return float(theta), kind
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
+    """The depthscale `ModelConfig` of an HF Llama `config.json` dict.
+
+    Raises ConfigError (a ValueError) for anything the depthscale model would compute differently
+    (RoPE scaling, biases, a decoupled head_dim, another activation or architecture), because a
+    converted model that loads but gives other logits is worse than no conversion.
+    """
+
+    def get(key: str) -> Any:
+        value = hf_config.get(key)
+        return _HF_DEFAULTS[key] if value is None else value
+
+    model_type = hf_config.get("model_type")
+    if model_type != "llama":
+        raise ConfigError(f"HF config model_type={model_type!r} is not supported; allowed: 'llama'")
+    theta, rope_type = _rope(hf_config)
+    if rope_type not in (None, "default"):
+        raise ConfigError(
+            f"HF config uses RoPE scaling rope_type={rope_type!r}; depthscale implements plain "
+            "RoPE only (allowed: none or 'default')"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key):
+            raise ConfigError(f"HF config sets {key}=true; depthscale layers have no biases")
+    if get("hidden_act") != "silu":
+        raise ConfigError(
+            f"HF config hidden_act={get('hidden_act')!r} is not supported; allowed: 'silu'"
+        )
+    dim, n_heads = get("hidden_size"), get("num_attention_heads")
+    head_dim = hf_config.get("head_dim")
+    if head_dim is not None and head_dim * n_heads != dim:
+        raise ConfigError(
+            f"HF config head_dim={head_dim} differs from hidden_size / num_attention_heads = "
+            f"{dim} / {n_heads}; depthscale derives head_dim from dim and n_heads"
+        )
+    return ModelConfig(
+        vocab_size=get("vocab_size"),
+        dim=dim,
+        n_layers=get("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=hf_config.get("num_key_value_heads") or n_heads,
+        ffn_dim=get("intermediate_size"),
+        norm_eps=float(get("rms_norm_eps")),
+        rope_theta=theta,
+        max_seq_len=get("max_position_embeddings"),
+        tie_embeddings=bool(get("tie_word_embeddings")),
+        init_std=float(get("initializer_range")),
+        residual="standard",
+    )
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    """HF Llama has no AttnRes, parallel block or sliding window: refuse rather than drop them."""
+    if cfg.residual != "standard":
+        raise ConfigError(
+            f"model.residual={cfg.residual!r} has no Hugging Face Llama counterpart; only "
+            "residual='standard' models can be exported"
+        )
+    if cfg.parallel_block:
+        raise ConfigError("model.parallel_block=true has no Hugging Face Llama counterpart")
+    if cfg.sliding_window:
+        raise ConfigError(
+            f"model.sliding_window={cfg.sliding_window} has no Hugging Face Llama counterpart "
+            "(Llama attends to the full context)"
+        )
+
+
+def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The HF Llama `config.json` dict of a depthscale `ModelConfig` (inverse of config_from_hf).
+
+    Writes RoPE theta both in 5.x form (`rope_parameters`) and 4.x form (`rope_theta`) so either
+    transformers version reads it. Token ids are null: the model does not know its tokenizer.
+    """
+    _check_exportable(cfg)
+    if cfg.vocab_size <= 0:
+        raise ConfigError("model.vocab_size must be resolved (> 0) before exporting")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "use_cache": True,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# State dicts
+
+
+def state_dict_from_hf(
+    hf_sd: Mapping[str, Tensor], tie_embeddings: bool = False
+) -> dict[str, Tensor]:
+    """Rename HF Llama tensors to depthscale names.
+
+    Old checkpoints' `rotary_emb.inv_freq` buffers are dropped (depthscale recomputes RoPE tables).
+    Unknown names pass through unchanged so strict loading reports them. With `tie_embeddings`,
+    `output.weight` is the embedding, as in HF, which ignores (and often omits) `lm_head.weight`
+    when tied.
+    """
+    out: dict[str, Tensor] = {}
+    for name, tensor in hf_sd.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        match = _HF_LAYER_RE.fullmatch(name)
+        if match and match.group(2) in _FROM_HF_LAYER:
+            out[f"layers.{match.group(1)}.{_FROM_HF_LAYER[match.group(2)]}"] = tensor
+        else:
+            out[_FROM_HF_TOP.get(name, name)] = tensor
+    if tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def state_dict_to_hf(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Rename depthscale tensors to HF Llama names; drop `output.weight` when tied (HF re-ties
+    `lm_head` to the embedding on load, and safetensors refuses shared tensors)."""
+    _check_exportable(cfg)
+    out: dict[str, Tensor] = {}
+    unknown: list[str] = []
+    for name, tensor in sd.items():
+        if name == "output.weight" and cfg.tie_embeddings:
+            continue
+        match = _DS_LAYER_RE.fullmatch(name)
+        if match and match.group(2) in _LAYER_NAMES:
+            out[f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"] = tensor
+        elif name in _TOP_NAMES:
+            out[_TOP_NAMES[name]] = tensor
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ConfigError(f"tensors with no Hugging Face Llama counterpart: {', '.join(unknown)}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint directories
+
+
+def _read_index(path: Path, index_name: str) -> list[Path]:
+    weight_map = json.loads((path / index_name).read_text())["weight_map"]
+    return [path / shard for shard in sorted(set(weight_map.values()))]
+
+
+def _load_weights(path: Path) -> dict[str, Tensor]:
+    """All tensors of an HF directory: safetensors (single, indexed shards, or any *.safetensors),
+    else pytorch_model.bin (single or indexed), loaded with weights_only=True (no pickled code)."""
+    if (path / "model.safetensors.index.json").is_file():
+        files = _read_index(path, "model.safetensors.index.json")
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if files:
+        sd: dict[str, Tensor] = {}
+        for file in files:
+            sd.update(load_file(file))
+        return sd
+    if (path / "pytorch_model.bin.index.json").is_file():
+        files = _read_index(path, "pytorch_model.bin.index.json")
+    elif (path / "pytorch_model.bin").is_file():
+        files = [path / "pytorch_model.bin"]
+    if not files:
+        raise CheckpointError(
+            f"{path} has no weights: expected model.safetensors, model.safetensors.index.json, "
+            "*.safetensors or pytorch_model.bin"
+        )
+    sd = {}
+    for file in files:
+        sd.update(torch.load(file, map_location="cpu", weights_only=True))
+    return sd
+
+
+def load_hf_checkpoint(path: str | Path) -> Transformer:
+    """A depthscale `Transformer` (fp32 parameters) with the weights of an HF Llama directory.
+
+    Loading is strict: a missing or unexpected tensor raises CheckpointError naming them, since a
+    partly loaded model would silently keep random weights.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} is not a Hugging Face model directory: no config.json")
+    cfg = config_from_hf(json.loads(config_file.read_text()))
+    model = Transformer(cfg)
+    sd = state_dict_from_hf(_load_weights(path), tie_embeddings=cfg.tie_embeddings)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not match its config.json: missing tensors {missing or 'none'}; "
+            f"unexpected tensors {unexpected or 'none'}"
+        )
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as err:  # shape mismatches
+        raise CheckpointError(f"{path} does not match its config.json: {err}") from err
+    return model
+
+
+def save_hf_checkpoint(model: Transformer, path: str | Path) -> None:
+    """Write `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads."""
+    path = Path(path)
+    dtype = model.tok_embeddings.weight.dtype
+    config = hf_config_from(model.cfg, dtype)
+    tensors = state_dict_to_hf(model.state_dict(), model.cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

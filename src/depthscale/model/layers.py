@@ -1,0 +1,150 @@
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention (full or sliding window), SwiGLU.
+
+Conventions follow Hugging Face Llama (rotate-half RoPE, fp32 RMSNorm statistics) so checkpoints map
+one-to-one. Shapes use `view(B, T, -1, head_dim)` so tensor parallelism can shard heads without the
+module knowing its local head count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from depthscale.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_len, head_dim] in fp32 (rotate-half layout: frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, H, T, hd] by the angles of its positions (cos/sin already gathered: [T, hd])."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """Boolean [Tq, Tk] mask (True = attend): causal by position, limited to `window` keys if > 0."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    if window > 0:
+        allowed &= diff < window
+    return allowed
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor | None, window: int
+) -> Tensor:
+    """Causal attention on `scaled_dot_product_attention`; q [B,H,Tq,hd], k/v [B,Hkv,Tk,hd].
+
+    Positions of None mean 0..T-1 with Tq == Tk, which lets SDPA use its fused causal path.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if q_pos is None and window == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q_pos is None:
+        q_pos = k_pos = torch.arange(q.shape[2], device=q.device)
+    mask = attention_mask(q_pos, k_pos, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, int], Tensor]
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of one attention layer, for incremental decoding."""
+
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(
+                f"KV cache holds {self.k.shape[2]} positions; asked to write up to {end}"
+            )
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE. `attention_fn` is the seam where context
+    parallelism plugs in ring attention; the projections are where tensor parallelism shards."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.window = cfg.sliding_window
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.attention_fn: AttentionFn = sdpa_attention
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pos = positions
+        if cache is not None:
+            k, v = cache.update(start, k, v)
+            k_pos = torch.arange(k.shape[2], device=x.device)
+        y = self.attention_fn(q, k, v, positions, k_pos, self.window)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w_down = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

@@ -1,0 +1,185 @@
+"""The residual stream as one object, the depth state, read and written by every sublayer.
+
+A sublayer does `h = res.read(state)`, `y = f(norm(h))`, `state = res.write(state, y)`.
+
+- standard (PreNorm): the state is the hidden tensor; read returns it, write adds y.
+- Block AttnRes: the state is the completed sources `blocks = [b_0 (embedding), b_1, ...]` plus the
+  running partial sum of the current block. read is a softmax over depth (`depth_read`); the first
+  sublayer of a block sees completed blocks only; the last sublayer of a block commits the partial sum
+  as a new block.
+- Full AttnRes is Block AttnRes with one sublayer per block: every output is its own source.
+
+Reads come in three exact implementations (`model.attnres_read`): the plain-autograd reference, the
+memory-efficient one, and the paper's two-phase computation, where the first sublayer of a block reads
+the completed blocks once for all queries of the block (phase 1) and every sublayer merges that result
+with the running partial sum (phase 2). Phase-1 results ride along in `DepthState.inter`.
+
+Pipeline stages send and receive `DepthState`s (blocks and partial only); nothing inside attention or
+the MLP knows which residual is in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from depthscale.config import ModelConfig
+from depthscale.model.attnres_ops import (
+    depth_read,
+    depth_read_efficient,
+    inter_block_read,
+    merge_partial,
+)
+
+
+@dataclass
+class DepthState:
+    """blocks: completed depth sources (empty for the standard residual).
+    partial: running sum of the current block (the hidden state for the standard residual);
+    None right after a block was committed."""
+
+    blocks: list[Tensor] = field(default_factory=list)
+    partial: Tensor | None = None
+    inter: InterBlock | None = None
+    """Two-phase memo: phase-1 results for the remaining sublayers of the current block."""
+
+    def sources(self) -> list[Tensor]:
+        return self.blocks if self.partial is None else [*self.blocks, self.partial]
+
+
+@dataclass
+class InterBlock:
+    members: list[AttnResidual]
+    out: Tensor  # [S, B, T, d] fp32, normalised phase-1 outputs
+    lse: Tensor  # [S, B, T] fp32
+
+    def slot(self, member: AttnResidual) -> int | None:
+        return next((i for i, m in enumerate(self.members) if m is member), None)
+
+
+def block_assignment(cfg: ModelConfig) -> list[int]:
+    """Block index of every sublayer. Block AttnRes with block size S: consecutive groups of S, the
+    last may be shorter; with N blocks: S = L // N and leftover sublayers join the last block."""
+    n = cfg.n_sublayers
+    if cfg.residual == "full":
+        return list(range(n))
+    if cfg.residual == "standard":
+        return [0] * n
+    if cfg.attnres_block_size:
+        return [t // cfg.attnres_block_size for t in range(n)]
+    n_blocks = cfg.attnres_n_blocks
+    size = n // n_blocks
+    return [min(t // size, n_blocks - 1) for t in range(n)]
+
+
+class StandardResidual(nn.Module):
+    """PreNorm residual: x_{l+1} = x_l + f(norm(x_l))."""
+
+    def read(self, state: DepthState) -> Tensor:
+        return state.partial
+
+    def write(self, state: DepthState, y: Tensor) -> DepthState:
+        return DepthState(state.blocks, state.partial + y)
+
+
+ReadImpl = str  # "reference" | "efficient" | "two_phase"
+
+
+class AttnResidual(nn.Module):
+    """One sublayer's Attention Residual: a zero-initialised pseudo-query and a key RMSNorm gain."""
+
+    def __init__(
+        self,
+        dim: int,
+        ends_block: bool,
+        key_norm_gain: bool,
+        eps: float,
+        read_impl: ReadImpl = "two_phase",
+    ) -> None:
+        super().__init__()
+        self.ends_block = ends_block
+        self.eps = eps
+        self.read_impl = read_impl
+        self.pseudo_query = nn.Parameter(torch.zeros(dim))
+        self.key_norm = nn.Parameter(torch.ones(dim)) if key_norm_gain else None
+        self.group: list[AttnResidual] = [self]
+        """The sublayers of this block present in this module tree, in order (set by link_groups)."""
+
+    def query(self) -> Tensor:
+        return self.pseudo_query if self.key_norm is None else self.pseudo_query * self.key_norm
+
+    def read(self, state: DepthState) -> Tensor:
+        if self.read_impl == "reference":
+            return depth_read(state.sources(), self.pseudo_query, self.key_norm, self.eps)
+        if self.read_impl == "efficient":
+            return depth_read_efficient(state.sources(), self.pseudo_query, self.key_norm, self.eps)
+        return self._two_phase_read(state)
+
+    def _two_phase_read(self, state: DepthState) -> Tensor:
+        inter = state.inter
+        slot = inter.slot(self) if inter is not None else None
+        if (
+            slot is None
+        ):  # first sublayer of the block here: phase 1 for it and the rest of the block
+            members = self.group[next(i for i, m in enumerate(self.group) if m is self) :]
+            queries = torch.stack([m.query() for m in members])
+            out, lse = inter_block_read(state.blocks, queries, self.eps)
+            state.inter = inter = InterBlock(members, out, lse)
+            slot = 0
+        if state.partial is None:
+            return inter.out[slot].to(state.blocks[0].dtype)
+        return merge_partial(
+            inter.out[slot], inter.lse[slot], state.partial, self.query(), self.eps
+        )
+
+    def write(self, state: DepthState, y: Tensor) -> DepthState:
+        partial = y if state.partial is None else state.partial + y
+        if self.ends_block:
+            return DepthState([*state.blocks, partial], None)
+        return DepthState(state.blocks, partial, state.inter)
+
+
+def link_groups(residuals: list[nn.Module]) -> None:
+    """Tell each AttnResidual which sublayers share its block (in this module tree), so phase 1
+    can batch their queries. Call again after a pipeline stage drops layers."""
+    group: list[AttnResidual] = []
+    for res in residuals:
+        if not isinstance(res, AttnResidual):
+            continue
+        group.append(res)
+        res.group = group
+        if res.ends_block:
+            group = []
+
+
+def make_residual(cfg: ModelConfig, sublayer: int) -> nn.Module:
+    """The residual module of sublayer `sublayer` (0-based; attention and MLP each count one)."""
+    if cfg.residual == "standard":
+        return StandardResidual()
+    blocks = block_assignment(cfg)
+    ends_block = sublayer == len(blocks) - 1 or blocks[sublayer + 1] != blocks[sublayer]
+    return AttnResidual(
+        cfg.dim, ends_block, cfg.attnres_key_norm_gain, cfg.attnres_eps, cfg.attnres_read
+    )
+
+
+def initial_state(cfg: ModelConfig, embedding: Tensor) -> DepthState:
+    """Standard: the embedding is the hidden state. AttnRes: it is the first source b_0, once."""
+    if cfg.residual == "standard":
+        return DepthState([], embedding)
+    return DepthState([embedding], None)
+
+
+def make_output_residual(cfg: ModelConfig) -> AttnResidual | None:
+    """AttnRes aggregates all blocks with one more depth read (its own query) before the final norm."""
+    if cfg.residual == "standard":
+        return None
+    return AttnResidual(
+        cfg.dim,
+        ends_block=False,
+        key_norm_gain=cfg.attnres_key_norm_gain,
+        eps=cfg.attnres_eps,
+        read_impl=cfg.attnres_read,
+    )

@@ -1,0 +1,178 @@
+"""A decoder-only Llama-style language model whose residual stream is a depth state.
+
+`Transformer.forward` = `embed` → `TransformerBlock`s → `head`; pipeline stages call the three pieces
+separately, so layers live in a `ModuleDict` keyed by their global index (names stay stable when a
+stage keeps only some of them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from depthscale.config import ModelConfig
+from depthscale.model.layers import Attention, KVCache, RMSNorm, SwiGLU, rope_tables
+from depthscale.model.residual import (
+    AttnResidual,
+    DepthState,
+    initial_state,
+    link_groups,
+    make_output_residual,
+    make_residual,
+)
+
+
+class TransformerBlock(nn.Module):
+    """Attention then MLP, each a sublayer reading and writing the depth state; or, as a MegaScale
+    parallel block, both reading the same normalized input as one sublayer with summed outputs."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.parallel = cfg.parallel_block
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.feed_forward = SwiGLU(cfg)
+        if self.parallel:
+            self.residual = make_residual(cfg, layer_id)
+        else:
+            self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.attention_residual = make_residual(cfg, 2 * layer_id)
+            self.ffn_residual = make_residual(cfg, 2 * layer_id + 1)
+
+    def residuals(self) -> list[nn.Module]:
+        """This layer's residual modules in sublayer order."""
+        return [self.residual] if self.parallel else [self.attention_residual, self.ffn_residual]
+
+    def forward(
+        self,
+        state: DepthState,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> DepthState:
+        if self.parallel:
+            x = self.attention_norm(self.residual.read(state))
+            y = self.attention(x, cos, sin, positions, cache, start) + self.feed_forward(x)
+            return self.residual.write(state, y)
+        x = self.attention_norm(self.attention_residual.read(state))
+        state = self.attention_residual.write(
+            state, self.attention(x, cos, sin, positions, cache, start)
+        )
+        x = self.ffn_norm(self.ffn_residual.read(state))
+        return self.ffn_residual.write(state, self.feed_forward(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError(
+                "ModelConfig.vocab_size must be resolved (> 0) before building the model"
+            )
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.output_residual = make_output_residual(cfg)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.link_depth_groups()
+        self.reset_parameters()
+
+    def link_depth_groups(self) -> None:
+        """Group the AttnRes sublayers by block for two-phase reads (again after dropping layers)."""
+        link_groups([m for layer in self.layers.values() for m in layer.residuals()])
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; output projections scaled by 1/sqrt(2·layers) (GPT-2) so the
+        residual stream's variance does not grow with depth; AttnRes queries zero, norm gains one."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w_down.weight")):
+                nn.init.normal_(p, 0.0, out_std)
+            elif p.ndim >= 2:
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("pseudo_query"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def rope(self, positions: Tensor | None, seq_len: int) -> tuple[Tensor, Tensor]:
+        if positions is None:
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def embed(self, tokens: Tensor) -> DepthState:
+        return initial_state(self.cfg, self.tok_embeddings(tokens))
+
+    def run_layers(
+        self,
+        state: DepthState,
+        positions: Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        start: int = 0,
+    ) -> DepthState:
+        seq_len = (state.partial if state.partial is not None else state.blocks[0]).shape[1]
+        cos, sin = self.rope(positions, seq_len)
+        for i, layer in enumerate(self.layers.values()):
+            cache = caches[i] if caches is not None else None
+            state = layer(state, cos, sin, positions, cache, start)
+        return state
+
+    def head(self, state: DepthState) -> Tensor:
+        """Final depth aggregation (AttnRes), final norm, LM head -> logits."""
+        if isinstance(self.output_residual, AttnResidual):
+            h = self.output_residual.read(state)
+        else:
+            h = state.partial
+        return self.output(self.norm(h))
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        """tokens [B, T] -> logits [B, T, vocab]. With KV caches, tokens sit at positions start..start+T-1."""
+        if caches is not None and positions is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        return self.head(self.run_layers(self.embed(tokens), positions, caches, start))
+
+    def make_caches(
+        self, batch: int, max_len: int, dtype: torch.dtype | None = None
+    ) -> list[KVCache]:
+        p = self.tok_embeddings.weight
+        return [
+            KVCache(
+                batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device
+            )
+            for _ in range(self.cfg.n_layers)
+        ]
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index
+    )

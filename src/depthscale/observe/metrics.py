@@ -1,0 +1,265 @@
+"""Training metrics: model FLOPs per token, peak FLOP/s, throughput/MFU, and the metrics log.
+
+MFU = achieved model FLOP/s / peak FLOP/s, where model FLOPs count only what the model needs
+(no recomputation), so MFU is comparable across activation-checkpointing and kernel choices.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import torch
+
+from depthscale.config import ModelConfig
+
+__all__ = [
+    "MetricsLogger",
+    "Throughput",
+    "attended_keys",
+    "detect_peak_flops",
+    "flops_per_token",
+    "matmul_params",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Model FLOPs
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """N: weights that take part in a matmul per token (attention q/k/v/o with GQA, SwiGLU's three
+    matrices, the LM head). The embedding lookup is a gather, not a matmul, so it is left out even
+    when tied to the head (the head's d·V is counted once, as the head)."""
+    if cfg.vocab_size <= 0:
+        raise ValueError("flops_per_token: model.vocab_size must be resolved (> 0) first")
+    d, hd = cfg.dim, cfg.head_dim
+    attention = d * hd * (2 * cfg.n_heads + 2 * cfg.kv_heads)  # wq, wo: H·hd; wk, wv: Hkv·hd
+    mlp = 3 * d * cfg.hidden_dim
+    return cfg.n_layers * (attention + mlp) + d * cfg.vocab_size
+
+
+def attended_keys(seq_len: int, window: int = 0) -> float:
+    """Average number of keys a query attends to under causal masking: (T+1)/2 for full attention,
+    mean over t of min(t+1, w) for a sliding window w."""
+    if seq_len <= 0:
+        raise ValueError(f"attended_keys: seq_len={seq_len} must be > 0")
+    if window <= 0 or window >= seq_len:
+        return (seq_len + 1) / 2
+    ramp = window * (window + 1) / 2  # positions 0..w-1 see t+1 keys
+    return (ramp + (seq_len - window) * window) / seq_len
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token: 6·N + 12·L·H·hd·T_att.
+
+    Forward, per token: every matmul weight costs one multiply-add, 2·N FLOPs
+    (`matmul_params`). Per layer, the score matmul QKᵀ and the value matmul AV each cost
+    2·H·hd·T_att, where T_att is the average number of keys a query attends to
+    (`attended_keys`), so attention adds 4·L·H·hd·T_att (H·hd = dim). Backward costs twice the
+    forward, so training is 3x: 6·N + 12·L·H·hd·T_att.
+
+    This is the PaLM (appendix B) / nanoGPT MFU convention, except that PaLM counts attention as
+    12·L·H·hd·T with the full T, i.e. including the masked half of the causal score matrix. Here
+    masked entries are not counted (T_att ≈ (T+1)/2 causal, less with a sliding window), so our MFU
+    is the honest, slightly lower number. Elementwise work (norms, RoPE, softmax, SiLU) is ignored,
+    as is the Attention-Residual depth read: ~8·S·d FLOPs per token per sublayer over S sources
+    against ~12·d² of matmuls, i.e. ≈ 2S/(3d) (~0.15% for Block AttnRes, 8 blocks, d=4096; a few
+    percent only for tiny widths), and memory-bound rather than compute-bound.
+    """
+    attention = (
+        4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * attended_keys(seq_len, cfg.sliding_window)
+    )
+    return 3.0 * (2.0 * matmul_params(cfg) + attention)
+
+
+# --------------------------------------------------------------------------------------------
+# Peak FLOP/s
+
+# Dense (no sparsity) spec-sheet peaks: (bf16/fp16 tensor core, tf32 tensor core, fp32 non-tensor).
+# Order matters: the first substring found in the device name wins.
+_GPU_PEAKS: list[tuple[str, tuple[float, float, float]]] = [
+    ("H200", (989e12, 494.5e12, 67e12)),
+    ("H100 PCIe", (756e12, 378e12, 51e12)),
+    ("H100", (989e12, 494.5e12, 67e12)),  # SXM; also H100 80GB HBM3
+    ("A100", (312e12, 156e12, 19.5e12)),
+]
+
+
+def _tf32_enabled() -> bool:
+    return (
+        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    )
+
+
+def detect_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """Peak dense FLOP/s of one device for matmuls in `dtype`, and where the number came from.
+
+    Known CUDA GPUs (H200, H100 SXM/PCIe, A100) use the spec sheet: bf16/fp16 tensor-core peak, and
+    for fp32 the TF32 tensor-core peak only when TF32 matmuls are enabled, else the plain fp32
+    peak. Anything else (CPU, unknown GPUs, other dtypes) is measured with a short square-matmul
+    benchmark, so MFU there means "fraction of what a large matmul achieves on this machine".
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (half, tf32, fp32) in _GPU_PEAKS:
+            if key in name:
+                if dtype in (torch.bfloat16, torch.float16):
+                    return half, f"{name} spec sheet, dense {dtype}"
+                if dtype == torch.float32:
+                    if _tf32_enabled():
+                        return tf32, f"{name} spec sheet, dense tf32"
+                    return fp32, f"{name} spec sheet, fp32 (non-tensor-core)"
+    return _measure_matmul_flops(str(device), dtype)
+
+
+@functools.cache
+def _measure_matmul_flops(
+    device: str, dtype: torch.dtype, budget_s: float = 0.3
+) -> tuple[float, str]:
+    """Best observed 2·n³/time over square matmuls for at most ~budget_s (cached per device/dtype:
+    the number is a property of the machine, and measuring again costs time in every Trainer)."""
+    dev = torch.device(device)
+    n = 4096 if dev.type == "cuda" else 512
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=dev).to(dtype)
+    b = torch.randn(n, n, device=dev).to(dtype)
+    start = time.perf_counter()
+    a @ b  # warmup: allocation, kernel selection, thread pool start
+    sync()
+    best = math.inf
+    while time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    if best == math.inf:  # the warmup alone used the budget: use its time
+        best = time.perf_counter() - start
+    return 2 * n**3 / best, f"measured matmul peak ({dev.type}, {dtype}, {n}x{n})"
+
+
+# --------------------------------------------------------------------------------------------
+# Throughput
+
+
+class Throughput:
+    """Tokens/s, achieved TFLOP/s per device and MFU over a sliding window of recent steps.
+
+    A window (not the run average) so the numbers track the current speed and the first steps
+    (compilation, allocator warmup) stop counting after `window` steps. `tokens` passed to `update`
+    are all tokens of the step across `n_devices` devices; the rate is per device for TFLOP/s and MFU.
+    """
+
+    def __init__(
+        self, flops_per_token: float, peak_flops: float, window: int = 20, n_devices: int = 1
+    ) -> None:
+        if window < 1 or n_devices < 1:
+            raise ValueError(f"Throughput: window={window} and n_devices={n_devices} must be >= 1")
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.n_devices = n_devices
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._last = time.perf_counter()
+
+    def reset(self) -> None:
+        """Forget the window and restart the clock (e.g. after evaluation or checkpointing)."""
+        self._samples.clear()
+        self._last = time.perf_counter()
+
+    def update(self, tokens: int, seconds: float | None = None) -> None:
+        """Record one step of `tokens` tokens that took `seconds` (default: time since last call)."""
+        now = time.perf_counter()
+        if seconds is None:
+            seconds = now - self._last
+        self._last = now
+        self._samples.append((tokens, seconds))
+
+    def rate(self) -> dict[str, float | None]:
+        """{tokens_per_s, tflops, mfu} over the window; mfu is None when the peak is unknown (<= 0)."""
+        tokens = sum(t for t, _ in self._samples)
+        seconds = sum(s for _, s in self._samples)
+        tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+        flops = tokens_per_s * self.flops_per_token / self.n_devices
+        mfu = flops / self.peak_flops if self.peak_flops > 0 else None
+        return {"tokens_per_s": tokens_per_s, "tflops": flops / 1e12, "mfu": mfu}
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics log
+
+
+class MetricsLogger:
+    """Appends one JSON object per `log` call to run_dir/metrics.jsonl, and mirrors the scalars to
+    TensorBoard under run_dir/tb when enabled. Meant for one process (rank 0).
+
+    Each line is {"step", "split", "time", **metrics} and is flushed at once, so a crash loses at most
+    the line being written; non-finite values and None are written as null (strict JSON).
+    TensorBoard tags are "{split}/{name}".
+    """
+
+    RESERVED = ("step", "split", "time")
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._writer: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported lazily: slow, optional
+
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
+        """Write one record of `metrics` at `step` under `prefix` (e.g. train, val)."""
+        if self._file is None:
+            raise RuntimeError("MetricsLogger.log called after close()")
+        clash = [k for k in metrics if k in self.RESERVED]
+        if clash:
+            raise ValueError(f"metric names {clash} are reserved in metrics.jsonl")
+        values = {k: _scalar(v) for k, v in metrics.items()}
+        record = {"step": step, "split": prefix, "time": time.time()}
+        record |= {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(f"{prefix}/{key}", value, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _scalar(value: Any) -> float | int | None:
+    """A Python number from a float, int, bool or one-element tensor; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, bool | int):
+        return int(value)
+    return float(value)

@@ -1,0 +1,298 @@
+"""The training loop: build everything from one Config, then step, log, evaluate and checkpoint.
+
+Kept apart from the model (`model/`) and from how a model is parallelized (`parallel/`), torchtitan
+style: `Trainer.__init__` builds, `Trainer.train_step` does one optimizer step, `Trainer.fit` loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from depthscale.config import Config, ConfigError, to_toml
+from depthscale.data.loader import DataBundle, build_data
+from depthscale.model.transformer import Transformer, cross_entropy
+from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
+from depthscale.train.checkpoint import Checkpointer, CheckpointError
+from depthscale.train.optim import build_optimizer
+from depthscale.train.schedule import lr_at, set_lr
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device='cuda' but no CUDA device is available; allowed here: 'auto', 'cpu'"
+        )
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> None:
+    """vocab_size 0 takes the tokenizer's, rounded up to a multiple of 64 (friendlier matmul shapes)."""
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = 64 * math.ceil(tokenizer_vocab / 64)
+    elif cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer_vocab}); allowed: 0 (automatic) or >= {tokenizer_vocab}"
+        )
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device)
+        self.dtype = DTYPES[cfg.train.dtype]
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        seed_everything(cfg.train.seed)
+        self.run_dir = cfg.run_path
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
+        resume_from = self.checkpointer.resolve_resume()
+        if resume_from is not None:
+            _check_same_model(self.run_dir, cfg)
+
+        self.data: DataBundle = build_data(cfg.data, cfg.train.seed, cfg.train.batch_size)
+        resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
+        self.model = Transformer(cfg.model).to(self.device)
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.step = 0
+        self.tokens_seen = 0
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        self.data.tokenizer.save(self.run_dir / "tokenizer")
+        if resume_from is not None:
+            self._restore(resume_from)
+
+        tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        peak, self.peak_source = _peak_flops(cfg, self.device, self.dtype)
+        self.throughput = Throughput(flops_per_token(cfg.model, cfg.data.seq_len), peak)
+        self.tokens_per_step = tokens_per_step
+
+    # ------------------------------------------------------------------ state
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data": self.data.train.state_dict(),
+        }
+
+    def _restore(self, path: Path) -> None:
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.step = state["step"]
+        self.tokens_seen = state.get("tokens_seen", 0)
+        self.data.train.load_state_dict(state["data"])
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
+
+    # ------------------------------------------------------------------ steps
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        with self.autocast():
+            logits = self.forward(inputs.to(self.device))
+        return cross_entropy(logits, labels.to(self.device))
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch, in `grad_accum_steps` micro-batches."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.train.steps)
+        set_lr(self.optimizer, lr)
+        inputs, labels = self.data.train.next_batch()
+        accum = cfg.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for x, y in zip(inputs.chunk(accum), labels.chunk(accum)):
+            loss = self.loss(x, y) / accum
+            loss.backward()
+            total += loss.detach()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += inputs.numel()
+        return {"loss": total.item(), "lr": lr, "grad_norm": grad_norm}
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.train.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        return float(norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.data.val is None:
+            return None
+        self.model.eval()
+        losses = [
+            self.loss(x, y).item() for x, y in self.data.val.iter_eval(self.cfg.train.eval_batches)
+        ]
+        self.model.train()
+        return sum(losses) / len(losses) if losses else None
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self, stop_at: int | None = None) -> list[dict[str, float]]:
+        """Train to `train.steps`; returns the per-step metrics of this invocation. `stop_at` ends the
+        loop early without a final checkpoint, as a crash would (used to test resumption)."""
+        cfg = self.cfg
+        history: list[dict[str, float]] = []
+        if self.step >= cfg.train.steps:
+            _print(
+                f"{self.run_dir}: already trained to step {self.step} (train.steps={cfg.train.steps}); nothing to do"
+            )
+            return history
+        _print(
+            f"depthscale: {self.model.num_params() / 1e6:.2f}M parameters, residual={cfg.model.residual}, "
+            f"device={self.device}, dtype={cfg.train.dtype}, run_dir={self.run_dir}"
+            + (f", resumed at step {self.step}" if self.step else "")
+        )
+        bar = _progress(cfg, self.step)
+        with MetricsLogger(self.run_dir, cfg.logging.tensorboard) as logger:
+            self.throughput.reset()
+            while self.step < cfg.train.steps:
+                if stop_at is not None and self.step >= stop_at:
+                    self.checkpointer.wait()
+                    return history
+                t0 = time.perf_counter()
+                metrics = self.train_step()
+                self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
+                metrics |= self.throughput.rate()
+                history.append(metrics)
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"loss is {metrics['loss']} at step {self.step}")
+                if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
+                    logger.log(self.step, metrics)
+                    _write(bar, _format(self.step, cfg.train.steps, metrics))
+                if cfg.train.eval_every and (
+                    self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps
+                ):
+                    val = self.evaluate()
+                    if val is not None:
+                        logger.log(self.step, {"loss": val}, prefix="val")
+                        _write(bar, f"step {self.step:>6} | val loss {val:.4f}")
+                if (
+                    cfg.checkpoint.every
+                    and self.step % cfg.checkpoint.every == 0
+                    and self.step != cfg.train.steps
+                ):
+                    self.save_checkpoint()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
+                    )
+            self.save_checkpoint()
+            self.checkpointer.wait()
+        if bar is not None:
+            bar.close()
+        _print(
+            f"done: step {self.step}, loss {history[-1]['loss']:.4f}, checkpoint in "
+            f"{self.checkpointer.latest()}"
+        )
+        return history
+
+
+def _check_same_model(run_dir: Path, cfg: Config) -> None:
+    """Resuming with a different model shape would fail deep inside DCP; say which keys differ."""
+    saved_file = run_dir / "config.toml"
+    if not saved_file.is_file():
+        return
+    from depthscale.config import load_config
+
+    saved = load_config(saved_file, []).model
+    current = cfg.model
+    diffs = [
+        f"model.{k}: checkpoint has {getattr(saved, k)!r}, config has {getattr(current, k)!r}"
+        for k in vars(current)
+        if k != "vocab_size" and getattr(saved, k) != getattr(current, k)
+    ]
+    if current.vocab_size and saved.vocab_size != current.vocab_size:
+        diffs.append(
+            f"model.vocab_size: checkpoint has {saved.vocab_size}, config has {current.vocab_size}"
+        )
+    if diffs:
+        raise CheckpointError(
+            f"cannot resume {run_dir}: the model differs from the checkpoint's ("
+            + "; ".join(diffs)
+            + "); use a new --train.name or --checkpoint.resume none "
+            "in a fresh run directory"
+        )
+
+
+def _peak_flops(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    if cfg.logging.peak_tflops > 0:
+        return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
+    return detect_peak_flops(device, dtype)
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _print(msg: str) -> None:
+    if _is_main():
+        print(msg, flush=True)
+
+
+def _progress(cfg: Config, start: int):
+    if not (cfg.logging.progress and _is_main()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.train.steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        leave=False,
+    )
+
+
+def _write(bar, line: str) -> None:
+    if bar is not None:
+        bar.write(line)
+    else:
+        _print(line)
+
+
+def _format(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [
+        f"step {step:>6}/{total}",
+        f"loss {m['loss']:.4f}",
+        f"lr {m['lr']:.2e}",
+        f"grad_norm {m['grad_norm']:.3f}",
+        f"tok/s {m['tokens_per_s']:,.0f}",
+    ]
+    if m.get("mfu") is not None:
+        parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    return " | ".join(parts)

@@ -1,0 +1,187 @@
+"""The command line as a user runs it: train, resume, generate, trace, convert, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = [
+    "--model.dim",
+    "32",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "2",
+    "--data.seq_len",
+    "32",
+    "--data.max_bytes",
+    "200000",
+    "--train.batch_size",
+    "4",
+    "--optim.warmup_steps",
+    "2",
+    "--train.eval_every",
+    "4",
+    "--logging.log_every",
+    "2",
+    "--checkpoint.every",
+    "4",
+    "--logging.progress",
+    "false",
+    "--logging.peak_tflops",
+    "1",
+]
+
+
+def cli(*args, cwd, check=True):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthscale.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A block-AttnRes run trained for 8 steps on the stdlib corpus (the default data)."""
+    root = tmp_path_factory.mktemp("cli")
+    proc = cli(
+        "train",
+        "-c",
+        str(os.path.abspath("configs/tiny.toml")),
+        *TINY,
+        "--train.steps",
+        "8",
+        "--model.residual",
+        "block",
+        "--model.attnres_n_blocks",
+        "2",
+        "--train.run_dir",
+        str(root / "run"),
+        cwd=root,
+    )
+    return root, proc
+
+
+def test_train_prints_falling_loss_and_writes_run_dir(trained_run):
+    root, proc = trained_run
+    losses = [
+        float(line.split("loss ")[1].split()[0])
+        for line in proc.stdout.splitlines()
+        if line.startswith("step") and "| loss" in line
+    ]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    run = root / "run"
+    assert (run / "metrics.jsonl").is_file() and list((run / "tb").glob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "step_00000008" / "trainer_state.json").is_file()
+
+
+def test_rerun_resumes_and_extends(trained_run):
+    root, _ = trained_run
+    proc = cli(
+        "train",
+        "-c",
+        str(os.path.abspath("configs/tiny.toml")),
+        *TINY,
+        "--train.steps",
+        "10",
+        "--model.residual",
+        "block",
+        "--model.attnres_n_blocks",
+        "2",
+        "--train.run_dir",
+        str(root / "run"),
+        cwd=root,
+    )
+    assert "resumed at step 8" in proc.stdout
+    assert (root / "run" / "checkpoints" / "step_00000010").is_dir()
+
+
+def test_generate_and_trace(trained_run):
+    root, _ = trained_run
+    out = cli(
+        "generate",
+        "--run",
+        str(root / "run"),
+        "--prompt",
+        "import ",
+        "--max-new-tokens",
+        "20",
+        "--temperature",
+        "0",
+        cwd=root,
+    )
+    assert out.stdout.startswith("import ")
+    cli("trace", "depth", "--run", str(root / "run"), "--out", str(root / "depth.png"), cwd=root)
+    assert (root / "depth.png").stat().st_size > 1000
+    trace = json.loads((root / "depth.json").read_text())
+    assert len(trace["weights"]) == 4 + 1  # 4 sublayers + the final output read
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.dimm", "3"], "unknown key in [model] 'dimm' (did you mean 'dim'?)"),
+        (["--model.n_heads", "3"], "model.n_heads=3 must divide model.dim=32"),
+        (["--data.path", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
+        (["--parallel.tp", "2"], "multi-process training is not available"),
+    ],
+)
+def test_bad_input_fails_before_work_with_one_line(tmp_path, args, message):
+    proc = cli(
+        "train", *TINY, "--train.run_dir", str(tmp_path / "run"), *args, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_convert_round_trip_through_hugging_face(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    cli(
+        "convert",
+        "hf-to-ds",
+        "--hf",
+        str(tmp_path / "hf"),
+        "--out",
+        str(tmp_path / "ds"),
+        cwd=tmp_path,
+    )
+    cli(
+        "convert",
+        "ds-to-hf",
+        "--run",
+        str(tmp_path / "ds"),
+        "--out",
+        str(tmp_path / "hf2"),
+        cwd=tmp_path,
+    )
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    tokens = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,109 @@
+"""Config loading: TOML, overrides, and one clear message per bad input."""
+
+from pathlib import Path
+
+import pytest
+
+from depthscale.config import ConfigError, load_config, parse_overrides, to_toml
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_configs_load():
+    for path in CONFIGS.glob("*.toml"):
+        cfg = load_config(path)
+        assert cfg.model.dim > 0, path
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(
+        None,
+        [
+            "--model.dim",
+            "256",
+            "--train.compile=true",
+            "--optim.lr",
+            "1e-3",
+            "--model.residual",
+            "block",
+            "--data.max_bytes",
+            "1_000",
+        ],
+    )
+    assert cfg.model.dim == 256 and cfg.train.compile is True and cfg.optim.lr == 1e-3
+    assert cfg.model.residual == "block" and cfg.data.max_bytes == 1000
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = load_config(
+        None, ["--model.dim", "96", "--model.n_heads", "3", "--train.name", 'a "quoted" name']
+    )
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    ("toml", "overrides", "message"),
+    [
+        ("[model]\ndimm = 64\n", [], r"unknown key in \[model\] 'dimm' \(did you mean 'dim'\?\)"),
+        ("[modle]\ndim = 64\n", [], r"unknown config section 'modle' \(did you mean 'model'\?\)"),
+        ('[model]\ndim = "big"\n', [], r"model.dim: expected an int, got 'big'"),
+        ("", ["--model.dim", "abc"], r"model.dim: expected an int, got 'abc'"),
+        ("", ["--model.n_heads", "5"], r"model.n_heads=5 must divide model.dim=128"),
+        (
+            "",
+            ["--model.residual", "dense"],
+            r"model.residual: 'dense' is not allowed; allowed: 'standard', 'full', 'block'",
+        ),
+        (
+            "",
+            ["--train.micro_batch_size", "5"],
+            r"train.micro_batch_size=5 must divide train.batch_size=16",
+        ),
+        ("", ["--model.n_kv_heads", "3"], r"model.n_kv_heads=3 must divide model.n_heads=4"),
+        ("", ["--data.seq_len", "8192"], r"data.seq_len=8192 exceeds model.max_seq_len=4096"),
+        (
+            "",
+            ["--train.compile", "maybe"],
+            r"train.compile: expected a bool \(true/false\), got 'maybe'",
+        ),
+        (
+            "",
+            ["--optim.name", "sgd"],
+            r"optim.name: 'sgd' is not allowed; allowed: 'adamw', 'lamb'",
+        ),
+        ("", ["--model.dim"], r"override --model.dim is missing its value"),
+        ("", ["--dim", "3"], r"unexpected argument '--dim'"),
+        (
+            "",
+            ["--model.residual", "block", "--model.attnres_n_blocks", "20"],
+            r"model.attnres_n_blocks=20 must be in 1..8",
+        ),
+        ("", ["--parallel.tp", "0"], r"parallel.tp=0 must be >= 1"),
+        (
+            "",
+            ["--checkpoint.resume", "/no/such/dir"],
+            r"checkpoint.resume='/no/such/dir' does not exist",
+        ),
+        ("[model\n", [], r"is not valid TOML"),
+        ("model = 3\n", [], r"\[model\] must be a table of keys"),
+    ],
+)
+def test_bad_input_names_key_and_allowed_values(tmp_path, toml, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, toml), overrides)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/no/such/config.toml")
+
+
+def test_parse_overrides():
+    assert parse_overrides(["--a.b", "1", "--c.d=x=y"]) == [("a.b", "1"), ("c.d", "x=y")]

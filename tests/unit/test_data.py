@@ -1,0 +1,261 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from depthscale.config import DataConfig
+from depthscale.data import loader
+from depthscale.data.loader import (
+    PackedBatches,
+    build_data,
+    split_stream,
+    token_dtype,
+    tokenize_corpus,
+)
+from depthscale.data.sources import iter_documents, stdlib_files
+from depthscale.data.tokenizer import ByteTokenizer, train_bpe
+from depthscale.errors import DataError
+
+DOCS = ["first document\n", "second: héllo 🙂\n", "", "fourth\tdoc " * 20]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEPTHSCALE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def stream(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.uint32)
+
+
+def batches(data: PackedBatches, n: int, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [data.next_batch(**kw) for _ in range(n)]
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b))
+
+
+# ------------------------------------------------------------------ sources
+
+
+def test_text_jsonl_and_directory(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "b.txt").write_text(DOCS[1])
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"text": DOCS[0]}, {"text": DOCS[2], "id": 3}])
+    (tmp_path / "corpus" / "notes.md").write_text("ignored")
+    assert list(iter_documents(DataConfig(path=str(tmp_path / "corpus" / "b.txt")))) == [DOCS[1]]
+    assert list(iter_documents(DataConfig(path=str(tmp_path / "corpus")))) == [
+        DOCS[0],
+        DOCS[2],
+        DOCS[1],
+    ]
+    body = write_jsonl(tmp_path / "body.jsonl", [{"body": "x"}])
+    assert list(iter_documents(DataConfig(path=str(body), jsonl_field="body"))) == ["x"]
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": oops}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON"):
+        list(iter_documents(DataConfig(path=str(bad))))
+    missing = write_jsonl(tmp_path / "missing.jsonl", [{"text": "ok"}, {"content": "x"}])
+    with pytest.raises(DataError, match=r"missing\.jsonl:2: no field 'text' \(found: 'content'\)"):
+        list(iter_documents(DataConfig(path=str(missing))))
+
+
+@pytest.mark.parametrize("name", ["corpus.csv", "does-not-exist.txt", "empty-dir"])
+def test_bad_paths(tmp_path, name):
+    path = tmp_path / name
+    if name.endswith(".csv"):
+        path.write_text("a,b\n")
+    elif name == "empty-dir":
+        path.mkdir()
+    with pytest.raises(ValueError, match=rf"{name}.*allowed: 'stdlib', a \.txt, \.jsonl or \.bin"):
+        iter_documents(DataConfig(path=str(path)))
+
+
+def test_stdlib_source_and_max_bytes():
+    files = stdlib_files()
+    assert len(files) > 100 and files == sorted(files)
+    assert not any("site-packages" in f.parts for f in files)
+    docs = list(iter_documents(DataConfig(path="stdlib", max_bytes=20_000)))
+    assert len(docs) >= 1 and all(isinstance(d, str) for d in docs)
+    assert sum(len(d.encode()) for d in docs) <= 20_000
+    assert docs[0] == files[0].read_bytes().decode("utf-8", errors="replace")[:20_000]
+
+
+def test_max_bytes_cuts_at_character_boundary(tmp_path):
+    (tmp_path / "u.txt").write_text("aé🙂" * 10)  # 1 + 2 + 4 bytes per repeat
+    docs = list(iter_documents(DataConfig(path=str(tmp_path / "u.txt"), max_bytes=12)))
+    assert docs == ["aé🙂aé"]  # 10 bytes: the next emoji would end at byte 14
+    docs = list(iter_documents(DataConfig(path=str(tmp_path / "u.txt"), max_bytes=9)))
+    assert docs == ["aé🙂a"]  # 8 bytes: half an 'é' is dropped
+
+
+# ------------------------------------------------------------------ token stream
+
+
+def test_byte_stream_and_cache(tmp_path, monkeypatch):
+    write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCS])
+    cfg = DataConfig(path=str(tmp_path / "c.jsonl"))
+    tok = ByteTokenizer()
+    tokens = tokenize_corpus(cfg, tok)
+    expected = [t for d in DOCS for t in [*d.encode(), tok.eos_id]]
+    assert tokens.dtype == np.uint16 and tokens.tolist() == expected
+    monkeypatch.setattr(loader, "iter_documents", lambda cfg: pytest.fail("cache not used"))
+    assert tokenize_corpus(cfg, tok).tolist() == expected
+
+
+def test_bpe_stream_matches_encode(tmp_path):
+    write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCS])
+    tok = train_bpe(DOCS * 5, 300)
+    tokens = tokenize_corpus(DataConfig(path=str(tmp_path / "c.jsonl")), tok)
+    assert tokens.tolist() == [t for d in DOCS for t in [*tok.encode(d), tok.eos_id]]
+    assert token_dtype(tok.vocab_size) == np.uint16 and token_dtype(70_000) == np.uint32
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_bin_round_trip(tmp_path, dtype):
+    ids = np.random.default_rng(0).integers(0, 258, 5000).astype(dtype)
+    ids.tofile(tmp_path / "tokens.bin")
+    cfg = DataConfig(
+        path=str(tmp_path / "tokens.bin"), bin_dtype=dtype, val_fraction=0.1, seq_len=16
+    )
+    tokens = tokenize_corpus(cfg, ByteTokenizer())
+    assert isinstance(tokens, np.memmap) and np.array_equal(tokens, ids)
+    data = build_data(cfg, seed=0, batch_size=4)
+    assert np.array_equal(np.concatenate([data.train.tokens, data.val.tokens]), ids)
+    cfg.max_bytes = 1000
+    assert len(tokenize_corpus(cfg, ByteTokenizer())) == 1000 // np.dtype(dtype).itemsize
+
+
+def test_bin_errors(tmp_path):
+    np.array([1, 2, 300], np.uint16).tofile(tmp_path / "big.bin")
+    with pytest.raises(DataError, match="token id 300"):
+        tokenize_corpus(DataConfig(path=str(tmp_path / "big.bin")), ByteTokenizer())
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(DataError, match="not a whole number of uint16"):
+        tokenize_corpus(DataConfig(path=str(tmp_path / "odd.bin")), ByteTokenizer())
+
+
+def test_split_stream():
+    tokens = stream(1000)
+    train, val = split_stream(tokens, 0.1, seq_len=16)
+    assert len(val) == 100 and np.array_equal(np.concatenate([train, val]), tokens)
+    assert val[0] == 900  # the held-out part is the end of the stream
+    assert len(split_stream(tokens, 0.001, seq_len=16)[1]) == 17  # at least one sequence + 1
+    assert len(split_stream(tokens, 0.0, seq_len=16)[1]) == 0
+    with pytest.raises(DataError, match="leaves nothing to train on"):
+        split_stream(stream(10), 0.5, seq_len=16)
+
+
+# ------------------------------------------------------------------ batches
+
+
+def test_windows_and_shifted_labels():
+    seq_len = 8
+    data = PackedBatches(stream(8 * 12 + 1), seq_len, batch_size=4, seed=0)
+    seen = []
+    for x, y in batches(data, 3):  # one epoch: 12 windows, 3 batches
+        assert x.shape == y.shape == (4, seq_len) and x.dtype == y.dtype == torch.long
+        assert torch.equal(y, x + 1)  # labels are inputs shifted by one (stream is 0, 1, 2, ...)
+        assert torch.all(x[:, 0] % seq_len == 0)  # windows start every seq_len tokens
+        seen += (x[:, 0] // seq_len).tolist()
+    assert sorted(seen) == list(range(12))  # an epoch visits every window exactly once
+
+
+def test_determinism_and_seed():
+    a, b = (PackedBatches(stream(2000), 16, 4, seed=1) for _ in range(2))
+    c = PackedBatches(stream(2000), 16, 4, seed=2)
+    first = batches(a, 5)
+    assert same(first, batches(b, 5))
+    assert not same(first, batches(c, 5))
+
+
+def test_resume_across_epoch_boundary():
+    tokens = stream(16 * 10 + 1)  # 10 windows, batch 3: 3 batches an epoch, 1 window skipped
+    reference = PackedBatches(tokens, 16, 3, seed=7)
+    expected = batches(reference, 10)
+    for k in (0, 2, 3, 4, 7):
+        data = PackedBatches(tokens, 16, 3, seed=7)
+        batches(data, k)
+        state = json.loads(json.dumps(data.state_dict()))
+        fresh = PackedBatches(tokens, 16, 3, seed=7)
+        fresh.load_state_dict(state)
+        assert same(batches(fresh, 10 - k), expected[k:])
+    assert reference.epoch == 3
+
+
+def test_resume_refuses_a_different_stream():
+    state = PackedBatches(stream(2000), 16, 4, seed=0).state_dict()
+    with pytest.raises(DataError, match="n_windows"):
+        PackedBatches(stream(3000), 16, 4, seed=0).load_state_dict(state)
+
+
+def test_rank_slices_concatenate_to_global_batch():
+    tokens = stream(5000)
+    full = batches(PackedBatches(tokens, 16, 8, seed=3), 6)
+    world = 4
+    ranks = [
+        batches(PackedBatches(tokens, 16, 8, seed=3), 6, rank=r, world=world) for r in range(world)
+    ]
+    for step, (x, y) in enumerate(full):
+        assert torch.equal(torch.cat([ranks[r][step][0] for r in range(world)]), x)
+        assert torch.equal(torch.cat([ranks[r][step][1] for r in range(world)]), y)
+        assert torch.equal(ranks[1][step][0], x[2:4])  # contiguous rows
+    with pytest.raises(ValueError, match="world=3"):
+        PackedBatches(tokens, 16, 8).next_batch(rank=0, world=3)
+
+
+def test_too_short_for_one_batch():
+    with pytest.raises(DataError, match=r"100 tokens.*batch_size=8.*seq_len=16"):
+        PackedBatches(stream(100), 16, 8)
+
+
+def test_iter_eval_is_fixed_and_leaves_state():
+    data = PackedBatches(stream(2000), 16, 4, seed=0)
+    data.next_batch()
+    state = data.state_dict()
+    first = list(data.iter_eval(3))
+    assert len(first) == 3 and same(first, list(data.iter_eval(3)))
+    assert first[0][0][:, 0].tolist() == [0, 16, 32, 48]  # stream order from the start
+    assert data.state_dict() == state
+    assert len(list(data.iter_eval(10_000))) == data.batches_per_epoch
+
+
+def test_build_data_end_to_end(tmp_path):
+    (tmp_path / "corpus.txt").write_text("".join(f"line {i}: some text\n" for i in range(300)))
+    cfg = DataConfig(path=str(tmp_path / "corpus.txt"), seq_len=32, val_fraction=0.1)
+    data = build_data(cfg, seed=0, batch_size=4)
+    full = tokenize_corpus(cfg, data.tokenizer)
+    assert len(data.val.tokens) == int(len(full) * 0.1)
+    # train is the head of the stream and val the tail: disjoint, nothing lost
+    assert np.array_equal(np.concatenate([data.train.tokens, data.val.tokens]), full)
+    assert data.train.n_windows * 32 + 1 <= len(data.train.tokens)  # train windows stay in train
+    again = build_data(cfg, seed=0, batch_size=4)
+    assert same(batches(data.train, 3), batches(again.train, 3))
+    assert same(list(data.val.iter_eval(2)), list(again.val.iter_eval(2)))
+    assert build_data(DataConfig(path=cfg.path, val_fraction=0.0), seed=0, batch_size=4).val is None
+
+
+def test_build_data_bpe(tmp_path):
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    cfg = DataConfig(
+        path=str(tmp_path / "corpus.txt"),
+        tokenizer="bpe",
+        bpe_vocab_size=300,
+        seq_len=16,
+        val_fraction=0.05,
+    )
+    data = build_data(cfg, seed=0, batch_size=2)
+    assert 258 < data.tokenizer.vocab_size <= 300  # a repetitive corpus runs out of merges
+    x, y = data.train.next_batch()
+    assert int(torch.cat([x, y]).max()) < 300

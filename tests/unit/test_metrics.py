@@ -1,0 +1,81 @@
+"""FLOPs per token by hand, peak FLOP/s detection, throughput/MFU, and the metrics log files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from depthscale.config import ModelConfig
+from depthscale.observe.metrics import (
+    MetricsLogger,
+    Throughput,
+    attended_keys,
+    detect_peak_flops,
+    flops_per_token,
+)
+
+
+def small() -> ModelConfig:
+    return ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160)
+
+
+def test_flops_per_token_matches_hand_count():
+    # head_dim 16; per layer: wq 64·64 + wk 64·32 + wv 64·32 + wo 64·64 = 12288, SwiGLU 3·64·160 = 30720
+    # -> 43008; two layers 86016; LM head 64·256 = 16384; N = 102400 (embedding lookup not counted).
+    n = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 64 * 160) + 64 * 256
+    assert n == 102400
+    # Causal attention over T = 16: a query sees (16+1)/2 = 8.5 keys on average. Forward per layer:
+    # QKᵀ 2·64·8.5 + AV 2·64·8.5 = 2176; two layers 4352. Training = 3 × forward.
+    expected = 3 * (2 * n + 2 * 4 * 64 * 8.5)
+    assert expected == 627456.0
+    assert flops_per_token(small(), 16) == pytest.approx(expected)
+
+
+def test_sliding_window_lowers_attention_flops():
+    # Window 4 over T = 16: keys seen are 1, 2, 3, 4, then 4 for the other 12 positions: 58/16.
+    assert attended_keys(16, 4) == pytest.approx(58 / 16)
+    assert attended_keys(16, 0) == attended_keys(16, 16) == attended_keys(16, 99) == 8.5
+    windowed = ModelConfig(**{**small().__dict__, "sliding_window": 4})
+    assert flops_per_token(windowed, 16) == pytest.approx(6 * 102400 + 12 * 2 * 64 * 58 / 16)
+    assert flops_per_token(windowed, 16) < flops_per_token(small(), 16)
+
+
+def test_flops_per_token_needs_a_vocab_size():
+    with pytest.raises(ValueError, match="vocab_size"):
+        flops_per_token(ModelConfig(), 16)
+
+
+def test_detect_peak_flops_on_cpu_is_measured():
+    flops, source = detect_peak_flops(torch.device("cpu"), torch.float32)
+    assert flops > 0 and math.isfinite(flops)
+    assert source.startswith("measured matmul peak")
+
+
+def test_throughput_window_rate_and_mfu():
+    tp = Throughput(flops_per_token=1e6, peak_flops=1e9, window=2)
+    tp.update(100, 1.0)  # falls out of the window below
+    tp.update(300, 0.5)
+    tp.update(500, 0.5)
+    rate = tp.rate()
+    assert rate["tokens_per_s"] == pytest.approx(800.0)
+    assert rate["tflops"] == pytest.approx(800 * 1e6 / 1e12)
+    assert rate["mfu"] == pytest.approx(800 * 1e6 / 1e9)
+    assert Throughput(1e6, 0.0).rate() == {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": None}
+
+
+def test_metrics_logger_writes_json_lines_and_tensorboard(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=True) as logger:
+        logger.log(1, {"loss": 2.5, "lr": 1e-3, "mfu": None})
+        logger.log(2, {"loss": float("nan"), "tokens": 4096})
+        logger.log(2, {"loss": 2.0}, prefix="val")
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in records] == [(1, "train"), (2, "train"), (2, "val")]
+    assert records[0]["loss"] == 2.5 and records[0]["mfu"] is None
+    assert records[1]["loss"] is None and records[1]["tokens"] == 4096  # non-finite -> null
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:  # appends, no TensorBoard needed
+        logger.log(3, {"loss": 1.0})
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+    with pytest.raises(ValueError, match="reserved"), MetricsLogger(tmp_path, False) as logger:
+        logger.log(4, {"step": 1.0})

@@ -1,0 +1,205 @@
+"""LAMB and AdamW against updates computed by hand, the decay/no-decay split, state round trips."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from depthscale.config import OptimConfig
+from depthscale.train.optim import LAMB, build_optimizer
+
+LR, B1, B2, EPS, WD = 0.1, 0.9, 0.99, 1e-6, 0.01
+
+
+def norm(xs):
+    return math.sqrt(sum(x * x for x in xs))
+
+
+def lamb_step_by_hand(p, m, v, g, t):
+    """One LAMB step on Python lists, written out: returns (p, m, v) after step number t."""
+    m = [B1 * mi + (1 - B1) * gi for mi, gi in zip(m, g)]
+    v = [B2 * vi + (1 - B2) * gi * gi for vi, gi in zip(v, g)]
+    m_hat = [mi / (1 - B1**t) for mi in m]
+    v_hat = [vi / (1 - B2**t) for vi in v]
+    u = [mh / (math.sqrt(vh) + EPS) + WD * pi for mh, vh, pi in zip(m_hat, v_hat, p)]
+    trust = norm(p) / norm(u) if norm(p) > 0 and norm(u) > 0 else 1.0
+    trust = min(trust, 10.0)
+    return [pi - LR * trust * ui for pi, ui in zip(p, u)], m, v
+
+
+def test_lamb_two_steps_match_hand_computation():
+    p0, g1, g2 = [3.0, 4.0, -1.0], [0.1, -0.2, 0.05], [0.3, 0.1, -0.4]
+    # Step 1 by hand: m = 0.1·g1, v = 0.01·g1², m̂ = g1, v̂ = g1², so m̂/sqrt(v̂) = sign(g1) ≈ [1,-1,1];
+    # u = [1.03, -0.96, 0.99], ‖p‖ = sqrt(26) = 5.099, ‖u‖ = 1.7214, trust = 2.962.
+    p1, m1, v1 = lamb_step_by_hand(p0, [0.0] * 3, [0.0] * 3, g1, t=1)
+    u1 = [1 + WD * 3.0, -1 + WD * 4.0, 1 + WD * -1.0]
+    trust1 = norm(p0) / norm(u1)
+    assert trust1 == pytest.approx(2.962, abs=1e-3)
+    assert p1 == pytest.approx([pi - LR * trust1 * ui for pi, ui in zip(p0, u1)], abs=1e-5)
+    # Step 2 exercises bias correction with 1-β1² = 0.19 and 1-β2² = 0.0199.
+    p2, _, _ = lamb_step_by_hand(p1, m1, v1, g2, t=2)
+
+    param = torch.tensor(p0, requires_grad=True)
+    opt = LAMB([param], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
+    param.grad = torch.tensor(g1)
+    opt.step()
+    assert param.tolist() == pytest.approx(p1, rel=1e-6)
+    param.grad = torch.tensor(g2)
+    opt.step()
+    assert param.tolist() == pytest.approx(p2, rel=1e-6)
+    state = opt.state[param]
+    assert float(state["step"]) == 2.0
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+
+
+def test_lamb_trust_ratio_is_one_for_zero_norms_and_clamped_above():
+    # ‖p‖ = 0 (a zero-initialised vector): trust 1, so the step is lr·u with u = m̂/(sqrt(v̂)+eps).
+    zero = torch.zeros(3, requires_grad=True)
+    # ‖u‖ = 0 (no gradient, no decay): trust 1 and nothing moves, no NaN.
+    still = torch.tensor([1.0, 2.0], requires_grad=True)
+    opt = LAMB(
+        [{"params": [zero], "weight_decay": WD}, {"params": [still], "weight_decay": 0.0}],
+        lr=LR,
+        betas=(B1, B2),
+        eps=EPS,
+    )
+    zero.grad = torch.tensor([0.5, -0.25, 0.0])
+    still.grad = torch.zeros(2)
+    opt.step()
+    expected = [-LR * g / (abs(g) + EPS) for g in (0.5, -0.25, 0.0)]
+    assert zero.tolist() == pytest.approx(expected, rel=1e-6)
+    assert still.tolist() == [1.0, 2.0]
+
+    big = torch.tensor([300.0, 400.0], requires_grad=True)  # ‖p‖/‖u‖ ≈ 500/1.41 ≫ 10
+    opt = LAMB([big], lr=LR, betas=(B1, B2), eps=EPS, max_trust_ratio=10.0)
+    big.grad = torch.tensor([1.0, -1.0])
+    opt.step()
+    assert big.tolist() == pytest.approx([300.0 - LR * 10.0, 400.0 + LR * 10.0], rel=1e-6)
+
+
+def test_lamb_non_adaptive_group_is_a_plain_adam_step():
+    p = torch.tensor([1e-4, -1e-4], requires_grad=True)  # tiny ‖p‖ would make trust ≈ 1e-4
+    opt = LAMB([p], lr=LR, betas=(B1, B2), eps=EPS, adaptive=False)
+    p.grad = torch.tensor([2.0, -3.0])
+    opt.step()
+    assert p.tolist() == pytest.approx([1e-4 - LR, -1e-4 + LR], rel=1e-5)
+
+
+def test_lamb_norm_fn_is_pluggable():
+    calls = []
+
+    def norm_fn(t):
+        calls.append(t.shape)
+        return torch.linalg.vector_norm(t)
+
+    p = torch.tensor([1.0, 2.0], requires_grad=True)
+    opt = LAMB([p], lr=LR, norm_fn=norm_fn)
+    p.grad = torch.ones(2)
+    opt.step()
+    assert calls == [torch.Size([2]), torch.Size([2])]  # ‖p‖ and ‖u‖
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lamb_state_dict_round_trip_gives_identical_next_step(dtype):
+    torch.manual_seed(0)
+    a = [
+        torch.randn(4, 3, dtype=dtype, requires_grad=True),
+        torch.randn(3, dtype=dtype, requires_grad=True),
+    ]
+    opt_a = LAMB(
+        [{"params": [a[0]], "weight_decay": WD}, {"params": [a[1]], "adaptive": False}],
+        lr=LR,
+        betas=(B1, B2),
+        eps=EPS,
+    )
+    for _ in range(2):
+        for p in a:
+            p.grad = torch.randn_like(p)
+        opt_a.step()
+    saved = copy.deepcopy(opt_a.state_dict())
+
+    b = [p.detach().clone().requires_grad_(True) for p in a]
+    opt_b = LAMB([{"params": [b[0]], "weight_decay": 0.5}, {"params": [b[1]]}], lr=1.0)
+    opt_b.load_state_dict(saved)
+    for p in b:
+        assert opt_b.state[p]["exp_avg"].dtype == torch.float32  # not cast to the param dtype
+    assert (
+        opt_b.param_groups[0]["weight_decay"] == WD and opt_b.param_groups[1]["adaptive"] is False
+    )
+    for pa, pb in zip(a, b):
+        pa.grad = torch.randn_like(pa)
+        pb.grad = pa.grad.clone()
+    opt_a.step()
+    opt_b.step()
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+        assert torch.equal(opt_a.state[pa]["exp_avg_sq"], opt_b.state[pb]["exp_avg_sq"])
+
+
+class Tiny(nn.Module):
+    """One of each kind of parameter the decay split must classify."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 2)  # decay
+        self.proj = nn.Linear(2, 2, bias=True)  # weight: decay; bias: no decay
+        self.norm_gain = nn.Parameter(torch.ones(2))  # no decay
+        self.pseudo_query = nn.Parameter(torch.zeros(2))  # no decay
+        self.attnres_mix = nn.Parameter(torch.ones(2, 2))  # a matrix, but AttnRes: no decay
+        self.block_pseudo_query = nn.Parameter(torch.ones(2, 2))  # a matrix, but a query: no decay
+        self.frozen = nn.Parameter(torch.ones(2, 2), requires_grad=False)  # not optimized
+
+
+def test_param_group_split():
+    model = Tiny()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for name in ("adamw", "lamb"):
+        opt = build_optimizer(model, OptimConfig(name=name, weight_decay=WD))
+        decay, no_decay = opt.param_groups
+        assert sorted(names[id(p)] for p in decay["params"]) == ["emb.weight", "proj.weight"]
+        assert sorted(names[id(p)] for p in no_decay["params"]) == [
+            "attnres_mix",
+            "block_pseudo_query",
+            "norm_gain",
+            "proj.bias",
+            "pseudo_query",
+        ]
+        assert decay["weight_decay"] == WD and no_decay["weight_decay"] == 0.0
+    assert isinstance(opt, LAMB) and no_decay["adaptive"] is False and decay["adaptive"] is True
+
+
+def test_adamw_one_step_matches_hand_computation():
+    cfg = OptimConfig(name="adamw", lr=LR, beta1=B1, beta2=B2, eps=EPS, weight_decay=WD)
+    model = Tiny()
+    with torch.no_grad():
+        model.proj.weight.copy_(torch.tensor([[1.0, -2.0], [0.5, 4.0]]))
+        model.norm_gain.copy_(torch.tensor([1.0, 3.0]))
+    opt = build_optimizer(model, cfg)
+    assert isinstance(opt, torch.optim.AdamW)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    grad_w = [[0.2, -0.1], [0.0, 0.4]]
+    model.proj.weight.grad = torch.tensor(grad_w)
+    model.norm_gain.grad = torch.tensor([-0.3, 0.6])
+    opt.step()
+    # Step 1: m̂ = g and v̂ = g² after bias correction, so the Adam direction is g/(|g|+eps);
+    # decoupled decay first shrinks a decayed weight by (1 - lr·wd).
+    w0 = [[1.0, -2.0], [0.5, 4.0]]
+    expected_w = [
+        [w * (1 - LR * WD) - LR * g / (abs(g) + EPS) for w, g in zip(wr, gr)]
+        for wr, gr in zip(w0, grad_w)
+    ]
+    assert model.proj.weight.tolist()[0] == pytest.approx(expected_w[0], rel=1e-6)
+    assert model.proj.weight.tolist()[1] == pytest.approx(expected_w[1], rel=1e-6)
+    assert model.proj.weight.tolist()[1][0] == pytest.approx(
+        0.5 * (1 - LR * WD)
+    )  # zero grad: decay only
+    expected_gain = [1.0 - LR * -0.3 / (0.3 + EPS), 3.0 - LR * 0.6 / (0.6 + EPS)]  # no decay
+    assert model.norm_gain.tolist() == pytest.approx(expected_gain, rel=1e-6)
+
+
+def test_build_optimizer_rejects_a_model_without_trainable_parameters():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_optimizer(nn.Identity(), OptimConfig())

@@ -1,0 +1,149 @@
+"""The single-process trainer: resume equality, accumulation, optimizers, checkpoints, bad input."""
+
+import json
+
+import pytest
+import torch
+
+from depthscale.config import load_config
+from depthscale.errors import CheckpointError, ConfigError
+from depthscale.train.checkpoint import list_checkpoints
+from depthscale.train.trainer import Trainer
+
+
+def make_cfg(tmp_path, *overrides):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text(
+            "".join(
+                f"line {i}: the quick brown fox jumps over the lazy dog {i * 7}\n"
+                for i in range(400)
+            )
+        )
+    base = [
+        "--data.path",
+        str(corpus),
+        "--data.seq_len",
+        "32",
+        "--model.dim",
+        "32",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "4",
+        "--train.batch_size",
+        "4",
+        "--train.steps",
+        "6",
+        "--optim.warmup_steps",
+        "2",
+        "--train.eval_every",
+        "3",
+        "--train.eval_batches",
+        "1",
+        "--checkpoint.every",
+        "3",
+        "--logging.progress",
+        "false",
+        "--logging.log_every",
+        "1",
+        "--logging.tensorboard",
+        "false",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+        "--logging.peak_tflops",
+        "1",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+@pytest.mark.parametrize("residual", ["standard", "block"])
+def test_stop_and_resume_gives_identical_losses(tmp_path, residual):
+    args = ["--model.residual", residual, "--model.attnres_n_blocks", "2"]
+    full = Trainer(make_cfg(tmp_path / "a", *args)).fit()
+    crashed = Trainer(make_cfg(tmp_path / "b", *args)).fit(
+        stop_at=4
+    )  # checkpoint at 3, lost step 4
+    resumed = Trainer(make_cfg(tmp_path / "b", *args))
+    assert resumed.step == 3
+    rest = resumed.fit()
+    assert [m["loss"] for m in crashed[:3] + rest] == [m["loss"] for m in full]
+    assert [m["grad_norm"] for m in rest] == [m["grad_norm"] for m in full[3:]]
+
+
+def test_grad_accumulation_matches_full_batch(tmp_path):
+    a = Trainer(make_cfg(tmp_path / "a", "--train.steps", "2"))
+    b = Trainer(make_cfg(tmp_path / "b", "--train.steps", "2", "--train.micro_batch_size", "1"))
+    la, lb = a.fit(), b.fit()
+    for x, y in zip(la, lb):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--optim.name", "lamb", "--optim.lr", "1e-1"],
+        ["--train.dtype", "bfloat16"],
+        ["--optim.schedule", "wsd"],
+        ["--model.parallel_block", "true", "--model.sliding_window", "8"],
+    ],
+)
+def test_loss_falls(tmp_path, extra):
+    hist = Trainer(
+        make_cfg(
+            tmp_path, "--train.steps", "30", "--optim.lr", "1e-2", "--checkpoint.every", "0", *extra
+        )
+    ).fit()  # later --optim.lr wins
+    assert hist[-1]["loss"] < hist[0]["loss"] - 1.0
+
+
+def test_run_directory_contents(tmp_path):
+    cfg = make_cfg(tmp_path, "--logging.tensorboard", "true", "--checkpoint.keep", "1")
+    Trainer(cfg).fit()
+    run = tmp_path / "run"
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {m["split"] for m in lines} == {"train", "val"}
+    assert {"loss", "tokens_per_s", "mfu", "grad_norm", "lr"} <= set(lines[0])
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_00000006"]
+    assert (run / "config.toml").is_file() and (run / "tokenizer").is_dir()
+
+
+def test_resume_none_refuses_to_overwrite(tmp_path):
+    Trainer(make_cfg(tmp_path, "--train.steps", "3")).fit()
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        Trainer(make_cfg(tmp_path, "--checkpoint.resume", "none"))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_resume_with_different_model_names_the_key(tmp_path):
+    Trainer(make_cfg(tmp_path, "--train.steps", "3")).fit()
+    with pytest.raises(CheckpointError, match=r"model.dim: checkpoint has 32, config has 64"):
+        Trainer(make_cfg(tmp_path, "--model.dim", "64"))
+
+
+def test_vocab_smaller_than_tokenizer_is_rejected(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.vocab_size=100 is smaller than the tokenizer's vocabulary \(258\)",
+    ):
+        Trainer(make_cfg(tmp_path, "--model.vocab_size", "100"))
+
+
+def test_async_checkpoint_equals_sync(tmp_path):
+    sync = Trainer(make_cfg(tmp_path / "s", "--train.steps", "3"))
+    sync.fit()
+    asyn = Trainer(
+        make_cfg(tmp_path / "a", "--train.steps", "3", "--checkpoint.async_save", "true")
+    )
+    asyn.fit()
+    a = Trainer(make_cfg(tmp_path / "s", "--train.steps", "3"))
+    b = Trainer(make_cfg(tmp_path / "a", "--train.steps", "3"))
+    for p, q in zip(a.model.state_dict().values(), b.model.state_dict().values()):
+        assert torch.equal(p, q)
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
