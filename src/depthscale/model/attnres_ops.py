@@ -12,9 +12,14 @@ in the sources' dtype.
   `inter_block_read` (phase 1) reads the completed blocks once for all S queries of a block and returns
   normalised outputs and log-sum-exps; `merge_partial` (phase 2) merges one query's phase-1 result with
   the running partial sum by online softmax.
+
+`multi_query_read` and `merge_partial` run fused Triton kernels (`depthscale.kernels.attnres_triton`)
+for CUDA inputs when triton imports; `depthscale.kernels.use_triton` overrides the choice.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -62,50 +67,128 @@ def depth_weights(
 #   dw_s  = Σ_tokens Σ_i dz_si r_i v_i
 
 
-def _forward_stats(values: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """values [m, N, d] fp32, w [S, d] -> inverse RMS [m, N] and logits [S, m, N]."""
-    inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)
-    logits = torch.einsum("mnd,sd->smn", values, w) * inv_rms
-    return inv_rms, logits
+def _flat(sources: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+    """Sources as [N, d] views in accumulation precision (no copy for fp32 inputs). Looping over the
+    few sources beats stacking them: a stack is one more full copy of all m sources."""
+    return [_acc(s).reshape(-1, s.shape[-1]) for s in sources]
+
+
+def _inv_rms(v: Tensor, eps: float) -> Tensor:
+    """(mean(v²) + eps)^-½ per row in one pass (no squared temporary)."""
+    return torch.rsqrt(torch.linalg.vector_norm(v, dim=-1).square() / v.shape[-1] + eps)
+
+
+def _multi_query_forward(w: Tensor, eps: float, sources: tuple[Tensor, ...] | list[Tensor]):
+    """Forward of the multi-query read; also returns the per-token scalars backward needs."""
+    shape = sources[0].shape
+    values = _flat(sources)
+    inv_rms = torch.stack([_inv_rms(v, eps) for v in values])  # [m, N]
+    logits = torch.stack([(v @ w.T).T for v in values], dim=1) * inv_rms  # [S, m, N]
+    lse = torch.logsumexp(logits, dim=1)  # [S, N]
+    weights = torch.exp(logits - lse[:, None])
+    out = weights[:, 0, :, None] * values[0]
+    for i in range(1, len(values)):
+        out.addcmul_(weights[:, i, :, None], values[i])  # [S, N, d]
+    S = w.shape[0]
+    return out.reshape(S, *shape), lse.reshape(S, *shape[:-1]), inv_rms, logits, weights
 
 
 class _MultiQueryRead(torch.autograd.Function):
+    """Every pass touches each source a fixed number of times and writes in place: the read is
+    memory-bound, so passes over [N, d] tensors, not FLOPs, are what it costs."""
+
     @staticmethod
     def forward(ctx, w: Tensor, eps: float, *sources: Tensor) -> tuple[Tensor, Tensor]:
-        shape = sources[0].shape
-        values = _acc(torch.stack([s.reshape(-1, shape[-1]) for s in sources]))  # [m, N, d]
-        inv_rms, logits = _forward_stats(values, w, eps)
-        lse = torch.logsumexp(logits, dim=1)  # [S, N]
-        weights = torch.exp(logits - lse[:, None])
-        out = torch.einsum("smn,mnd->snd", weights, values)  # fp32 [S, N, d]
+        out, lse, inv_rms, logits, weights = _multi_query_forward(w, eps, sources)
         ctx.save_for_backward(w, inv_rms, logits, weights, *sources)
-        ctx.eps = eps
-        return out.reshape(w.shape[0], *shape), lse.reshape(w.shape[0], *shape[:-1])
+        return out, lse
 
     @staticmethod
     def backward(ctx, d_out: Tensor, d_lse: Tensor):
         w, inv_rms, logits, weights, *sources = ctx.saved_tensors
-        d = sources[0].shape[-1]
-        values = _acc(torch.stack([s.reshape(-1, d) for s in sources]))
-        S = w.shape[0]
-        d_out = d_out.reshape(S, -1, d).to(values.dtype)
-        out = torch.einsum("smn,mnd->snd", weights, values)
-        d_weight = torch.einsum("snd,mnd->smn", d_out, values) - (d_out * out).sum(-1)[:, None]
-        d_logits = weights * d_weight
+        values = _flat(sources)
+        S, d = w.shape
+        d_out = d_out.reshape(S, -1, d).to(values[0].dtype)
+        # dot[s, i, n] = do_s · v_i ; dz = a (dot − Σ_j a_j dot_j) (+ a dlse)
+        dots = torch.stack([torch.linalg.vecdot(d_out, v) for v in values], dim=1)
+        d_logits = weights * (dots - (weights * dots).sum(1, keepdim=True))
         if d_lse is not None:
-            d_logits = d_logits + weights * d_lse.reshape(S, 1, -1).to(values.dtype)
+            d_logits = d_logits + weights * d_lse.reshape(S, 1, -1).to(values[0].dtype)
         g = d_logits * inv_rms  # [S, m, N]
-        d_values = torch.einsum("smn,snd->mnd", weights, d_out)
-        d_values += torch.einsum("smn,sd->mnd", g, w)
-        d_values -= (g * logits * inv_rms / d).sum(0)[..., None] * values
-        d_w = torch.einsum("smn,mnd->sd", g, values)
-        grads = [dv.reshape(s.shape).to(s.dtype) for dv, s in zip(d_values, sources)]
+        # the RMS term: −(Σ_s g_si z_si) r_i / d · v_i
+        rms_coef = (g * logits).sum(0) * inv_rms / d  # [m, N]
+        d_w = torch.zeros_like(w)
+        grads = []
+        for i, (v, src) in enumerate(zip(values, sources)):
+            dv = g[:, i, :].T @ w
+            for s in range(S):
+                dv.addcmul_(weights[s, i, :, None], d_out[s])
+            dv.addcmul_(rms_coef[i, :, None], v, value=-1.0)
+            d_w += g[:, i, :] @ v
+            grads.append(dv.reshape(src.shape).to(src.dtype))
         return (d_w, None, *grads)
+
+
+def _merge_forward(
+    inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float
+):
+    p = _acc(partial)
+    inv_rms = _inv_rms(p, eps)
+    z = (p @ query) * inv_rms
+    alpha = torch.sigmoid(inter_lse - z)
+    return torch.lerp(p, inter_out, alpha[..., None]), alpha, z, inv_rms
+
+
+class _MergePartial(torch.autograd.Function):
+    """Phase 2 as a gate: h = α·o + (1−α)·p with α = sigmoid(lse − z), z the partial sum's logit.
+    Saves per-token scalars only (α, z, inverse RMS) besides o and p, which are alive anyway."""
+
+    @staticmethod
+    def forward(
+        ctx, inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float
+    ) -> Tensor:
+        h, alpha, z, inv_rms = _merge_forward(inter_out, inter_lse, partial, query, eps)
+        ctx.save_for_backward(inter_out, partial, query, alpha, z, inv_rms)
+        ctx.eps = eps
+        return h.to(partial.dtype)
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        inter_out, partial, query, alpha, z, inv_rms = ctx.saved_tensors
+        p = _acc(partial)
+        dh = dh.to(p.dtype)
+        d_alpha = torch.linalg.vecdot(dh, inter_out - p) * alpha * (1 - alpha)  # d(lse − z)
+        dz = -d_alpha
+        coef = (dz * inv_rms)[..., None]
+        d_partial = (1 - alpha)[..., None] * dh + coef * query
+        d_partial -= (dz * z * inv_rms.pow(2) / p.shape[-1])[..., None] * p
+        d_query = (coef * p).reshape(-1, p.shape[-1]).sum(0)
+        return alpha[..., None] * dh, d_alpha, d_partial.to(partial.dtype), d_query, None
+
+
+def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
+    """The Triton kernels module when it applies, else None: CUDA inputs (any device under
+    `kernels.use_triton(True)`, none under `use_triton(False)`), values of one dtype, no float64
+    (gradcheck), triton importable. Imported lazily: model/ must not need triton."""
+    from depthscale import kernels
+
+    tensors = [*values, *others]
+    override = kernels.triton_override()
+    if override is False or (override is None and not all(t.is_cuda for t in tensors)):
+        return None
+    if len({v.dtype for v in values}) != 1 or any(t.dtype == torch.float64 for t in tensors):
+        return None
+    return kernels.load_attnres_triton()
 
 
 def multi_query_read(sources: list[Tensor], queries: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """S queries [S, d] (gain already folded in) over m sources [B, T, d] -> fp32 outputs
     [S, B, T, d] and log-sum-exps [S, B, T], with a backward that saves only per-token scalars."""
+    ops = _triton_ops(sources, queries)
+    if ops is not None:
+        return ops.triton_multi_query_read(sources, queries, eps)
+    if not torch.is_grad_enabled():  # inference: nothing to save (and simpler for torch.compile)
+        return _multi_query_forward(_acc(queries), eps, sources)[:2]
     return _MultiQueryRead.apply(_acc(queries), eps, *sources)
 
 
@@ -129,10 +212,9 @@ def merge_partial(
 ) -> Tensor:
     """Phase 2: merge a phase-1 result (fp32 output [B,T,d], lse [B,T]) with the partial sum's
     one-source term by online softmax; exact, elementwise over tokens."""
-    p = _acc(partial)
-    z = (p @ _acc(query)) * torch.rsqrt(p.pow(2).mean(-1) + eps)  # intra logit [B, T]
-    m = torch.maximum(inter_lse, z)
-    a_inter = torch.exp(inter_lse - m)
-    a_intra = torch.exp(z - m)
-    h = (a_inter[..., None] * inter_out + a_intra[..., None] * p) / (a_inter + a_intra)[..., None]
-    return h.to(partial.dtype)
+    ops = _triton_ops([partial], inter_out, inter_lse, query)
+    if ops is not None:
+        return ops.triton_merge_partial(inter_out, inter_lse, partial, query, eps)
+    if not torch.is_grad_enabled():
+        return _merge_forward(inter_out, inter_lse, partial, _acc(query), eps)[0].to(partial.dtype)
+    return _MergePartial.apply(inter_out, inter_lse, partial, _acc(query), eps)

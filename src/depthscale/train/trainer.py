@@ -73,7 +73,9 @@ class Trainer:
         self.data: DataBundle = build_data(cfg.data, cfg.train.seed, cfg.train.batch_size)
         resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
         self.model = Transformer(cfg.model).to(self.device)
-        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        # static shapes: train and eval batches differ, and dynamic-shape tracing of the custom AttnRes
+        # autograd Functions is not reliable; a recompile per batch shape is cheap.
+        self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.step = 0
         self.tokens_seen = 0
