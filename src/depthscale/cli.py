@@ -18,16 +18,34 @@ from depthscale.errors import CheckpointError, ConfigError, DepthscaleError
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from depthscale.config import load_config
+    from depthscale.parallel.launcher import is_worker, launch
+
+    cfg = load_config(args.config, overrides)  # bad input fails here, before any process starts
+    if cfg.parallel.nproc > 1 and not is_worker():
+        if cfg.world_size != cfg.parallel.nproc:
+            raise ConfigError(
+                f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} "
+                f"processes, but --nproc is {cfg.parallel.nproc}; allowed: equal numbers"
+            )
+        from depthscale.parallel.mesh import ParallelDims
+        from depthscale.parallel.parallelize import check_supported
+
+        check_supported(ParallelDims.from_config(cfg.parallel))
+        passthrough = ["-c", args.config] if args.config else []
+        launch(cfg.parallel.nproc, [*passthrough, *overrides])
+        return 0
+    if cfg.world_size > 1 and not is_worker():
+        raise ConfigError(
+            f"parallel layout needs {cfg.world_size} processes; add --nproc {cfg.world_size} "
+            "(or start the workers with torchrun)"
+        )
+    from depthscale.parallel.mesh import destroy_distributed
     from depthscale.train.trainer import Trainer
 
-    cfg = load_config(args.config, overrides)
-    if cfg.world_size != 1 or cfg.parallel.nproc != 1:
-        raise ConfigError(
-            f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} and "
-            f"parallel.nproc={cfg.parallel.nproc}: multi-process training is not available "
-            "in this build; allowed: all parallel degrees 1 and nproc 1"
-        )
-    Trainer(cfg).fit()
+    try:
+        Trainer(cfg).fit()
+    finally:
+        destroy_distributed()
     return 0
 
 

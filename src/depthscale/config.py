@@ -149,6 +149,12 @@ class ParallelConfig:
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
     nproc: int = 1
     """Local worker processes to launch (depthscale train --nproc N)."""
+    tp_overlap_chunks: int = 1
+    """MegaScale TP overlap: split the sequence-parallel all-gather / reduce-scatter around the
+    column- / row-parallel GEMMs into this many chunks, so communication of chunk i+1 overlaps the
+    GEMM of chunk i. 1 = no chunking."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)."""
 
 
 @dataclass
@@ -263,7 +269,16 @@ class Config:
                 raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
         if o.warmup_steps > t.steps:
             raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
-        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "pp_virtual", "nproc"):
+        for name in (
+            "dp_replicate",
+            "dp_shard",
+            "cp",
+            "tp",
+            "pp",
+            "pp_virtual",
+            "nproc",
+            "tp_overlap_chunks",
+        ):
             if getattr(p, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
         if (

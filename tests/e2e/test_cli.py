@@ -135,7 +135,9 @@ def test_generate_and_trace(trained_run):
         (["--model.dimm", "3"], "unknown key in [model] 'dimm' (did you mean 'dim'?)"),
         (["--model.n_heads", "3"], "model.n_heads=3 must divide model.dim=32"),
         (["--data.path", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
-        (["--parallel.tp", "2"], "multi-process training is not available"),
+        (["--parallel.tp", "2"], "parallel layout needs 2 processes; add --nproc 2"),
+        (["--parallel.pp", "2", "--nproc", "2"], "pipeline parallelism is not available"),
+        (["--parallel.dp_shard", "2", "--nproc", "4"], "= 2 processes, but --nproc is 4"),
     ],
 )
 def test_bad_input_fails_before_work_with_one_line(tmp_path, args, message):

@@ -259,3 +259,24 @@ def test_build_data_bpe(tmp_path):
     assert 258 < data.tokenizer.vocab_size <= 300  # a repetitive corpus runs out of merges
     x, y = data.train.next_batch()
     assert int(torch.cat([x, y]).max()) < 300
+
+
+def test_prefetcher_yields_the_same_batches_and_resumes_at_consumed_position():
+    import numpy as np
+
+    from depthscale.data.loader import PackedBatches
+    from depthscale.data.prefetch import Prefetcher
+
+    tokens = np.arange(2000, dtype=np.uint16) % 250
+    plain = PackedBatches(tokens, 16, 4, seed=3)
+    expected = [plain.next_batch(1, 2) for _ in range(12)]
+    pre = Prefetcher(PackedBatches(tokens, 16, 4, seed=3), rank=1, world=2, depth=3)
+    got = [pre.next_batch() for _ in range(5)]
+    state = pre.state_dict()  # the thread has prefetched beyond batch 5; the state must not
+    pre.close()
+    resumed = Prefetcher(PackedBatches(tokens, 16, 4, seed=3), rank=1, world=2)
+    resumed.load_state_dict(state)
+    got += [resumed.next_batch() for _ in range(7)]  # crosses an epoch boundary (7 batches/epoch)
+    resumed.close()
+    for (x, y), (ex, ey) in zip(got, expected, strict=True):
+        assert torch.equal(x, ex) and torch.equal(y, ey)

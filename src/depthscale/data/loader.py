@@ -37,8 +37,9 @@ class DataBundle:
     val: PackedBatches | None
 
 
-def build_data(cfg: DataConfig, seed: int, batch_size: int) -> DataBundle:
-    """The one entry point: tokenizer, cached token stream, train/val split, batch streams."""
+def build_data(cfg: DataConfig, seed: int, batch_size: int, ranks: int = 1) -> DataBundle:
+    """The one entry point: tokenizer, cached token stream, train/val split, batch streams.
+    `ranks`: data-parallel ranks that split each batch (the held-out batch is sized to divide)."""
     tokenizer = build_tokenizer(cfg, lambda: iter_documents(cfg))
     tokens = tokenize_corpus(cfg, tokenizer)
     train_tokens, val_tokens = split_stream(tokens, cfg.val_fraction, cfg.seq_len)
@@ -46,7 +47,13 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int) -> DataBundle:
     val = None
     if len(val_tokens):
         val_windows = (len(val_tokens) - 1) // cfg.seq_len
-        val = PackedBatches(val_tokens, cfg.seq_len, min(batch_size, val_windows), seed)
+        val_batch = min(batch_size, val_windows) // ranks * ranks
+        if val_batch == 0:
+            raise DataError(
+                f"the held-out split has {val_windows} sequences, fewer than the {ranks} "
+                "data-parallel ranks; raise data.val_fraction or set it to 0"
+            )
+        val = PackedBatches(val_tokens, cfg.seq_len, val_batch, seed)
     return DataBundle(tokenizer, train, val)
 
 

@@ -73,6 +73,7 @@ class Checkpointer:
         self.cfg = cfg
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._group: dist.ProcessGroup | None = None
 
     def latest(self) -> Path | None:
         found = list_checkpoints(self.root)
@@ -112,6 +113,9 @@ class Checkpointer:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         final = _step_dir(self.root, step)
+        if self.cfg.async_save and dist.is_initialized() and self._group is None:
+            # A background save must not interleave its collectives with training's on one group.
+            self._group = dist.new_group(backend="gloo")
         if self.cfg.async_save:
             staged = _stage(state)
             self._pending = threading.Thread(
@@ -143,11 +147,11 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         if dist.is_initialized():
-            dist.barrier()
-        _dcp_quiet(dcp.save, state, checkpoint_id=str(tmp))
+            dist.barrier(group=self._group)
+        _dcp_quiet(dcp.save, state, checkpoint_id=str(tmp), process_group=self._group)
         torch.save(rng, tmp / f"rng_rank{_rank()}.pt")
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self._group)
         if _rank() == 0:
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
             if final.exists():

@@ -16,12 +16,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from depthscale.config import Config, ConfigError, to_toml
 from depthscale.data.loader import DataBundle, build_data
+from depthscale.data.prefetch import Prefetcher
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
+from depthscale.parallel.mesh import ParallelDims, init_distributed
+from depthscale.parallel.parallelize import check_supported, dp_rank_and_size, parallelize
 from depthscale.train.checkpoint import Checkpointer, CheckpointError
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
@@ -60,6 +64,19 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
+        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.env = init_distributed(self.device.type)
+        self.dims.validate(self.env.world_size)
+        check_supported(self.dims)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", self.env.local_rank)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.env.world_size > 1 else None
+        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
+        if cfg.train.batch_size % (self.dp_size * cfg.grad_accum_steps):
+            raise ConfigError(
+                f"train.batch_size={cfg.train.batch_size} must divide into {self.dp_size} "
+                f"data-parallel ranks × {cfg.grad_accum_steps} micro-batches"
+            )
         self.dtype = DTYPES[cfg.train.dtype]
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -70,9 +87,12 @@ class Trainer:
         if resume_from is not None:
             _check_same_model(self.run_dir, cfg)
 
-        self.data: DataBundle = build_data(cfg.data, cfg.train.seed, cfg.train.batch_size)
+        self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
         resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
+        # Every rank builds the same model from the same seed; parallelizing then only slices it.
         self.model = Transformer(cfg.model).to(self.device)
+        if self.mesh is not None:
+            parallelize(self.model, self.mesh, self.dims, cfg)
         # static shapes: train and eval batches differ, and dynamic-shape tracing of the custom AttnRes
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
         self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
@@ -80,16 +100,19 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(cfg))
-        self.data.tokenizer.save(self.run_dir / "tokenizer")
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+            self.data.tokenizer.save(self.run_dir / "tokenizer")
         if resume_from is not None:
             self._restore(resume_from)
+        self.batches = Prefetcher(self.data.train, self.dp_rank, self.dp_size)
 
-        tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+        self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         peak, self.peak_source = _peak_flops(cfg, self.device, self.dtype)
-        self.throughput = Throughput(flops_per_token(cfg.model, cfg.data.seq_len), peak)
-        self.tokens_per_step = tokens_per_step
+        self.throughput = Throughput(
+            flops_per_token(cfg.model, cfg.data.seq_len), peak, n_devices=self.env.world_size
+        )
 
     # ------------------------------------------------------------------ state
 
@@ -97,7 +120,7 @@ class Trainer:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "data": self.data.train.state_dict(),
+            "data": self.batches.state_dict(),
         }
 
     def _restore(self, path: Path) -> None:
@@ -126,7 +149,7 @@ class Trainer:
         cfg = self.cfg
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         set_lr(self.optimizer, lr)
-        inputs, labels = self.data.train.next_batch()
+        inputs, labels = self.batches.next_batch()
         accum = cfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for x, y in zip(inputs.chunk(accum), labels.chunk(accum)):
@@ -137,11 +160,24 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens_seen += inputs.numel()
-        return {"loss": total.item(), "lr": lr, "grad_norm": grad_norm}
+        self.tokens_seen += self.tokens_per_step
+        return {"loss": self._mean_over_ranks(total), "lr": lr, "grad_norm": grad_norm}
+
+    def _mean_over_ranks(self, value: Tensor) -> float:
+        """Each dp rank's loss is the mean over its own tokens (ranks hold equal token counts), and tp
+        ranks repeat it, so the global mean is the mean over all ranks."""
+        if self.env.world_size > 1:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.env.world_size
+        return value.item()
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.mesh is not None:
+            from depthscale.parallel.data_parallel import clip_grad_norm_
+
+            return float(clip_grad_norm_(params, self.cfg.train.grad_clip))
         if self.cfg.train.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
         else:
@@ -154,7 +190,10 @@ class Trainer:
             return None
         self.model.eval()
         losses = [
-            self.loss(x, y).item() for x, y in self.data.val.iter_eval(self.cfg.train.eval_batches)
+            self._mean_over_ranks(self.loss(x, y))
+            for x, y in self.data.val.iter_eval(
+                self.cfg.train.eval_batches, self.dp_rank, self.dp_size
+            )
         ]
         self.model.train()
         return sum(losses) / len(losses) if losses else None
@@ -164,6 +203,12 @@ class Trainer:
     def fit(self, stop_at: int | None = None) -> list[dict[str, float]]:
         """Train to `train.steps`; returns the per-step metrics of this invocation. `stop_at` ends the
         loop early without a final checkpoint, as a crash would (used to test resumption)."""
+        try:
+            return self._fit(stop_at)
+        finally:
+            self.batches.close()
+
+    def _fit(self, stop_at: int | None) -> list[dict[str, float]]:
         cfg = self.cfg
         history: list[dict[str, float]] = []
         if self.step >= cfg.train.steps:
@@ -177,7 +222,7 @@ class Trainer:
             + (f", resumed at step {self.step}" if self.step else "")
         )
         bar = _progress(cfg, self.step)
-        with MetricsLogger(self.run_dir, cfg.logging.tensorboard) as logger:
+        with _metrics_logger(self.run_dir, cfg, self.env.is_main) as logger:
             self.throughput.reset()
             while self.step < cfg.train.steps:
                 if stop_at is not None and self.step >= stop_at:
@@ -220,6 +265,30 @@ class Trainer:
             f"{self.checkpointer.latest()}"
         )
         return history
+
+
+def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
+    """Local rank 0 tokenizes (or trains the BPE tokenizer) and fills the cache; the node's other
+    ranks then load it instead of repeating the work. The token stream is memory-mapped, so one copy
+    in the page cache serves every rank on the node."""
+    build = lambda: build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size)  # noqa: E731
+    if env.world_size == 1:
+        return build()
+    data = build() if env.local_rank == 0 else None
+    dist.barrier()
+    return data if data is not None else build()
+
+
+def _metrics_logger(run_dir: Path, cfg: Config, is_main: bool):
+    """Rank 0 writes metrics; the others get a logger that drops them."""
+    if is_main:
+        return MetricsLogger(run_dir, cfg.logging.tensorboard)
+    return contextlib.nullcontext(_NullLogger())
+
+
+class _NullLogger:
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 def _check_same_model(run_dir: Path, cfg: Config) -> None:

@@ -1,0 +1,64 @@
+"""Prepare the next batches in a background thread (MegaScale's asynchronous data preprocessing), so
+the training loop never waits on gathering and copying windows.
+
+The loader's position must match what training has consumed, not what was prefetched: each queued
+batch carries the loader state right after it, and `state_dict()` is the state after the last batch
+handed out. Resuming from it replays exactly the batches that were prefetched but never trained on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+from depthscale.data.loader import Batch, PackedBatches
+
+
+class Prefetcher:
+    def __init__(
+        self, loader: PackedBatches, rank: int = 0, world: int = 1, depth: int = 2
+    ) -> None:
+        self.loader, self.rank, self.world, self.depth = loader, rank, world, depth
+        self._state = loader.state_dict()
+        self._start()
+
+    def _start(self) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                batch = self.loader.next_batch(self.rank, self.world)
+                item = (batch, self.loader.state_dict())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as err:  # surfaced on the training thread by next_batch
+            self._queue.put(err)
+
+    def next_batch(self) -> Batch:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        batch, self._state = item
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.close()
+        self.loader.load_state_dict(state)
+        self._state = self.loader.state_dict()
+        self._start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

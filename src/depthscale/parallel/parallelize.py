@@ -1,0 +1,63 @@
+"""Apply a parallel layout to a model, in one place and in a fixed order (torchtitan's lesson):
+
+1. tensor + sequence parallel (shards weights along heads / hidden features on the `tp` mesh dim),
+2. data parallel: FSDP2 over `dp_shard` (HSDP when `dp_replicate` > 1 too), or replicated DDP.
+
+Every rank builds the same single-process model from the same seed first, so every layout starts from
+bit-identical weights; parallelizing only slices and wraps them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from depthscale.config import Config
+from depthscale.errors import ConfigError
+from depthscale.model.transformer import Transformer
+from depthscale.parallel.mesh import ParallelDims
+
+
+def check_supported(dims: ParallelDims) -> None:
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={dims.pp}: pipeline parallelism is not available in this build; "
+            "allowed: 1"
+        )
+    if dims.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={dims.cp}: context parallelism is not available in this build; allowed: 1"
+        )
+
+
+def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
+    """Which slice of the global batch this rank trains on: ranks differing only in tp (or cp) share one."""
+    if mesh is None:
+        return 0, 1
+    rank = mesh.get_local_rank("dp_replicate") * dims.dp_shard + mesh.get_local_rank("dp_shard")
+    return rank, dims.dp
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: Config) -> None:
+    """Shard and wrap `model` in place for the layout `dims` on `mesh`."""
+    check_supported(dims)
+    if dims.tp > 1:
+        from depthscale.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], chunks=cfg.parallel.tp_overlap_chunks)
+    if dims.dp_shard > 1:
+        from depthscale.parallel.data_parallel import apply_fsdp
+
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        param_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+        apply_fsdp(
+            model,
+            dp_mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+        )
+    elif dims.dp_replicate > 1:
+        from depthscale.parallel.data_parallel import apply_ddp
+
+        apply_ddp(model, mesh["dp_replicate"])
