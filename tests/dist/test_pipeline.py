@@ -1,6 +1,5 @@
 """Pipeline parallelism vs one process: same loss and gradients, with and without the depth cache."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ from depthscale.parallel.pipeline.stage import build_stages, split_layers
 MICRO, SEQ = 4, 16
 
 
-def _cfg(residual, n_layers):
+def _cfg(residual, n_layers, read="two_phase"):
     return ModelConfig(
         vocab_size=64,
         dim=32,
@@ -26,23 +25,24 @@ def _cfg(residual, n_layers):
         tie_embeddings=False,
         residual=residual,
         attnres_block_size=3,
+        attnres_read=read,
     )
 
 
 def _reference(cfg, tokens, labels):
     torch.manual_seed(0)
     model = Transformer(cfg)
-    total = 0.0
+    total = None
     for x, y in zip(tokens.chunk(MICRO), labels.chunk(MICRO)):
         loss = cross_entropy(model(x), y) / MICRO
         loss.backward()
-        total += loss.item()
-    return model, total
+        total = loss.detach() if total is None else total + loss.detach()
+    return model, total.item()
 
 
-def _pipeline_parity(residual, n_layers, virtual, schedule, cache):
+def _pipeline_parity(residual, n_layers, virtual, schedule, cache, read="two_phase"):
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = _cfg(residual, n_layers)
+    cfg = _cfg(residual, n_layers, read)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (MICRO, SEQ), generator=g)
     labels = torch.randint(0, 64, (MICRO, SEQ), generator=g)
@@ -63,8 +63,11 @@ def _pipeline_parity(residual, n_layers, virtual, schedule, cache):
     ref_params = dict(ref.named_parameters())
     worst = 0.0
     for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        worst = max(worst, (p.grad - ref_params[name].grad).abs().max().item())
+        mine, theirs = p.grad, ref_params[name].grad
+        if mine is None or theirs is None:  # e.g. the first read has one source: no query gradient
+            assert mine is None and theirs is None, name
+            continue
+        worst = max(worst, (mine - theirs).abs().max().item())
     return (loss.item() if loss is not None else None), ref_loss, worst, stats.bytes_sent
 
 
@@ -91,3 +94,48 @@ def test_pipeline_matches_single_process(
     assert last[0] == pytest.approx(last[1], abs=1e-6)
     for _, _, worst, _ in results:
         assert worst < 1e-6
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_measured_bytes_match_hop_sizes(dist_pool, cache):
+    cfg = _cfg("block", 8)
+    results = dist_pool(2).run(_pipeline_parity, "block", 8, 2, "1f1b", cache)
+    dc = DepthCache(cfg, split_layers(8, 4), 2, enabled=cache)
+    tensors_per_step = 2 * MICRO * sum(dc.hop_size(u) for u in range(3))  # forward + backward hops
+    assert sum(r[3] for r in results) == tensors_per_step * SEQ * cfg.dim * 4
+
+
+def _exactness(residual, n_layers, virtual, schedule, cache, read):
+    loss, ref_loss, worst, _ = _pipeline_parity(residual, n_layers, virtual, schedule, cache, read)
+    return (loss is None or loss == ref_loss), worst
+
+
+BITWISE = (
+    [("standard", v, c, "two_phase") for v in (1, 2) for c in (True, False)]
+    + [(r, 1, True, "efficient") for r in ("full", "block")]
+    + [(r, 2, False, "efficient") for r in ("full", "block")]
+)
+ROUNDING = [
+    ("block", 2, True, "efficient"),
+    ("full", 2, True, "efficient"),
+    ("block", 1, True, "two_phase"),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bitwise_equal_to_single_process(dist_pool, world):
+    """Losses and every gradient bit-identical to one process (fp32, CPU) wherever the gradient
+    accumulation order can be the single-process one; see docs/pipeline.md for the exceptions."""
+    for residual, virtual, cache, read in BITWISE:
+        for same_loss, worst in dist_pool(world).run(
+            _exactness, residual, 8, virtual, "1f1b", cache, read
+        ):
+            assert same_loss and worst == 0.0, (residual, virtual, cache, read)
+
+
+def test_documented_exceptions_differ_only_by_rounding(dist_pool):
+    """Cached blocks' gradient deposits (V > 1) and phase-1 batches split by a stage cut add the same
+    terms in another order: differences stay at fp32 rounding level."""
+    for residual, virtual, cache, read in ROUNDING:
+        for _, worst in dist_pool(2).run(_exactness, residual, 8, virtual, "1f1b", cache, read):
+            assert worst < 1e-7, (residual, virtual, cache, read)
