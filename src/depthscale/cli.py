@@ -30,7 +30,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from depthscale.parallel.mesh import ParallelDims
         from depthscale.parallel.parallelize import check_supported
 
-        check_supported(ParallelDims.from_config(cfg.parallel))
+        check_supported(ParallelDims.from_config(cfg.parallel), cfg.parallel.pp_virtual)
         passthrough = ["-c", args.config] if args.config else []
         launch(cfg.parallel.nproc, [*passthrough, *overrides])
         return 0

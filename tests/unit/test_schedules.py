@@ -107,3 +107,15 @@ def test_bad_arguments():
 def test_format_is_readable():
     text = format_schedule(one_f_one_b(2, 2))
     assert text.splitlines() == ["rank 0: F0.0 F1.0 B0.0 B1.0", "rank 1: F0.1 B0.1 F1.1 B1.1"]
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 1, 3), (4, 2, 5), (3, 3, 1)])
+def test_forward_only_schedule_runs(p, v, m):
+    from depthscale.parallel.pipeline.schedules import forward_only
+
+    schedule = forward_only(p, v, m)
+    assert all(
+        a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F) for actions in schedule for a in actions
+    )
+    assert sum(a.kind == Kind.F for actions in schedule for a in actions) == p * v * m
+    simulate(schedule)

@@ -18,12 +18,15 @@ from depthscale.model.transformer import Transformer
 from depthscale.parallel.mesh import ParallelDims
 
 
-def check_supported(dims: ParallelDims) -> None:
-    if dims.pp > 1:
+def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
+    """Layouts this build can run; anything else fails here, before a process group starts."""
+    if dims.pp > 1 and dims.world_size != dims.pp:
         raise ConfigError(
-            f"parallel.pp={dims.pp}: pipeline parallelism is not available in this build; "
-            "allowed: 1"
+            f"parallel.pp={dims.pp} combined with dp/cp/tp is not available in this "
+            "build; allowed: pipeline parallelism alone (all other degrees 1)"
         )
+    if virtual > 1 and dims.pp == 1:
+        raise ConfigError(f"parallel.pp_virtual={virtual} needs parallel.pp > 1")
     if dims.cp > 1:
         raise ConfigError(
             f"parallel.cp={dims.cp}: context parallelism is not available in this build; allowed: 1"
@@ -38,9 +41,16 @@ def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, 
     return rank, dims.dp
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: Config) -> None:
-    """Shard and wrap `model` in place for the layout `dims` on `mesh`."""
-    check_supported(dims)
+def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: Config) -> list:
+    """Shard and wrap `model` in place for the layout `dims` on `mesh`; returns this rank's pipeline
+    stages (empty without pipeline parallelism). The pipeline split comes first: it decides which
+    layers a rank keeps, and everything after applies to those."""
+    check_supported(dims, cfg.parallel.pp_virtual)
+    stages = []
+    if dims.pp > 1:
+        from depthscale.parallel.pipeline.stage import build_stages
+
+        stages = build_stages(model, mesh.get_local_rank("pp"), dims.pp, cfg.parallel.pp_virtual)
     if dims.tp > 1:
         from depthscale.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -61,3 +71,4 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: C
         from depthscale.parallel.data_parallel import apply_ddp
 
         apply_ddp(model, mesh["dp_replicate"])
+    return stages

@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.mesh import ParallelDims, init_distributed
 from depthscale.parallel.parallelize import check_supported, dp_rank_and_size, parallelize
+from depthscale.parallel.pipeline.depth_cache import DepthCache
+from depthscale.parallel.pipeline.runtime import PipelineRuntime
+from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
+from depthscale.parallel.pipeline.stage import split_layers
 from depthscale.train.checkpoint import Checkpointer, CheckpointError
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
@@ -67,7 +72,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel)
         self.env = init_distributed(self.device.type)
         self.dims.validate(self.env.world_size)
-        check_supported(self.dims)
+        check_supported(self.dims, cfg.parallel.pp_virtual)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.env.local_rank)
         self.mesh = self.dims.build_mesh(self.device.type) if self.env.world_size > 1 else None
@@ -91,8 +96,11 @@ class Trainer:
         resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
         # Every rank builds the same model from the same seed; parallelizing then only slices it.
         self.model = Transformer(cfg.model).to(self.device)
+        self.pipeline = None
         if self.mesh is not None:
-            parallelize(self.model, self.mesh, self.dims, cfg)
+            stages = parallelize(self.model, self.mesh, self.dims, cfg)
+            if stages:
+                self.pipeline = _build_pipeline(cfg, self.mesh, stages)
         # static shapes: train and eval batches differ, and dynamic-shape tracing of the custom AttnRes
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
         self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
@@ -151,11 +159,20 @@ class Trainer:
         set_lr(self.optimizer, lr)
         inputs, labels = self.batches.next_batch()
         accum = cfg.grad_accum_steps
-        total = torch.zeros((), device=self.device)
-        for x, y in zip(inputs.chunk(accum), labels.chunk(accum)):
-            loss = self.loss(x, y) / accum
-            loss.backward()
-            total += loss.detach()
+        if self.pipeline is not None:
+            total = self._pipeline_loss(inputs, labels, forward_only=False)
+        else:
+            total = torch.zeros((), device=self.device)
+            for x, y in zip(inputs.chunk(accum), labels.chunk(accum)):
+                loss = self.loss(x, y) / accum
+                loss.backward()
+                total += loss.detach()
+        if self.dims.tp > 1:
+            from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
+
+            tp_sync_replicated_grads(
+                self.model
+            )  # norms / AttnRes queries saw only this rank's tokens
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -163,10 +180,27 @@ class Trainer:
         self.tokens_seen += self.tokens_per_step
         return {"loss": self._mean_over_ranks(total), "lr": lr, "grad_norm": grad_norm}
 
+    def _pipeline_loss(self, inputs: Tensor, labels: Tensor, forward_only: bool) -> Tensor:
+        """Run the pipeline schedule over `grad_accum_steps` micro-batches; every pipeline rank gets
+        the loss (computed on the last stage) so logging works on rank 0."""
+        accum = self.cfg.grad_accum_steps
+        xs = [x.to(self.device) for x in inputs.chunk(accum)]
+        ys = [y.to(self.device) for y in labels.chunk(accum)]
+        shape = (xs[0].shape[0], xs[0].shape[1], self.cfg.model.dim)
+        runtime = self.pipeline.evaluation(len(xs)) if forward_only else self.pipeline.train
+        dtype = self.dtype if self.dtype != torch.float32 else torch.float32
+        with self.autocast():
+            loss, _ = runtime.step(xs, ys, shape, dtype, self.device)
+        total = loss if loss is not None else torch.zeros((), device=self.device)
+        dist.all_reduce(
+            total, group=self.pipeline.group
+        )  # only the last stage holds a non-zero loss
+        return total
+
     def _mean_over_ranks(self, value: Tensor) -> float:
         """Each dp rank's loss is the mean over its own tokens (ranks hold equal token counts), and tp
         ranks repeat it, so the global mean is the mean over all ranks."""
-        if self.env.world_size > 1:
+        if self.env.world_size > 1 and self.pipeline is None:
             value = value.clone()
             dist.all_reduce(value)
             value /= self.env.world_size
@@ -174,6 +208,8 @@ class Trainer:
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.pipeline is not None:
+            return _clip_across_stages(params, self.cfg.train.grad_clip, self.pipeline.group)
         if self.mesh is not None:
             from depthscale.parallel.data_parallel import clip_grad_norm_
 
@@ -189,12 +225,11 @@ class Trainer:
         if self.data.val is None:
             return None
         self.model.eval()
-        losses = [
-            self._mean_over_ranks(self.loss(x, y))
-            for x, y in self.data.val.iter_eval(
-                self.cfg.train.eval_batches, self.dp_rank, self.dp_size
-            )
-        ]
+        batches = self.data.val.iter_eval(self.cfg.train.eval_batches, self.dp_rank, self.dp_size)
+        if self.pipeline is not None:
+            losses = [self._pipeline_loss(x, y, forward_only=True).item() for x, y in batches]
+        else:
+            losses = [self._mean_over_ranks(self.loss(x, y)) for x, y in batches]
         self.model.train()
         return sum(losses) / len(losses) if losses else None
 
@@ -265,6 +300,53 @@ class Trainer:
             f"{self.checkpointer.latest()}"
         )
         return history
+
+
+@dataclass
+class _Pipeline:
+    train: PipelineRuntime
+    group: dist.ProcessGroup
+    stages: list
+    rank: int
+    layers: list
+
+    def evaluation(self, microbatches: int) -> PipelineRuntime:
+        cfg_pp, virtual = self.train.cache.ranks, len(self.stages)
+        actions = forward_only(cfg_pp, virtual, microbatches)[self.rank]
+        return PipelineRuntime(self.stages, actions, self.group, self.train.cache)
+
+
+def _build_pipeline(cfg: Config, mesh, stages: list) -> _Pipeline:
+    """Runtimes for the training schedule and a forward-only pass (evaluation) on the `pp` group."""
+    pp, virtual = cfg.parallel.pp, cfg.parallel.pp_virtual
+    accum = cfg.grad_accum_steps
+    if virtual > 1 and accum % pp:
+        raise ConfigError(
+            f"interleaved 1F1B needs the micro-batches per step (train.batch_size / "
+            f"train.micro_batch_size = {accum}) divisible by parallel.pp={pp}"
+        )
+    group = mesh["pp"].get_group()
+    rank = mesh.get_local_rank("pp")
+    layers = split_layers(cfg.model.n_layers, pp * virtual)
+    cache = DepthCache(cfg.model, layers, pp, enabled=True)
+    train = PipelineRuntime(stages, interleaved_1f1b(pp, virtual, accum)[rank], group, cache)
+    return _Pipeline(train, group, stages, rank, layers)
+
+
+def _clip_across_stages(params: list[Tensor], max_norm: float, group) -> float:
+    """Global gradient norm when each pipeline rank holds different parameters."""
+    local = (
+        torch.stack([p.grad.detach().float().pow(2).sum() for p in params]).sum()
+        if params
+        else torch.zeros(())
+    )
+    dist.all_reduce(local, group=group)
+    norm = local.sqrt()
+    if max_norm > 0:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(scale)
+    return float(norm)
 
 
 def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:

@@ -137,6 +137,9 @@ class DepthCache:
     def input_grads(recv: Tensor) -> Tensor:
         return recv.grad if recv.grad is not None else torch.zeros_like(recv)
 
+    def clear(self) -> None:
+        self.micro.clear()
+
     def finish(self, microbatch: int) -> None:
         mic = self.micro.pop(microbatch, None)
         if mic is not None:

@@ -156,6 +156,7 @@ class PipelineRuntime:
                 stats.messages += 1
         for work, _ in sends:
             work.wait()
+        self.cache.clear()  # a forward-only pass leaves its microbatches behind
         return total_loss, stats
 
 

@@ -160,6 +160,17 @@ def _with_communication(layout: Layout, orders: list[list[tuple]]) -> Schedule:
     return schedule
 
 
+def forward_only(ranks: int, virtual: int, microbatches: int) -> Schedule:
+    """Evaluation: forwards only, in (microbatch, stage) order on every rank (deadlock-free: a rank
+    only ever waits for an earlier (microbatch, stage))."""
+    layout = Layout(ranks, virtual)
+    orders = [
+        [("F", m, s) for m in range(microbatches) for s in layout.stages_of(r)]
+        for r in range(ranks)
+    ]
+    return _with_communication(layout, orders)
+
+
 def build_schedule(name: str, ranks: int, virtual: int, microbatches: int) -> Schedule:
     if name == "gpipe":
         if virtual != 1:
