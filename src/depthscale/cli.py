@@ -89,6 +89,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
+    if args.what == "schedule":
+        return _trace_schedule(args)
     import json
 
     from depthscale.data.loader import build_data
@@ -106,6 +108,25 @@ def _trace(args: argparse.Namespace) -> int:
     plot_depth_trace(trace, out)
     out.with_suffix(".json").write_text(json.dumps(vars(trace), indent=1))
     print(f"wrote {out} and {out.with_suffix('.json')}")
+    return 0
+
+
+def _trace_schedule(args: argparse.Namespace) -> int:
+    from depthscale.observe.schedule_plot import plot_timeline
+    from depthscale.parallel.pipeline.schedules import build_schedule, simulate
+
+    schedule = build_schedule(args.schedule, args.pp, args.virtual, args.microbatches)
+    timeline = simulate(schedule, forward_cost=1.0, backward_cost=2.0)
+    bubble = timeline.bubble_ratio(1.0, 2.0)
+    out = Path(
+        args.out or f"schedule_{args.schedule}_p{args.pp}_v{args.virtual}_m{args.microbatches}.png"
+    )
+    title = (
+        f"{args.schedule} P={args.pp} V={args.virtual} M={args.microbatches}: bubble {bubble:.3f} "
+        f"(theory (P-1)/(V·M) = {(args.pp - 1) / (args.virtual * args.microbatches):.3f})"
+    )
+    plot_timeline(timeline, out, title)
+    print(f"wrote {out}; bubble {bubble:.4f}; peak in-flight per rank {timeline.peak_in_flight}")
     return 0
 
 
@@ -139,16 +160,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--checkpoint", help="a step_* directory (default: the newest in the run)")
 
-    trace = sub.add_parser("trace", help="diagnostic pictures of a trained run")
+    trace = sub.add_parser(
+        "trace", help="diagnostic pictures: AttnRes depth weights, pipeline schedules"
+    )
     trace.add_argument(
         "what",
-        choices=["depth"],
-        help="depth: AttnRes depth-attention weights per sublayer and output RMS per sublayer",
+        choices=["depth", "schedule"],
+        help="depth: AttnRes depth-attention weights and output RMS per sublayer of a run; "
+        "schedule: a pipeline schedule per rank (simulated, with its bubble)",
     )
-    trace.add_argument("--run", required=True, help="run directory")
-    trace.add_argument("--checkpoint", help="a step_* directory (default: the newest)")
-    trace.add_argument("--batch", type=int, default=4, help="held-out sequences to average over")
-    trace.add_argument("--out", help="PNG path (default: RUN/depth_trace.png; a .json beside it)")
+    trace.add_argument("--run", help="depth: run directory")
+    trace.add_argument("--checkpoint", help="depth: a step_* directory (default: the newest)")
+    trace.add_argument(
+        "--batch", type=int, default=4, help="depth: held-out sequences to average over"
+    )
+    trace.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    trace.add_argument("--pp", type=int, default=4, help="schedule: pipeline ranks")
+    trace.add_argument("--virtual", type=int, default=1, help="schedule: virtual stages per rank")
+    trace.add_argument(
+        "--microbatches", type=int, default=8, help="schedule: microbatches per step"
+    )
+    trace.add_argument(
+        "--out", help="PNG path (depth default: RUN/depth_trace.png, with a .json beside it)"
+    )
 
     conv = sub.add_parser("convert", help="convert between Hugging Face Llama and depthscale runs")
     conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])
@@ -174,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "trace":
+            if args.what == "depth" and not args.run:
+                parser.error("trace depth needs --run DIR")
             return _trace(args)
         if args.command == "convert":
             if args.direction == "hf-to-ds" and not args.hf:

@@ -187,3 +187,10 @@ def test_convert_round_trip_through_hugging_face(tmp_path):
     tokens = torch.randint(0, 128, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_trace_schedule_draws_png_and_reports_bubble(tmp_path):
+    out = cli("trace", "schedule", "--pp", "2", "--virtual", "2", "--microbatches", "4",
+              "--out", str(tmp_path / "s.png"), cwd=tmp_path)
+    assert "bubble 0.1250" in out.stdout  # (P-1)/(V·M) = 1/8
+    assert (tmp_path / "s.png").stat().st_size > 1000
