@@ -9,6 +9,7 @@ stage cut (no shape handshake). The cross-stage cache decides which blocks a hop
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,13 @@ class StepStats:
     bytes_sent: int = 0
     messages: int = 0
     per_hop_bytes: list[int] = field(default_factory=list)
+    compute_s: float = 0.0  # time inside forward/backward compute
+    step_s: float = 0.0  # wall time of the whole step on this rank
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle (waiting) time over compute time; compare with (P−1)/(V·M)."""
+        return (self.step_s - self.compute_s) / self.compute_s if self.compute_s else 0.0
 
 
 class PipelineRuntime:
@@ -72,6 +80,7 @@ class PipelineRuntime:
         sends: list[tuple[dist.Work, Tensor]] = []
         stats = StepStats()
         total_loss: Tensor | None = None
+        step_start = time.perf_counter()
 
         def post(a: Action) -> None:
             key = (a.kind, a.microbatch, a.stage)
@@ -109,6 +118,7 @@ class PipelineRuntime:
                     if recv_a is not None:
                         unit.recv = take(recv_a).requires_grad_()
                     state_in = self.cache.receive(a.stage, a.microbatch, unit.recv)
+                t0 = time.perf_counter()
                 state_out = stage(state_in)
                 if stage.spec.is_last:
                     loss = stage.loss(state_out, micro_labels[a.microbatch]) / n_micro
@@ -116,6 +126,7 @@ class PipelineRuntime:
                     total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
                 else:
                     unit.outputs = self.cache.produced(a.stage, a.microbatch, state_out)
+                stats.compute_s += time.perf_counter() - t0
                 units[(a.microbatch, a.stage)] = unit
             elif a.kind == Kind.SEND_F:
                 unit = units[(a.microbatch, a.stage)]
@@ -131,6 +142,7 @@ class PipelineRuntime:
                 stage = self.stages[a.stage]
                 unit = units.pop((a.microbatch, a.stage))
                 if stage.spec.is_last:
+                    t0 = time.perf_counter()
                     unit.loss.backward()
                 else:
                     recv_a = pending_recv.pop((Kind.RECV_B, a.microbatch, a.stage), None)
@@ -138,7 +150,9 @@ class PipelineRuntime:
                     tensors, grads = self.cache.backward_targets(
                         a.stage, a.microbatch, unit.outputs, grad_hop
                     )
+                    t0 = time.perf_counter()
                     torch.autograd.backward(tensors, grads)
+                stats.compute_s += time.perf_counter() - t0
                 unit.outputs = []
                 if unit.recv is not None:
                     grads_to_send[(a.microbatch, a.stage)] = self.cache.input_grads(unit.recv)
@@ -157,6 +171,7 @@ class PipelineRuntime:
         for work, _ in sends:
             work.wait()
         self.cache.clear()  # a forward-only pass leaves its microbatches behind
+        stats.step_s = time.perf_counter() - step_start
         return total_loss, stats
 
 
