@@ -89,7 +89,7 @@ def _worker(rank: int, args, port: int, out) -> None:
         dist.all_reduce(sent)
         bubble = torch.tensor([statistics.median(s.bubble_ratio for s in stats)])
         dist.all_reduce(bubble)
-        results["%s_cache_%s" % key] = {
+        results[f"{key[0]}_cache_{key[1]}"] = {
             "step_s": step.item(),
             "bytes_per_step": int(sent.item()),
             "bubble_ratio_mean_over_ranks": bubble.item() / args.pp,
