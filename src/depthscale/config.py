@@ -36,6 +36,10 @@ class ModelConfig:
     ffn_dim: int = 0
     """SwiGLU hidden size; 0 means the Llama rule: 8/3·dim rounded up to `multiple_of`."""
     multiple_of: int = 32
+    ffn_chunk_size: int = 0
+    """Blockwise FFN (BPT): run the MLP over chunks of this many sequence positions, recomputing
+    each chunk in backward, so its [tokens, ffn_dim] intermediates never exist for the whole
+    sequence at once (exact; costs one extra MLP forward in training). 0 = off."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
@@ -105,7 +109,8 @@ class TrainConfig:
     batch_size: int = 16
     """Global batch: sequences per optimizer step."""
     micro_batch_size: int = 0
-    """Sequences per forward/backward; 0 = batch_size. Gradient accumulation = batch_size / micro_batch_size."""
+    """Sequences per forward/backward on one data-parallel rank; 0 = the rank's whole share of the
+    batch (with pipeline parallelism: 2·pp micro-batches). Accumulation = batch / (dp · micro)."""
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (parameters and optimizer state stay float32)."""
@@ -188,8 +193,26 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
+    def micro_batch_size(self) -> int:
+        """train.micro_batch_size, or its default: a data-parallel rank's whole share of the batch,
+        except under pipeline parallelism, where 2·pp micro-batches per rank keep the bubble small."""
+        if self.train.micro_batch_size:
+            return self.train.micro_batch_size
+        per_rank = max(1, self.train.batch_size // self.dp_degree)
+        if self.parallel.pp > 1:
+            for micro in (2 * self.parallel.pp, self.parallel.pp):
+                if per_rank % micro == 0:
+                    return per_rank // micro
+        return per_rank
+
+    @property
+    def dp_degree(self) -> int:
+        return self.parallel.dp_replicate * self.parallel.dp_shard
+
+    @property
     def grad_accum_steps(self) -> int:
-        return self.train.batch_size // (self.train.micro_batch_size or self.train.batch_size)
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return self.train.batch_size // (self.dp_degree * self.micro_batch_size)
 
     @property
     def run_path(self) -> Path:
@@ -214,6 +237,7 @@ class Config:
             "model.vocab_size",
             "model.n_kv_heads",
             "model.ffn_dim",
+            "model.ffn_chunk_size",
             "model.sliding_window",
             "train.micro_batch_size",
             "train.grad_clip",
@@ -253,10 +277,16 @@ class Config:
                 f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
                 f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
             )
-        mb = t.micro_batch_size or t.batch_size
-        if t.batch_size % mb:
+        dp = self.dp_degree
+        if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):
             raise ConfigError(
-                f"train.micro_batch_size={mb} must divide train.batch_size={t.batch_size}"
+                f"train.micro_batch_size={t.micro_batch_size} × data-parallel ranks ({dp}) must divide "
+                f"train.batch_size={t.batch_size}"
+            )
+        if not t.micro_batch_size and t.batch_size % dp:
+            raise ConfigError(
+                f"train.batch_size={t.batch_size} must divide evenly over the {dp} data-parallel ranks "
+                "(parallel.dp_replicate × parallel.dp_shard)"
             )
         if not 0.0 <= d.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")

@@ -9,12 +9,17 @@ from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.runtime import PipelineRuntime
 from depthscale.parallel.pipeline.schedules import build_schedule
-from depthscale.parallel.pipeline.stage import build_stages, split_layers
+from depthscale.parallel.pipeline.stage import (
+    build_stages,
+    split_layers,
+    sync_tied_grads,
+    tied_embedding_ranks,
+)
 
 MICRO, SEQ = 4, 16
 
 
-def _cfg(residual, n_layers, read="two_phase"):
+def _cfg(residual, n_layers, read="two_phase", tie=False):
     return ModelConfig(
         vocab_size=64,
         dim=32,
@@ -22,7 +27,7 @@ def _cfg(residual, n_layers, read="two_phase"):
         n_heads=4,
         n_kv_heads=2,
         max_seq_len=SEQ,
-        tie_embeddings=False,
+        tie_embeddings=tie,
         residual=residual,
         attnres_block_size=3,
         attnres_read=read,
@@ -40,9 +45,9 @@ def _reference(cfg, tokens, labels):
     return model, total.item()
 
 
-def _pipeline_parity(residual, n_layers, virtual, schedule, cache, read="two_phase"):
+def _pipeline_parity(residual, n_layers, virtual, schedule, cache, read="two_phase", tie=False):
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = _cfg(residual, n_layers, read)
+    cfg = _cfg(residual, n_layers, read, tie)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (MICRO, SEQ), generator=g)
     labels = torch.randint(0, 64, (MICRO, SEQ), generator=g)
@@ -60,7 +65,12 @@ def _pipeline_parity(residual, n_layers, virtual, schedule, cache, read="two_pha
         torch.float32,
         torch.device("cpu"),
     )
-    ref_params = dict(ref.named_parameters())
+    tied = tied_embedding_ranks(cfg, world)
+    if tied is not None:
+        group = dist.new_group(list(tied))
+        if rank in tied:
+            sync_tied_grads(model, group)
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
     for name, p in model.named_parameters():
         mine, theirs = p.grad, ref_params[name].grad
@@ -139,3 +149,14 @@ def test_documented_exceptions_differ_only_by_rounding(dist_pool):
     for residual, virtual, cache, read in ROUNDING:
         for _, worst in dist_pool(2).run(_exactness, residual, 8, virtual, "1f1b", cache, read):
             assert worst < 1e-7, (residual, virtual, cache, read)
+
+
+@pytest.mark.parametrize("world,n_layers,virtual", [(2, 4, 2), (4, 4, 2), (4, 2, 1)])
+def test_tied_embeddings_and_more_stages_than_layers(dist_pool, world, n_layers, virtual):
+    """Tied embedding/head copies on the first and last stage's ranks get the summed gradient; stages
+    without layers pass the depth state through."""
+    results = dist_pool(world).run(
+        _pipeline_parity, "block", n_layers, virtual, "1f1b", True, "two_phase", True
+    )
+    assert results[-1][0] == pytest.approx(results[-1][1], abs=1e-6)
+    assert all(worst < 1e-6 for _, _, worst, _ in results)

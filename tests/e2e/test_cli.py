@@ -136,7 +136,10 @@ def test_generate_and_trace(trained_run):
         (["--model.n_heads", "3"], "model.n_heads=3 must divide model.dim=32"),
         (["--data.path", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
         (["--parallel.tp", "2"], "parallel layout needs 2 processes; add --nproc 2"),
-        (["--parallel.pp", "2", "--nproc", "2"], "pipeline parallelism is not available"),
+        (
+            ["--parallel.pp", "2", "--parallel.tp", "2", "--nproc", "4"],
+            "combined with dp/cp/tp is not available",
+        ),
         (["--parallel.dp_shard", "2", "--nproc", "4"], "= 2 processes, but --nproc is 4"),
     ],
 )
@@ -190,7 +193,18 @@ def test_convert_round_trip_through_hugging_face(tmp_path):
 
 
 def test_trace_schedule_draws_png_and_reports_bubble(tmp_path):
-    out = cli("trace", "schedule", "--pp", "2", "--virtual", "2", "--microbatches", "4",
-              "--out", str(tmp_path / "s.png"), cwd=tmp_path)
+    out = cli(
+        "trace",
+        "schedule",
+        "--pp",
+        "2",
+        "--virtual",
+        "2",
+        "--microbatches",
+        "4",
+        "--out",
+        str(tmp_path / "s.png"),
+        cwd=tmp_path,
+    )
     assert "bubble 0.1250" in out.stdout  # (P-1)/(V·M) = 1/8
     assert (tmp_path / "s.png").stat().st_size > 1000

@@ -64,7 +64,7 @@ def test_toml_round_trip(tmp_path):
         (
             "",
             ["--train.micro_batch_size", "5"],
-            r"train.micro_batch_size=5 must divide train.batch_size=16",
+            r"train.micro_batch_size=5 × data-parallel ranks \(1\) must divide train.batch_size=16",
         ),
         ("", ["--model.n_kv_heads", "3"], r"model.n_kv_heads=3 must divide model.n_heads=4"),
         ("", ["--data.seq_len", "8192"], r"data.seq_len=8192 exceeds model.max_seq_len=4096"),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from depthscale.config import ModelConfig
 
@@ -140,11 +141,27 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """w_down(silu(w_gate x) · w_up x). With `chunk_size` > 0 (blockwise FFN, as in BPT) the MLP runs
+    over chunks of that many sequence positions (dim -2); under autograd each chunk is checkpointed
+    (non-reentrant), so backward keeps only the input and recomputes one chunk's [chunk, hidden]
+    intermediates at a time. Exact; the price is one extra MLP forward per training step."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.chunk_size = cfg.ffn_chunk_size
         self.w_gate = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.w_up = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.w_down = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def mlp(self, x: Tensor) -> Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.chunk_size <= 0 or x.dim() < 2 or x.shape[-2] <= self.chunk_size:
+            return self.mlp(x)
+        chunks = x.split(self.chunk_size, dim=-2)
+        if torch.is_grad_enabled() and (x.requires_grad or self.w_up.weight.requires_grad):
+            outs = [checkpoint(self.mlp, c, use_reentrant=False) for c in chunks]
+        else:
+            outs = [self.mlp(c) for c in chunks]
+        return torch.cat(outs, dim=-2)

@@ -30,7 +30,7 @@ from depthscale.parallel.parallelize import check_supported, dp_rank_and_size, p
 from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.runtime import PipelineRuntime
 from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
-from depthscale.parallel.pipeline.stage import split_layers
+from depthscale.parallel.pipeline.stage import split_layers, sync_tied_grads, tied_embedding_ranks
 from depthscale.train.checkpoint import Checkpointer, CheckpointError
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
@@ -77,11 +77,6 @@ class Trainer:
             self.device = torch.device("cuda", self.env.local_rank)
         self.mesh = self.dims.build_mesh(self.device.type) if self.env.world_size > 1 else None
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
-        if cfg.train.batch_size % (self.dp_size * cfg.grad_accum_steps):
-            raise ConfigError(
-                f"train.batch_size={cfg.train.batch_size} must divide into {self.dp_size} "
-                f"data-parallel ranks × {cfg.grad_accum_steps} micro-batches"
-            )
         self.dtype = DTYPES[cfg.train.dtype]
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -167,6 +162,8 @@ class Trainer:
                 loss = self.loss(x, y) / accum
                 loss.backward()
                 total += loss.detach()
+        if self.pipeline is not None and self.pipeline.tied_group is not None:
+            sync_tied_grads(self.model, self.pipeline.tied_group)
         if self.dims.tp > 1:
             from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
 
@@ -309,6 +306,7 @@ class _Pipeline:
     stages: list
     rank: int
     layers: list
+    tied_group: dist.ProcessGroup | None
 
     def evaluation(self, microbatches: int) -> PipelineRuntime:
         cfg_pp, virtual = self.train.cache.ranks, len(self.stages)
@@ -330,7 +328,13 @@ def _build_pipeline(cfg: Config, mesh, stages: list) -> _Pipeline:
     layers = split_layers(cfg.model.n_layers, pp * virtual)
     cache = DepthCache(cfg.model, layers, pp, enabled=True)
     train = PipelineRuntime(stages, interleaved_1f1b(pp, virtual, accum)[rank], group, cache)
-    return _Pipeline(train, group, stages, rank, layers)
+    tied = tied_embedding_ranks(cfg.model, pp)
+    tied_group = None
+    if tied is not None:  # every rank takes part in creating the group; only the two use it
+        tied_group = dist.new_group([dist.get_global_rank(group, r) for r in tied])
+        if rank not in tied:
+            tied_group = None
+    return _Pipeline(train, group, stages, rank, layers, tied_group)
 
 
 def _clip_across_stages(params: list[Tensor], max_norm: float, group) -> float:

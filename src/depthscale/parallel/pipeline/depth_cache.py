@@ -69,12 +69,12 @@ class DepthCache:
     def start(self, microbatch: int) -> None:
         self.micro[microbatch] = _Micro()
 
-    def receive(self, stage: int, microbatch: int, hop: Tensor) -> DepthState:
+    def receive(self, stage: int, microbatch: int, hop: Tensor | None) -> DepthState:
         """The input state of `stage`: cached blocks + the hop's blocks (+ the hop's partial sum)."""
         u = stage - 1
         mic = self.micro.setdefault(microbatch, _Micro())
         c, k, has_p = self.cached(u), self.k[u], self.partial[u]
-        new = [hop[int(has_p) + i] for i in range(k - c)]
+        new = [hop[int(has_p) + i] for i in range(k - c)] if hop is not None else []
         del mic.blocks[c:]  # stale entries beyond what this hop replaces (cache off: everything)
         mic.blocks.extend(_Entry(t, None) for t in new)
         blocks = [self._read(e) for e in mic.blocks[:c]] + new
@@ -96,12 +96,14 @@ class DepthCache:
                 mic.blocks.append(_Entry(block, stage))
         return ([state.partial] if state.partial is not None else []) + list(state.blocks)
 
-    def outgoing(self, stage: int, microbatch: int, outputs: list[Tensor]) -> Tensor:
-        """The packed hop: partial sum, then the blocks the receiver lacks."""
+    def outgoing(self, stage: int, microbatch: int, outputs: list[Tensor]) -> Tensor | None:
+        """The packed hop: partial sum, then the blocks the receiver lacks (None: nothing to send)."""
         has_p = self.partial[stage]
         c = self.cached(stage)
         blocks = outputs[int(has_p) :]
         parts = ([outputs[0]] if has_p else []) + blocks[c:]
+        if not parts:
+            return None
         return torch.stack([t.detach() for t in parts]).contiguous()
 
     # -- backward -----------------------------------------------------------------------------

@@ -90,13 +90,17 @@ class PipelineRuntime:
                 n = self.cache.hop_size(a.stage - 1, a.microbatch)
             else:
                 n = self.cache.hop_size(a.stage, a.microbatch)
+            if n == 0:  # the receiver already holds everything: both ends skip this hop
+                posted[key] = (None, None)
+                return
             buf = torch.empty((n, *shape), dtype=dtype, device=device)
             work = dist.irecv(buf, src=self._global(a.peer), group=self.group, tag=_tag(a))
             posted[key] = (work, buf)
 
         def take(a: Action) -> Tensor:
             work, buf = posted.pop((a.kind, a.microbatch, a.stage))
-            work.wait()
+            if work is not None:
+                work.wait()
             return buf
 
         pending_recv: dict[tuple, Action] = {}
@@ -115,8 +119,9 @@ class PipelineRuntime:
                     self.cache.start(a.microbatch)
                 else:
                     recv_a = pending_recv.pop((Kind.RECV_F, a.microbatch, a.stage), None)
-                    if recv_a is not None:
-                        unit.recv = take(recv_a).requires_grad_()
+                    unit.recv = take(recv_a) if recv_a is not None else None
+                    if unit.recv is not None:
+                        unit.recv.requires_grad_()
                     state_in = self.cache.receive(a.stage, a.microbatch, unit.recv)
                 t0 = time.perf_counter()
                 state_out = stage(state_in)
@@ -131,6 +136,9 @@ class PipelineRuntime:
             elif a.kind == Kind.SEND_F:
                 unit = units[(a.microbatch, a.stage)]
                 hop = self.cache.outgoing(a.stage, a.microbatch, unit.outputs)
+                if hop is None:
+                    stats.per_hop_bytes.append(0)
+                    continue
                 unit.sent = hop
                 sends.append(
                     (dist.isend(hop, dst=self._global(a.peer), group=self.group, tag=_tag(a)), hop)
@@ -159,6 +167,8 @@ class PipelineRuntime:
                 if a.stage == min(self.stages):  # the rank's last backward for this microbatch
                     self.cache.finish(a.microbatch)
             elif a.kind == Kind.SEND_B:
+                if (a.microbatch, a.stage) not in grads_to_send:
+                    continue  # an empty forward hop has an empty gradient hop
                 grad = grads_to_send.pop((a.microbatch, a.stage)).contiguous()
                 sends.append(
                     (

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from depthscale.config import ModelConfig
-from depthscale.errors import ConfigError
 from depthscale.model.residual import DepthState, block_assignment, link_groups
 from depthscale.model.transformer import Transformer, cross_entropy
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous, balanced layer ranges; earlier stages take the remainder."""
-    if n_layers < n_stages:
-        raise ConfigError(
-            f"model.n_layers={n_layers} is fewer than the pipeline stages "
-            f"(parallel.pp × parallel.pp_virtual = {n_stages}); allowed: >= {n_stages}"
-        )
+    """Contiguous, balanced layer ranges; earlier stages take the remainder. With fewer layers than
+    stages the trailing stages are empty and just pass the depth state on (the last adds the head)."""
     base, extra = divmod(n_layers, n_stages)
     bounds, start = [], 0
     for s in range(n_stages):
@@ -112,12 +108,6 @@ def build_stages(
     """This rank's stages (rank r holds stages r, r+P, ...); drops the layers it does not run."""
     cfg = model.cfg
     n_stages = pp_size * virtual
-    if n_stages > 1 and cfg.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings=true cannot be split across pipeline stages (the "
-            "embedding lives on the first stage, the head on the last); allowed with "
-            "parallel.pp > 1: model.tie_embeddings = false"
-        )
     ranges = split_layers(cfg.n_layers, n_stages)
     specs = [StageSpec(s, n_stages, ranges[s]) for s in range(pp_rank, n_stages, pp_size)]
     keep = {str(i) for spec in specs for i in spec.layers}
@@ -128,3 +118,26 @@ def build_stages(
     if not specs[-1].is_last:
         model.norm = model.output = model.output_residual = None
     return [PipelineStage(model, spec) for spec in specs]
+
+
+def tied_embedding_ranks(cfg: ModelConfig, pp_size: int) -> tuple[int, int] | None:
+    """Pipeline ranks holding a copy of a tied embedding/head weight (first and last stage), or None.
+
+    With tied embeddings the first stage's rank keeps the embedding and the last stage's rank keeps
+    the same weight as its head (equal at init: every rank built the same model). Summing their
+    gradients over these two ranks after backward keeps the copies identical, Megatron-style."""
+    if not cfg.tie_embeddings or pp_size == 1:
+        return None
+    return 0, pp_size - 1
+
+
+def sync_tied_grads(model: Transformer, group) -> None:
+    """All-reduce the tied embedding/head gradient between the first and last stage's ranks."""
+    import torch.distributed as dist
+
+    weight = (
+        model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
+    )
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=group)

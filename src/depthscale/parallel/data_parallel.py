@@ -1,0 +1,253 @@
+"""Data parallelism: every dp rank trains the same model on its own slice of the global batch.
+
+Three flavours, chosen by the mesh `parallelize()` hands over:
+
+- `apply_fsdp` on a 1-D `dp_shard` mesh: FSDP2 / ZeRO-3. Parameters, gradients and optimizer state are
+  sharded; each unit (one TransformerBlock, or the root) all-gathers its parameters just before it
+  runs and reduce-scatters its gradients as soon as its backward is done.
+- `apply_fsdp` on a 2-D (`dp_replicate`, `dp_shard`) mesh: HSDP. Shard inside a group, replicate across
+  groups, so the all-gathers and reduce-scatters stay in the high-bandwidth domain (a node) and only one
+  gradient all-reduce per unit crosses the slow links.
+- `apply_ddp` on a 1-D `dp_replicate` mesh: plain replication with gradient all-reduces overlapped
+  with backward (DDP's bucketed reducer; FSDP2's replicate once TP has made parameters DTensors).
+
+Every rank must start from bit-identical weights (same seed, or a seed checkpoint): none of these
+broadcast a reference copy, they only slice (FSDP) or check (DDP) what is there.
+
+`clip_grad_norm_` and `dp_loss_average` are the two small reductions a training step needs on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+
+from depthscale.model.residual import AttnResidual
+from depthscale.model.transformer import Transformer, TransformerBlock
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 / HSDP
+
+
+def fsdp_units(model: Transformer) -> list[list[TransformerBlock]]:
+    """The layers grouped into FSDP units, in execution order: one layer per unit, except that layers
+    whose sublayers share one Block-AttnRes block are merged into one unit.
+
+    Why: with two-phase reads, the first sublayer of a depth block stacks the pseudo-queries of *all*
+    sublayers of that block (`AttnResidual.group`), including those that live in later layers. Under
+    FSDP a later layer's parameters are still sharded at that moment, so the layers of one depth block
+    must be all-gathered together. With the reference/efficient reads every sublayer only touches its
+    own query and every layer is its own unit.
+    """
+    layers = list(model.layers.values())
+    owner = {id(res): i for i, layer in enumerate(layers) for res in layer.residuals()}
+    # last[i]: the furthest layer whose parameters layer i reads during its forward
+    last = list(range(len(layers)))
+    for i, layer in enumerate(layers):
+        for res in layer.residuals():
+            if isinstance(res, AttnResidual) and res.read_impl == "two_phase":
+                last[i] = max([last[i]] + [owner[id(m)] for m in res.group if id(m) in owner])
+    units: list[list[TransformerBlock]] = []
+    start = 0
+    while start < len(layers):
+        end = last[start]
+        i = start
+        while i <= end:  # a unit grows until no member reaches beyond it
+            end = max(end, last[i])
+            i += 1
+        units.append(layers[start : end + 1])
+        start = end + 1
+    return units
+
+
+def apply_fsdp(
+    model: Transformer,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shard `model` in place with FSDP2: each TransformerBlock is a unit (see `fsdp_units` for the
+    Block-AttnRes exception), then the root, which keeps the tied embedding/head weight, the final
+    norm and the output AttnRes query (one weight, so the root must own both of its uses).
+
+    `dp_mesh` 1-D: ZeRO-3 over it. 2-D (dp_replicate, dp_shard): HSDP, placements (Replicate, Shard(0)).
+
+    Mixed precision: with `param_dtype=bfloat16` the all-gathered parameters and the compute are bf16
+    while the sharded master weights and the optimizer stay fp32; gradients are reduced in
+    `reduce_dtype` (fp32 by default: summing many bf16 shards loses bits).
+
+    Communication overlap (MegaScale's recipe, expressed with FSDP2 hooks):
+    - forward: each unit prefetches the next unit's all-gather as soon as its own parameters are
+      ready, so the next block's gather runs while the current block computes;
+    - backward: each unit prefetches the previous unit's all-gather the same way;
+    - gradients: FSDP2 issues each unit's reduce-scatter (HSDP: reduce-scatter then all-reduce across
+      replicas) from that unit's post-backward hook, i.e. as soon as the block's gradients are ready,
+      while backward continues on the earlier blocks. Nothing extra is needed for that.
+
+    `reshard_after_forward=False` keeps gathered block parameters until backward (ZeRO-2-like: one
+    all-gather per step instead of two, at the memory cost of the unsharded weights). The root never
+    reshards after forward: its weights are needed first in backward anyway.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    units = fsdp_units(model)
+    fsdp_blocks: list[FSDPModule] = []
+    for unit in units:
+        fully_shard(
+            unit if len(unit) > 1 else unit[0],
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            reshard_after_forward=reshard_after_forward,
+        )
+        fsdp_blocks.append(unit[0])  # any member of a merged unit addresses its shared state
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+    )
+    if not fsdp_blocks:
+        return
+    root: FSDPModule = model  # type: ignore[assignment]
+    root.set_modules_to_forward_prefetch([fsdp_blocks[0]])
+    root.set_modules_to_backward_prefetch([fsdp_blocks[-1]])
+    for prev, nxt in zip(fsdp_blocks, fsdp_blocks[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+
+
+# ---------------------------------------------------------------------------------------------
+# Replicated data parallel
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """Replicate `model` over the 1-D `dp_mesh`; gradients are averaged by all-reduces that start
+    while backward is still running. Parameter names and state-dict keys stay those of the plain
+    model in both of the paths below (no wrapper, no `module.` prefix to strip for checkpoints).
+
+    Plain parameters (pure data parallelism): `torch.distributed._composable.replicate`, which installs
+    DDP's reducer on the module itself instead of wrapping it, so the module also keeps its own
+    methods (`embed`/`head`). DDP fires each gradient bucket's all-reduce as soon as all its grads are
+    in; parameters stay plain tensors, identical on all replicas. `static_graph=True` because some
+    parameters legitimately get no gradient: with the reference/efficient AttnRes reads the first
+    sublayer reads the embedding alone, so its query is unused, and plain DDP then fails on the next
+    step ("Expected to have finished reduction ..."); `find_unused_parameters` would walk the autograd
+    graph every step. A static graph learns the unused set in the first iteration (whose all-reduce
+    therefore waits for the end of backward) and overlaps from then on; unused parameters keep
+    `grad=None`, as in one process.
+
+    DTensor parameters (tensor parallelism applied first): DDP's reducer cannot hold DTensors (the
+    forward fails on mixed Tensor/DTensor), and its `device_mesh` workaround turns TP weights into
+    local shards outside forward, which silently breaks gradient clipping and checkpoints. These take
+    FSDP2's replicate instead (`replicate_with_fsdp`): parameters become 2-D DTensors
+    (Replicate on dp, TP placement on tp), unit by unit like `apply_fsdp`, and each unit's gradient
+    all-reduce is issued from its post-backward hook.
+    """
+    if dp_mesh.ndim != 1:
+        raise ValueError(f"apply_ddp needs a 1-D dp_replicate mesh, got {dp_mesh.ndim}-D")
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        from torch.distributed._composable import replicate
+
+        replicate(model, process_group=dp_mesh.get_group(), static_graph=True)
+        return
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensor
+
+    units = fsdp_units(model) if isinstance(model, Transformer) else []
+    for unit in units:
+        replicate_dtensor(unit if len(unit) > 1 else unit[0], mesh=dp_mesh)
+    replicate_dtensor(model, mesh=dp_mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient clipping across meshes
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _mesh_key(g: Tensor) -> tuple:
+    if isinstance(g, DTensor):
+        return (id(g.device_mesh), tuple(g.placements))
+    return ("local",)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[Tensor] | Tensor, max_norm: float, foreach: bool | None = None
+) -> Tensor:
+    """Clip the global L2 norm of all gradients to `max_norm`; returns the norm before clipping as a
+    plain fp32 scalar tensor, identical on every rank. `max_norm <= 0` only measures.
+
+    Works when gradients are DTensors on different meshes (2-D FSDP×TP weights next to 1-D FSDP ones)
+    or plain tensors, where `torch.nn.utils.clip_grad_norm_` fails (it stacks per-parameter norms,
+    which DTensor refuses across meshes). Per group of gradients with the same mesh and placements:
+    sum the squares of the local shards, then all-reduce that sum over the mesh dimensions the group
+    is *sharded* on (summing over a replicated dimension would count the same elements twice).
+    Partial gradients (pending reductions) are reduced first. Plain tensors are taken as replicas
+    (DDP gradients are identical everywhere after backward) and are not reduced. Groups are summed in
+    parameter order, the same on every rank, so the result is bit-identical across ranks.
+
+    Not covered: parameters that exist on some ranks only (pipeline stages); with PP the squared
+    norm must also be summed over the pp group.
+    """
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[tuple, list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_mesh_key(g), []).append(g)
+
+    total = torch.zeros((), dtype=torch.float32, device=_local(grads[0]).device)
+    for group in groups.values():
+        first = group[0]
+        if isinstance(first, DTensor) and any(p.is_partial() for p in first.placements):
+            placements = [Replicate() if p.is_partial() else p for p in first.placements]
+            group = [g.redistribute(first.device_mesh, placements) for g in group]
+        shards = [_local(g) for g in group]
+        if foreach is not False:
+            norms = torch._foreach_norm(shards, 2.0)
+        else:
+            norms = [torch.linalg.vector_norm(t) for t in shards]
+        sq = torch.stack([n.float() for n in norms]).square().sum()
+        if isinstance(first, DTensor):
+            mesh = first.device_mesh
+            for dim, placement in enumerate(first.placements):
+                # "not replicated", not `is_shard()`: FSDP's (_StridedShard, Shard) placement of
+                # FSDP×TP weights answers is_shard() == False in torch 2.13
+                if not placement.is_replicate() and mesh.size(dim) > 1:
+                    dist.all_reduce(sq, group=mesh.get_group(dim))
+        total = total + sq.to(total.device)
+    total_norm = total.sqrt()
+
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        targets = [_local(g) for g in grads]  # scaling the shards scales the DTensors
+        if foreach is not False:
+            torch._foreach_mul_(targets, coef)
+        else:
+            for t in targets:
+                t.mul_(coef)
+    return total_norm
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging
+
+
+def dp_loss_average(loss: Tensor, dp_group: dist.ProcessGroup | DeviceMesh | None) -> float:
+    """The mean of the per-rank losses over `dp_group` (for logging: with equal-sized slices it is the
+    global-batch loss). No group, or no process group at all: this rank's loss."""
+    value = loss.detach()
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    value = value.float().reshape(()).clone()
+    if dp_group is None or not dist.is_initialized():
+        return value.item()
+    group = dp_group.get_group() if isinstance(dp_group, DeviceMesh) else dp_group
+    dist.all_reduce(value, group=group)
+    return value.item() / dist.get_world_size(group)
