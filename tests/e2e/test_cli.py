@@ -210,17 +210,43 @@ def test_trace_schedule_draws_png_and_reports_bubble(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("layout", [
-    ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
-    ["--parallel.pp", "4", "--parallel.pp_virtual", "2", "--model.residual", "block"],
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--parallel.pp", "4", "--parallel.pp_virtual", "2", "--model.residual", "block"],
+        ["--parallel.cp", "4"],
+    ],
+)
 def test_multi_process_training_from_the_command_line(tmp_path, layout):
     """`depthscale train --nproc 4 ...` launches 4 workers through torchrun's machinery."""
-    proc = cli("train", "-c", str(os.path.abspath("configs/tiny.toml")), "--nproc", "4", *layout,
-               "--train.steps", "4", "--optim.warmup_steps", "1", "--logging.log_every", "2",
-               "--logging.progress", "false", "--train.eval_every", "4", "--data.max_bytes", "300000",
-               "--train.run_dir", str(tmp_path / "run"), cwd=tmp_path)
-    losses = [float(line.split("loss ")[1].split()[0]) for line in proc.stdout.splitlines()
-              if line.startswith("step") and "| loss" in line]
+    proc = cli(
+        "train",
+        "-c",
+        str(os.path.abspath("configs/tiny.toml")),
+        "--nproc",
+        "4",
+        *layout,
+        "--train.steps",
+        "4",
+        "--optim.warmup_steps",
+        "1",
+        "--logging.log_every",
+        "2",
+        "--logging.progress",
+        "false",
+        "--train.eval_every",
+        "4",
+        "--data.max_bytes",
+        "300000",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+    )
+    losses = [
+        float(line.split("loss ")[1].split()[0])
+        for line in proc.stdout.splitlines()
+        if line.startswith("step") and "| loss" in line
+    ]
     assert len(losses) == 2 and all(loss == loss for loss in losses)
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer_state.json").is_file()

@@ -10,8 +10,16 @@ from depthscale.train.memory import OffloadStats, apply_recompute, offload_activ
 
 def _model(residual, recompute):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32,
-                      residual=residual, attnres_block_size=3)
+    cfg = ModelConfig(
+        vocab_size=61,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=32,
+        residual=residual,
+        attnres_block_size=3,
+    )
     model = Transformer(cfg)
     apply_recompute(model, recompute)
     return model
@@ -40,7 +48,11 @@ def test_recompute_is_exact_and_saves_memory(residual):
         model = _model(residual, mode)
         loss, saved = _saved_bytes(model, tokens)
         loss.backward()
-        results[mode] = (loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, saved)
+        results[mode] = (
+            loss.item(),
+            {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            saved,
+        )
     base_loss, base_grads, base_saved = results["none"]
     for mode in ("selective", "full"):
         loss, grads, _ = results[mode]

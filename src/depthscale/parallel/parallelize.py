@@ -27,10 +27,8 @@ def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
         )
     if virtual > 1 and dims.pp == 1:
         raise ConfigError(f"parallel.pp_virtual={virtual} needs parallel.pp > 1")
-    if dims.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={dims.cp}: context parallelism is not available in this build; allowed: 1"
-        )
+    if dims.cp > 1 and dims.pp > 1:
+        raise ConfigError("parallel.cp > 1 with parallel.pp > 1 is not available in this build")
 
 
 def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
@@ -55,6 +53,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: C
         from depthscale.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], chunks=cfg.parallel.tp_overlap_chunks)
+    if dims.cp > 1:
+        from depthscale.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh["cp"])
     if dims.dp_shard > 1:
         from depthscale.parallel.data_parallel import apply_fsdp
 

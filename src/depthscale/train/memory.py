@@ -42,8 +42,15 @@ def _layer_checkpointed(layer: nn.Module):
         return forward(DepthState(list(blocks), partial, inter), *args, **kwargs)
 
     def run(state: DepthState, *args, **kwargs):
-        return checkpoint(inner, tuple(state.blocks), state.partial, state.inter, *args,
-                          use_reentrant=False, **kwargs)
+        return checkpoint(
+            inner,
+            tuple(state.blocks),
+            state.partial,
+            state.inter,
+            *args,
+            use_reentrant=False,
+            **kwargs,
+        )
 
     return run
 
@@ -69,7 +76,9 @@ class OffloadStats:
 
 
 @contextlib.contextmanager
-def offload_activations(stats: OffloadStats | None = None, pin_memory: bool = True) -> Iterator[OffloadStats]:
+def offload_activations(
+    stats: OffloadStats | None = None, pin_memory: bool = True
+) -> Iterator[OffloadStats]:
     """Within the block, every tensor saved for backward is kept in host memory (pinned when a GPU is
     present) and moved back to its device when backward unpacks it."""
     stats = stats if stats is not None else OffloadStats()

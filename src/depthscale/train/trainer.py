@@ -142,10 +142,26 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
+    def loss(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """(loss to backpropagate, mean token loss to report). Under context parallelism each rank
+        runs its zigzag share of every sequence (padded so it divides), and the two differ: see
+        `context_parallel.cp_loss`."""
+        x, y = inputs.to(self.device), labels.to(self.device)
+        if self.dims.cp > 1:
+            from depthscale.parallel import context_parallel as cpar
+
+            cp, rank = self.dims.cp, self.mesh.get_local_rank("cp")
+            x, y = cpar.pad_for_cp(x, y, cp, "zigzag")
+            positions = cpar.positions_for(x.shape[1], rank, cp, "zigzag", self.device)
+            x = cpar.shard_sequence(x, rank, cp, 1, "zigzag")
+            y = cpar.shard_sequence(y, rank, cp, 1, "zigzag")
+            with self.autocast():
+                logits = self.forward(x, positions=positions)
+            return cpar.cp_loss(logits, y, self.mesh["cp"].get_group())
         with self.autocast():
-            logits = self.forward(inputs.to(self.device))
-        return cross_entropy(logits, labels.to(self.device))
+            logits = self.forward(x)
+        loss = cross_entropy(logits, y)
+        return loss, loss.detach()
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch, in `grad_accum_steps` micro-batches."""
@@ -159,9 +175,13 @@ class Trainer:
         else:
             total = torch.zeros((), device=self.device)
             for x, y in zip(inputs.chunk(accum), labels.chunk(accum)):
-                loss = self.loss(x, y) / accum
-                loss.backward()
-                total += loss.detach()
+                loss, report = self.loss(x, y)
+                (loss / accum).backward()
+                total += report / accum
+            if self.dims.cp > 1:
+                from depthscale.parallel.context_parallel import cp_all_reduce_grads
+
+                cp_all_reduce_grads(self.model, self.mesh["cp"].get_group())
         if self.pipeline is not None and self.pipeline.tied_group is not None:
             sync_tied_grads(self.model, self.pipeline.tied_group)
         if self.dims.tp > 1:
@@ -226,7 +246,7 @@ class Trainer:
         if self.pipeline is not None:
             losses = [self._pipeline_loss(x, y, forward_only=True).item() for x, y in batches]
         else:
-            losses = [self._mean_over_ranks(self.loss(x, y)) for x, y in batches]
+            losses = [self._mean_over_ranks(self.loss(x, y)[1]) for x, y in batches]
         self.model.train()
         return sum(losses) / len(losses) if losses else None
 

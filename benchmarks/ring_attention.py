@@ -1,0 +1,245 @@
+"""Ring attention (context parallelism) at a fixed total sequence length, cp = 1, 2, 4 in turn.
+
+    python benchmarks/ring_attention.py [--seq 2048 --dim 512 --heads 8 --kv-heads 2 --rounds 5]
+
+Spawns `cp` gloo workers per setting (one thread each) and prints ONE JSON object with, per cp:
+
+* `activation_bytes_per_rank`: bytes autograd saves for backward in one attention layer's forward
+  (projections + RoPE + ring attention) on each rank's shard — what must stay alive until backward;
+  `sdpa_activation_bytes` is the single-process SDPA layer at cp=1 for comparison.
+  `peak_rss_delta_bytes_per_rank`: the process's peak RSS growth over one forward+backward
+  (Linux /proc high-water mark reset via clear_refs; approximate — allocator reuse hides some).
+* `step_s`: one attention layer forward+backward (causal), slowest rank, median over rounds, for
+  `zigzag` and `contiguous` side by side; `busy_s_per_rank`: ring time minus time blocked in waits
+  (shows the causal imbalance of contiguous sharding); `blocks_computed_per_rank`.
+* `comm`: time blocked in `wait()` as a share of ring time (`exposed_fraction`), and the share of
+  communication hidden behind compute, `hidden_fraction = 1 - blocked / comm_alone`, where
+  `comm_alone` is the same ring run with the block math replaced by no-ops (pure transfer time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import device_info, saved_activation_bytes  # noqa: E402
+
+from depthscale.config import ModelConfig  # noqa: E402
+from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
+from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _peak_rss_delta(fn) -> int | None:
+    """Bytes the peak RSS rose above the current RSS while running fn (None off Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        return None
+    before = _rss_kib("VmRSS")
+    fn()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def _noop_attend(q, k, v, mask, scale):
+    return torch.zeros_like(q), torch.zeros(q.shape[:-1])
+
+
+def _noop_attend_backward(q, k, v, do, lse, delta, mask, scale):
+    B, Hkv, _, _, d = q.shape
+    zeros = torch.zeros(B, Hkv, k.shape[2], d)
+    return torch.zeros_like(q), zeros, zeros
+
+
+def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    cfg = ModelConfig(
+        dim=args.dim,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        max_seq_len=args.seq,
+        vocab_size=64,
+    )
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    params = list(attn.parameters())
+    x_full = torch.randn(args.batch, args.seq, args.dim, generator=torch.Generator().manual_seed(1))
+    cos_t, sin_t = rope_tables(cfg.head_dim, args.seq, cfg.rope_theta)
+    stats = cp_mod.RingStats()
+    group = dist.group.WORLD
+    attn.attention_fn = lambda q, k, v, qp, kp, w: cp_mod.ring_attention(
+        q, k, v, qp, kp, w, group, stats
+    )
+
+    def inputs(mode):
+        x = cp_mod.shard_sequence(x_full, rank, cp, 1, mode).requires_grad_()
+        pos = cp_mod.positions_for(args.seq, rank, cp, mode)
+        return x, cos_t[pos], sin_t[pos], pos
+
+    def step(mode):
+        x, cos, sin, pos = inputs(mode)
+        attn(x, cos, sin, pos).sum().backward()
+
+    out: dict = {"rank": rank}
+    x, cos, sin, pos = inputs("zigzag")
+    out["peak_rss_delta"] = _peak_rss_delta(lambda: step("zigzag"))
+    out["activation_bytes"] = saved_activation_bytes(lambda: attn(x, cos, sin, pos), params)
+    if cp == 1:
+        attn.attention_fn = sdpa_attention
+        out["sdpa_activation_bytes"] = saved_activation_bytes(
+            lambda: attn(x, cos, sin, pos), params
+        )
+        attn.attention_fn = lambda q, k, v, qp, kp, w: cp_mod.ring_attention(
+            q, k, v, qp, kp, w, group, stats
+        )
+
+    modes = ("zigzag", "contiguous")
+    for mode in modes:  # warm-up
+        step(mode)
+    times = {m: [] for m in modes}
+    ring = {m: [0.0, 0.0] for m in modes}  # ring_s, wait_s
+    blocks = {}
+    for _ in range(args.rounds):
+        for mode in modes:  # interleaved so drift hits both
+            dist.barrier()
+            stats.reset()
+            t0 = time.perf_counter()
+            step(mode)
+            times[mode].append(time.perf_counter() - t0)
+            ring[mode][0] += stats.ring_s
+            ring[mode][1] += stats.wait_s
+            blocks[mode] = stats.blocks_computed // 2  # per forward (backward computes the same)
+    out["step_s"] = {m: times[m] for m in modes}
+    out["ring_s"] = {m: ring[m][0] / args.rounds for m in modes}
+    out["wait_s"] = {m: ring[m][1] / args.rounds for m in modes}
+    out["blocks"] = blocks
+
+    # the same message pattern with the block math removed: pure communication time
+    real = cp_mod._attend, cp_mod._attend_backward
+    cp_mod._attend, cp_mod._attend_backward = _noop_attend, _noop_attend_backward
+    comm_alone = {m: 0.0 for m in modes}
+    for _ in range(args.rounds):
+        for mode in modes:
+            dist.barrier()
+            stats.reset()
+            step(mode)
+            comm_alone[mode] += stats.ring_s / args.rounds
+    cp_mod._attend, cp_mod._attend_backward = real
+    out["comm_alone_s"] = comm_alone
+    queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(cp: int, args: argparse.Namespace) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, cp, args, port, queue)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=1800) for _ in range(cp)]
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"cp={cp} worker exited with {p.exitcode}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def _summary(cp: int, ranks: list[dict], rounds: int) -> dict:
+    modes = ("zigzag", "contiguous")
+    # a step is as slow as its slowest rank: max over ranks per round, then the median
+    step = {
+        m: statistics.median(max(r["step_s"][m][i] for r in ranks) for i in range(rounds))
+        for m in modes
+    }
+    comm = {}
+    for m in modes:
+        ring_s = sum(r["ring_s"][m] for r in ranks)
+        wait_s = sum(r["wait_s"][m] for r in ranks)
+        alone = sum(r["comm_alone_s"][m] for r in ranks)
+        comm[m] = {
+            "ring_s_per_rank": [round(r["ring_s"][m], 4) for r in ranks],
+            "blocked_s_per_rank": [round(r["wait_s"][m], 4) for r in ranks],
+            "comm_alone_s_per_rank": [round(r["comm_alone_s"][m], 4) for r in ranks],
+            "exposed_fraction": round(wait_s / ring_s, 3) if ring_s else 0.0,
+            "hidden_fraction": round(max(0.0, 1 - wait_s / alone), 3) if cp > 1 and alone else None,
+        }
+    out = {
+        "activation_bytes_per_rank": [r["activation_bytes"] for r in ranks],
+        "peak_rss_delta_bytes_per_rank": [r["peak_rss_delta"] for r in ranks],
+        "step_s": {m: round(step[m], 4) for m in modes},
+        "zigzag_speedup_over_contiguous": round(step["contiguous"] / step["zigzag"], 3),
+        "busy_s_per_rank": {
+            m: [round(r["ring_s"][m] - r["wait_s"][m], 4) for r in ranks] for m in modes
+        },
+        "blocks_computed_per_rank": {m: [r["blocks"][m] for r in ranks] for m in modes},
+        "comm": comm,
+    }
+    if cp == 1:
+        out["sdpa_activation_bytes"] = ranks[0]["sdpa_activation_bytes"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=2048, help="total sequence length (all ranks)")
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    args = ap.parse_args()
+    result = {
+        "benchmark": "ring_attention",
+        **device_info(),
+        "threads_per_rank": 1,
+        "cpu_cores": os.cpu_count(),
+        "config": {k: v for k, v in vars(args).items() if k != "cp"},
+        "note": (
+            "blocked time counts every wait, including waiting for a slower neighbour (causal "
+            "imbalance), so hidden_fraction is a lower bound and reads 0 for contiguous; with more "
+            "ranks than cores the ranks time-share cores, so step_s shows work balance, not speed-up"
+        ),
+        "cp": {},
+    }
+    for cp in args.cp:
+        result["cp"][str(cp)] = _summary(cp, _run(cp, args), args.rounds)
+    text = json.dumps(result, indent=1)
+    # keep per-rank lists on one line each
+    print(
+        re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,617 @@
+"""Context parallelism: the sequence is split over the `cp` ranks and attention runs as a ring.
+
+Everything except attention is per token (norms, projections, MLP, AttnRes depth reads), so those
+layers run unchanged on each rank's slice of the sequence. Attention needs every earlier key, so each
+rank keeps its queries and the K/V blocks travel around a ring (Ring Attention, Liu et al. 2023):
+
+    step t: rank r holds the K/V block of rank (r - t) mod cp; it posts the send of that block to
+            r + 1 and the receive of the next one from r - 1, then attends its queries to the block
+            it holds, while the next block is in flight.
+
+Per-block results are merged by log-sum-exp in fp32 (online softmax), so the order of blocks does not
+matter and the result is exact. Masks use the *global* positions of queries and keys, which is what
+makes any layout work — contiguous, or zigzag (head-tail) for causal load balance.
+
+Backward rotates K/V again (nothing remote is saved: every rank saves only its own q, k, v, out and
+the fp32 LSE) and recomputes each block's probabilities from the saved LSE. dQ accumulates locally;
+each block's dK/dV accumulate in **fp32** while travelling with the block, and reach the owner once,
+so rounding does not grow with the ring size.
+
+What is skipped (causal masking and sliding windows), with `positions` known on every rank (one small
+all-gather of int64 positions per call — never of K/V):
+
+* **compute**: a (local queries, K/V block) pair is skipped when no key of the block is visible to
+  any local query (causal: every key is later; window: every key is `window` or more positions back).
+  Inside a computed pair only keys some local query sees are used, in tiles of consecutive
+  positions (at most `kv_tile` keys), and each tile only with the query rows that see it — for
+  zigzag that skips exactly the masked chunk pairs, on the diagonal block too; no mask is built
+  for a tile whose every (row, key) pair is visible.
+* **communication**: block j is forwarded on hop t only if a rank t or more hops further still needs
+  it, and then only the keys such a rank needs. A block nobody else needs is never sent; the ring
+  stops early once no block has to go further. With `contiguous` sharding and a window no longer than
+  a rank's chunk that is a single hop carrying the last `window - 1` keys of each block (a halo).
+  Zigzag with a window needs a neighbour's tail that is cp - 1 hops away on this one-directional
+  ring, so it keeps rotating (but only the tails): prefer contiguous sharding with sliding windows —
+  a window already balances causal work.
+* **backward**: the same rotations; the fp32 dK/dV of block j cover the keys any other rank needs and
+  travel with it; the last rank that uses block j sends them straight to the owner (for the full
+  ring that is the usual final hop to the next rank).
+
+`RingStats` counts computed and skipped blocks, bytes and messages sent, and time blocked in waits.
+
+Layout, padding and the loss (what the trainer does around `apply_context_parallel`)::
+
+    tokens, labels = pad_for_cp(tokens, labels, cp, "zigzag", pad_id)   # labels of padding: -100
+    tok = shard_sequence(tokens, cp_rank, cp, dim=1, mode="zigzag")
+    lab = shard_sequence(labels, cp_rank, cp, dim=1, mode="zigzag")
+    pos = positions_for(tokens.shape[1], cp_rank, cp, "zigzag")
+    logits = model(tok, positions=pos)
+    loss, global_loss = cp_loss(logits, lab, cp_group)   # see its docstring
+    loss.backward()
+    cp_all_reduce_grads(model, cp_group)                   # params are replicated over cp
+
+Padding goes at the end of the sequence, so causally no real token ever attends to it, and its
+labels are ignored: results are exact. The padded length must fit `model.max_seq_len` (RoPE table).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from depthscale.model.layers import attention_mask
+from depthscale.model.transformer import Transformer
+from depthscale.parallel.cp_comm import CommStats, Ring
+
+ShardMode = Literal["zigzag", "contiguous"]
+
+__all__ = [
+    "RingStats",
+    "apply_context_parallel",
+    "cp_all_reduce_grads",
+    "cp_loss",
+    "pad_for_cp",
+    "positions_for",
+    "ring_attention",
+    "shard_sequence",
+    "unshard_sequence",
+]
+
+
+# --------------------------------------------------------------------------- sequence layout
+
+
+def _layout(cp_rank: int, cp_size: int, mode: ShardMode) -> tuple[list[int], int]:
+    """(chunks this rank holds, in order; number of chunks the sequence is cut into)."""
+    if mode == "contiguous":
+        return [cp_rank], cp_size
+    if mode == "zigzag":
+        return [cp_rank, 2 * cp_size - 1 - cp_rank], 2 * cp_size
+    raise ValueError(
+        f"unknown context-parallel shard mode {mode!r}; allowed: 'zigzag', 'contiguous'"
+    )
+
+
+def shard_sequence(
+    x: Tensor, cp_rank: int, cp_size: int, dim: int = 1, mode: ShardMode = "zigzag"
+) -> Tensor:
+    """This rank's part of `x` along the sequence dim `dim`.
+
+    zigzag (head-tail): the sequence is cut into 2·cp chunks and rank r takes chunks r and 2·cp-1-r —
+    one early, one late — so every rank does the same causal work. contiguous: chunk r of cp.
+    Tokens, labels and positions must be sharded with the same mode. The length must be divisible by
+    the number of chunks: use `pad_for_cp` first."""
+    chunks, n = _layout(cp_rank, cp_size, mode)
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"sequence length {x.shape[dim]} is not divisible by {n} ({mode} sharding over cp="
+            f"{cp_size}); pad it with pad_for_cp first"
+        )
+    parts = x.chunk(n, dim)
+    return torch.cat([parts[c] for c in chunks], dim)
+
+
+def unshard_sequence(shards: list[Tensor], dim: int = 1, mode: ShardMode = "zigzag") -> Tensor:
+    """Inverse of `shard_sequence`: the per-rank shards (rank order) back to the full sequence."""
+    if mode == "contiguous":
+        return torch.cat(shards, dim)
+    _layout(0, len(shards), mode)
+    heads = [s.chunk(2, dim)[0] for s in shards]
+    tails = [s.chunk(2, dim)[1] for s in reversed(shards)]
+    return torch.cat(heads + tails, dim)
+
+
+def positions_for(
+    seq_len: int,
+    cp_rank: int,
+    cp_size: int,
+    mode: ShardMode = "zigzag",
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Global positions [seq_len / cp] of this rank's tokens: pass as `model(tokens, positions=...)`."""
+    return shard_sequence(torch.arange(seq_len, device=device), cp_rank, cp_size, 0, mode)
+
+
+def pad_for_cp(
+    tokens: Tensor, labels: Tensor, cp_size: int, mode: ShardMode = "zigzag", pad_id: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Right-pad [B, T] tokens and labels so T divides into the layout's chunks (2·cp for zigzag,
+    cp for contiguous). Padding tokens are `pad_id`; their labels are -100 (the `cross_entropy`
+    ignore_index), so they add nothing to the loss; being last, causal attention never lets a real
+    token see them. Returns the inputs unchanged when no padding is needed."""
+    _, n = _layout(0, cp_size, mode)
+    pad = -tokens.shape[-1] % n
+    if pad == 0:
+        return tokens, labels
+    return F.pad(tokens, (0, pad), value=pad_id), F.pad(labels, (0, pad), value=-100)
+
+
+# --------------------------------------------------------------------------- loss and gradients
+
+
+def cp_loss(
+    logits: Tensor, labels: Tensor, cp_group: ProcessGroup, ignore_index: int = -100
+) -> tuple[Tensor, Tensor]:
+    """(loss to backpropagate, global mean loss) for a rank holding a slice of every sequence.
+
+    The global loss is the mean over all non-ignored tokens of all cp ranks: with local means ℓ_r
+    over n_r tokens, L = Σ_r ℓ_r·n_r / Σ_r n_r (ranks hold different counts once padding or masks
+    exist, so a plain average of ℓ_r is wrong). The returned backward loss is
+    (local *sum* of token losses)·cp / N, so that after backward *averaging* the gradients over the cp
+    group (`cp_all_reduce_grads`) gives exactly ∇L — and a rank whose tokens are all ignored
+    contributes 0, not NaN. One small all-reduce (count and loss sum, fp64)."""
+    loss_sum = F.cross_entropy(
+        logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    totals = torch.stack([(labels != ignore_index).sum().double(), loss_sum.detach().double()]).to(
+        logits.device
+    )
+    dist.all_reduce(totals, group=cp_group)
+    n_total = totals[0].clamp(min=1)
+    cp = dist.get_world_size(cp_group)
+    return loss_sum * (cp / n_total).to(loss_sum.dtype), (totals[1] / n_total).float()
+
+
+def cp_all_reduce_grads(model: torch.nn.Module, cp_group: ProcessGroup) -> None:
+    """Average gradients over the cp group (one flat all-reduce).
+
+    Parameters are replicated across cp ranks but each saw only its slice of the sequence, so the
+    gradients must be summed/averaged over cp. With data parallelism on top this composes: average
+    over cp first (this), then over dp as usual — or, equivalently and with one collective, reduce
+    over the flattened dp×cp group (FSDP over `dp_shard × cp`, as torchtitan does); the result is the
+    same: averaging over dp×cp is averaging over cp, then over dp."""
+    if dist.get_world_size(cp_group) == 1:
+        return
+    # DTensor gradients (TP weights, FSDP shards) hold the same slice on every cp peer: reduce the
+    # local shards.
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        for p in model.parameters()
+        if p.grad is not None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=cp_group)
+    flat /= dist.get_world_size(cp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# --------------------------------------------------------------------------- ring plan
+
+
+@dataclass
+class RingStats(CommStats):
+    """Counters accumulated over ring-attention calls (forward and backward) on one rank."""
+
+    calls: int = 0
+    blocks_computed: int = 0
+    """(local queries, K/V block) pairs computed; one call has cp blocks per rank."""
+    blocks_skipped: int = 0
+    """Pairs skipped because no key of the block is visible to any local query."""
+    ring_s: float = 0.0
+    """Wall seconds inside the ring loops (compute + communication)."""
+
+    def reset(self) -> None:
+        for f in self.__dataclass_fields__:
+            setattr(self, f, type(getattr(self, f))())
+
+    @property
+    def exposed_comm_fraction(self) -> float:
+        """Share of ring time spent blocked in waits (0 = communication fully hidden)."""
+        return self.wait_s / self.ring_s if self.ring_s else 0.0
+
+
+class _Index:
+    """A sorted subset of indices along one dim: a `narrow` view when contiguous, else gathered."""
+
+    def __init__(self, idx: Tensor, length: int, device: torch.device) -> None:
+        self.count = idx.numel()
+        self.full = self.count == length
+        lo = int(idx[0]) if self.count else 0
+        self.span = (lo, self.count) if self.count and int(idx[-1]) - lo + 1 == self.count else None
+        self.cpu_idx = idx
+        self.idx = None if self.span is not None else idx.to(device)
+
+    def take(self, x: Tensor, dim: int) -> Tensor:
+        if self.full:
+            return x
+        if self.span is not None:
+            return x.narrow(dim, *self.span)
+        return x.index_select(dim, self.idx)
+
+    def put(self, acc: Tensor, value: Tensor, dim: int) -> None:
+        if self.span is not None:
+            acc.narrow(dim, *self.span).copy_(value)
+        else:
+            acc.index_copy_(dim, self.idx, value)
+
+    def add(self, acc: Tensor, value: Tensor, dim: int) -> None:
+        if self.span is not None:
+            acc.narrow(dim, *self.span).add_(value)
+        else:
+            acc.index_add_(dim, self.idx, value)
+
+
+def _keys_seen(q_sorted: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """bool[Tk]: keys visible to at least one query (q - window < k <= q); queries sorted."""
+    first = torch.searchsorted(q_sorted, k_pos)  # first query at or after the key
+    seen = first < q_sorted.numel()
+    if window > 0 and q_sorted.numel():
+        seen &= q_sorted[first.clamp(max=q_sorted.numel() - 1)] < k_pos + window
+    return seen
+
+
+def _rows_seeing(k_sorted: Tensor, q_pos: Tensor, window: int) -> Tensor:
+    """bool[Tq]: queries that see at least one key; keys sorted."""
+    last = torch.searchsorted(k_sorted, q_pos, right=True) - 1  # last key at or before the query
+    sees = last >= 0
+    if window > 0 and k_sorted.numel():
+        sees &= k_sorted[last.clamp(min=0)] > q_pos - window
+    return sees
+
+
+@dataclass
+class _Tile:
+    """One piece of work at a ring step: some of this rank's query rows × a run of held keys."""
+
+    rows: _Index
+    """Local query rows that see at least one key of the tile."""
+    cols: _Index
+    """The tile's keys, as entries of the payload held at this step."""
+    grad_cols: _Index
+    """Where those keys' dK/dV go: the block itself at step 0, else the travelling hop-1 buffer."""
+    q_pos: Tensor
+    k_pos: Tensor
+    dense: bool
+    """Every (row, key) pair is visible: no mask is built."""
+
+
+@dataclass
+class _Plan:
+    """Who sends which keys at which step, and what each rank computes; identical on every rank
+    (built from all ranks' positions).
+
+    `carry[j][t]` (t >= 1): bool over block j's keys that hop t carries — keys some rank t or more
+    hops downstream of j still needs. `hops[j]`: the last hop block j makes (0: it never leaves)."""
+
+    rank: int
+    size: int
+    window: int
+    kv_tile: int
+    device: torch.device
+    pos: list[Tensor]
+    carry: list[list[Tensor]]
+    hops: list[int]
+    _tiles: dict[int, list[_Tile]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, positions: Tensor, window: int, kv_tile: int, group: ProcessGroup) -> _Plan:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = [torch.empty_like(positions) for _ in range(size)]
+        dist.all_gather(gathered, positions.contiguous(), group=group)
+        pos = [p.cpu() for p in gathered]
+        sorted_pos = [p.sort().values for p in pos]
+        carry, hops = [], []
+        for j in range(size):
+            need = [_keys_seen(sorted_pos[(j + t) % size], pos[j], window) for t in range(size)]
+            need[0] = torch.zeros_like(need[0])
+            c = [need[-1]]
+            for t in range(size - 2, -1, -1):  # suffix OR: needed at this hop or further
+                c.append(c[-1] | need[t])
+            c.reverse()
+            carry.append(c)
+            hops.append(max((t for t in range(1, size) if need[t].any()), default=0))
+        return cls(rank, size, window, kv_tile, positions.device, pos, carry, hops)
+
+    def owner(self, step: int) -> int:
+        """The block this rank holds at `step`."""
+        return (self.rank - step) % self.size
+
+    def holds(self, step: int) -> bool:
+        return step == 0 or self.hops[self.owner(step)] >= step
+
+    def incoming(self, step: int, B: int, Hkv: int, d: int) -> tuple[int, ...] | None:
+        """Shape of the [2, B, Hkv, keys, d] K/V payload arriving for `step`, None if none does."""
+        if not 0 < step < self.size or not self.holds(step):
+            return None
+        return (2, B, Hkv, self.payload(self.owner(step), step).numel(), d)
+
+    def sends(self, step: int) -> bool:
+        """Whether this rank forwards its held block after `step` (hop step + 1)."""
+        return step + 1 < self.size and self.hops[self.owner(step)] >= step + 1
+
+    def payload(self, j: int, hop: int) -> Tensor:
+        """Indices into block j of the keys present on `hop` (all of them at the owner)."""
+        if hop == 0:
+            return torch.arange(self.pos[j].numel())
+        return self.carry[j][hop].nonzero().flatten()
+
+    def forward_selection(self, step: int) -> _Index:
+        """Which entries of the payload held at `step` travel on to hop step + 1."""
+        j = self.owner(step)
+        here = self.payload(j, step)
+        keep = self.carry[j][step + 1][here].nonzero().flatten()
+        return _Index(keep, here.numel(), self.device)
+
+    def tiles(self, step: int) -> list[_Tile]:
+        """The work at `step` (empty: the whole held block is masked for every local query).
+
+        Only keys seen by some local query are used, cut into runs of consecutive positions of at
+        most `kv_tile` keys; each run takes only the query rows that see it. Zigzag's two chunks are
+        two runs, so its masked chunk pairs are skipped exactly; long runs bound the score memory."""
+        if step in self._tiles:
+            return self._tiles[step]
+        j = self.owner(step)
+        here = self.payload(j, step)
+        q_pos, k_pos = self.pos[self.rank], self.pos[j][here]
+        cols = _keys_seen(q_pos.sort().values, k_pos, self.window).nonzero().flatten()
+        kp = k_pos[cols]
+        breaks = ((cols[1:] != cols[:-1] + 1) | (kp[1:] != kp[:-1] + 1)).nonzero().flatten() + 1
+        bounds = [0, *breaks.tolist(), cols.numel()]
+        grad_base = here if step == 0 else self.payload(j, 1)
+        tiles = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            for a in range(lo, hi, self.kv_tile):
+                c = cols[a : min(hi, a + self.kv_tile)]
+                tile_pos = kp[a : a + c.numel()]  # consecutive, so already sorted
+                row_mask = _rows_seeing(tile_pos, q_pos, self.window)
+                rows_pos = q_pos[row_mask]
+                dense = bool(rows_pos.min() >= tile_pos.max()) and (
+                    self.window == 0 or bool(rows_pos.max() - tile_pos.min() < self.window)
+                )
+                tiles.append(
+                    _Tile(
+                        _Index(row_mask.nonzero().flatten(), q_pos.numel(), self.device),
+                        _Index(c, here.numel(), self.device),
+                        _Index(torch.searchsorted(grad_base, here[c]), -1, self.device),
+                        rows_pos.to(self.device),
+                        tile_pos.to(self.device),
+                        dense,
+                    )
+                )
+        self._tiles[step] = tiles
+        return tiles
+
+    def mask(self, tile: _Tile) -> Tensor | None:
+        return None if tile.dense else attention_mask(tile.q_pos, tile.k_pos, self.window)
+
+
+# --------------------------------------------------------------------------- block math (fp32)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float):
+    """q [B,Hkv,G,Tq,d], k/v [B,Hkv,Tk,d] (fp32) → out [B,Hkv,G,Tq,d], lse [B,Hkv,G,Tq].
+
+    Every row sees at least one key (the plan drops rows that see none), so the LSE is finite."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.einsum("bhgqk,bhkd->bhgqd", p, v), lse
+
+
+def _attend_backward(q, k, v, do, lse, delta, mask, scale: float):
+    """Gradients of one block from the *global* LSE (probabilities recomputed, FlashAttention-2)."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v) - delta.unsqueeze(-1))
+    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q) * scale
+    return dq, dk, dv
+
+
+def _merge(out: Tensor, lse: Tensor, rows: _Index, out_b: Tensor, lse_b: Tensor) -> None:
+    """Online-softmax merge of a block result into the running (out, lse) rows, in place.
+
+    out ← out − σ(lse_b − lse)·(out − out_b); lse ← log(e^lse + e^lse_b). Rows not yet seen have
+    lse = −inf and out = 0, which this maps to exactly (out_b, lse_b)."""
+    o, s = rows.take(out, 3), rows.take(lse, 3)
+    o = o - torch.sigmoid(lse_b - s).unsqueeze(-1) * (o - out_b)
+    rows.put(out, o, 3)
+    rows.put(lse, torch.logaddexp(s, lse_b), 3)
+
+
+# --------------------------------------------------------------------------- the ring
+
+_KV, _DKV, _HOME = 0, 1, 2  # message kinds; tag = kind * cp + step
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _Plan, group: ProcessGroup, stats: RingStats):
+        t_start = time.perf_counter()
+        ring = Ring(group, stats)
+        n, (B, H, _, d), Hkv = plan.size, q.shape, k.shape[1]
+        scale = 1.0 / math.sqrt(d)
+        with torch.autocast(q.device.type, enabled=False):
+            qg = q.unflatten(1, (Hkv, H // Hkv)).float()
+            out = torch.zeros_like(qg)
+            lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
+            held = torch.stack([k, v])  # [2, B, Hkv, T, d]: the block this rank holds, as sent
+            for step in range(n):
+                pending = ring.shift(
+                    plan.forward_selection(step).take(held, 3) if plan.sends(step) else None,
+                    plan.incoming(step + 1, B, Hkv, d),
+                    k.dtype,
+                    q.device,
+                    tag=_KV * n + step + 1,
+                )
+                tiles = plan.tiles(step) if held is not None else []
+                stats.blocks_computed += bool(tiles)
+                stats.blocks_skipped += not tiles
+                for tile in tiles:
+                    kv = tile.cols.take(held, 3).float()
+                    out_t, lse_t = _attend(
+                        tile.rows.take(qg, 3), kv[0], kv[1], plan.mask(tile), scale
+                    )
+                    _merge(out, lse, tile.rows, out_t, lse_t)
+                held = pending.wait() if pending is not None else None
+            ring.wait_sends()
+        y = out.flatten(1, 2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, y, lse)
+        ctx.plan, ctx.group, ctx.stats = plan, group, stats
+        stats.calls += 1
+        stats.ring_s += time.perf_counter() - t_start
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        t_start = time.perf_counter()
+        q, k, v, y, lse = ctx.saved_tensors
+        plan, stats = ctx.plan, ctx.stats
+        ring = Ring(ctx.group, stats)
+        n, rank, (B, H, T, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
+        scale = 1.0 / math.sqrt(d)
+        with torch.autocast(q.device.type, enabled=False):
+            qg = q.unflatten(1, (Hkv, H // Hkv)).float()
+            do = dy.unflatten(1, (Hkv, H // Hkv)).float()
+            delta = (do * y.unflatten(1, (Hkv, H // Hkv)).float()).sum(-1)
+            dq = torch.zeros_like(qg)
+            dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+            home = None  # dK/dV of this rank's block computed by the others, sent back at the end
+            if plan.hops[rank] >= 1:
+                last = (rank + plan.hops[rank]) % n
+                shape = (2, B, Hkv, plan.payload(rank, 1).numel(), d)
+                home = ring.recv(shape, torch.float32, q.device, last, tag=_HOME * n)
+            held, dkv_in = torch.stack([k, v]), None
+            for step in range(n):
+                j = plan.owner(step)
+                pending = ring.shift(
+                    plan.forward_selection(step).take(held, 3) if plan.sends(step) else None,
+                    plan.incoming(step + 1, B, Hkv, d),
+                    k.dtype,
+                    q.device,
+                    tag=_KV * n + step + 1,
+                )
+                dkv_next = None
+                if pending is not None and step + 1 >= 2:  # and its dK/dV so far
+                    shape = (2, B, Hkv, plan.payload(plan.owner(step + 1), 1).numel(), d)
+                    dkv_next = ring.recv_prev(
+                        shape, torch.float32, q.device, tag=_DKV * n + step + 1
+                    )
+                tiles = plan.tiles(step) if held is not None else []
+                stats.blocks_computed += bool(tiles)
+                stats.blocks_skipped += not tiles
+                if step == 0:
+                    dkv = dkv_own
+                elif held is not None:  # this rank's share of the remote block's dK/dV
+                    shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
+                    dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
+                for tile in tiles:
+                    kv, rows = tile.cols.take(held, 3).float(), tile.rows
+                    dq_t, dk_t, dv_t = _attend_backward(
+                        rows.take(qg, 3),
+                        kv[0],
+                        kv[1],
+                        rows.take(do, 3),
+                        rows.take(lse, 3),
+                        rows.take(delta, 3),
+                        plan.mask(tile),
+                        scale,
+                    )
+                    rows.add(dq, dq_t, 3)
+                    tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]), 3)
+                if step > 0 and held is not None:  # add the earlier holders' share, pass it on
+                    if dkv_in is not None:
+                        dkv += dkv_in.wait()
+                    if plan.sends(step):
+                        ring.send_next(dkv, tag=_DKV * n + step + 1)
+                    else:  # the last holder: straight back to the owner
+                        ring.send(dkv, j, tag=_HOME * n)
+                held = pending.wait() if pending is not None else None
+                dkv_in = dkv_next
+            if home is not None:
+                _Index(plan.payload(rank, 1), T, q.device).add(dkv_own, home.wait(), 3)
+            ring.wait_sends()
+        stats.ring_s += time.perf_counter() - t_start
+        dk, dv = dkv_own.to(k.dtype).unbind(0)
+        return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor | None,
+    k_pos: Tensor | None,
+    window: int,
+    group: ProcessGroup,
+    stats: RingStats | None = None,
+    kv_tile: int = 512,
+) -> Tensor:
+    """Causal (optionally sliding-window, GQA) attention over a sequence sharded across `group`.
+
+    q [B, H, T, hd] and k/v [B, Hkv, T, hd] are this rank's tokens, `q_pos` (== `k_pos`) [T] their
+    global positions — any layout (see `shard_sequence`), equal length on every rank. Same contract
+    as `sdpa_attention` on the full sequence; K/V travel at the KV head count (never expanded).
+    Scores are materialised for at most `kv_tile` keys at a time (× the local queries).
+    A query that sees no key at all gets a zero output (SDPA would give NaN)."""
+    if q_pos is None or k_pos is None:
+        raise ValueError(
+            "ring attention needs the global positions of the local tokens: call "
+            "model(tokens, positions=positions_for(seq_len, cp_rank, cp_size, mode))"
+        )
+    if k_pos is not q_pos and not torch.equal(q_pos, k_pos):
+        raise ValueError(
+            "ring attention is self-attention over the sharded sequence (q_pos == k_pos); "
+            "KV-cache decoding is not context-parallel — generate with the single-process model"
+        )
+    if q_pos.dim() != 1 or q_pos.numel() != q.shape[2] or k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"positions {tuple(q_pos.shape)} must be 1-D with one entry per local token "
+            f"(q has {q.shape[2]}, k has {k.shape[2]})"
+        )
+    plan = _Plan.build(q_pos, window, kv_tile, group)
+    return _RingAttention.apply(q, k, v, plan, group, stats if stats is not None else RingStats())
+
+
+def apply_context_parallel(
+    model: Transformer, cp_mesh: DeviceMesh, stats: RingStats | None = None
+) -> None:
+    """Route every layer's attention through `ring_attention` on the (1-D) cp mesh's group.
+
+    The caller shards tokens, labels and positions (`shard_sequence`, `positions_for`) and calls
+    `model(tokens_local, positions=positions_local)`; everything else in the model is per token.
+    `stats`, if given, accumulates the ring counters of all layers."""
+    fn = functools.partial(ring_attention, group=cp_mesh.get_group(), stats=stats)
+    for layer in model.layers.values():
+        layer.attention.attention_fn = fn
