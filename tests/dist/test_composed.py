@@ -28,7 +28,9 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
+def _setup(residual: str, dims_kw: dict, chunks: int):
+    """Mesh, the single-process reference and the parallelized copy (same seed), their optimizers,
+    and this rank's rows of the batch."""
     dims = ParallelDims(**dims_kw).validate(dist.get_world_size())
     cfg = _config(residual, chunks)
     for name, value in dims_kw.items():
@@ -39,10 +41,24 @@ def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     parallelize(model, mesh, dims, cfg)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     rank, size = dp_rank_and_size(mesh, dims)
     rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    opts = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    return dims, mesh, ref, model, opts, rows
+
+
+def _finish_step(ref, model, opts, worst):
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        worst = max(worst, (_full(p.grad) - ref_grads[name].grad).abs().max().item())
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    return worst
+
+
+def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
+    dims, _, ref, model, opts, rows = _setup(residual, dims_kw, chunks)
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, worst = [], [], 0.0
     for _ in range(steps):
@@ -58,19 +74,19 @@ def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
         ref_losses.append(ref_loss.item())
-        ref_grads = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            worst = max(worst, (_full(p.grad) - ref_grads[name].grad).abs().max().item())
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        worst = _finish_step(ref, model, opts, worst)
     return losses, ref_losses, worst
 
 
 @pytest.mark.parametrize("residual", ["standard", "full", "block"])
-@pytest.mark.parametrize("dims_kw,chunks", [({"tp": 2, "dp_shard": 2}, 1), ({"tp": 2, "dp_shard": 2}, 2),
-                                            ({"tp": 2, "dp_replicate": 2}, 1)])
+@pytest.mark.parametrize(
+    "dims_kw,chunks",
+    [
+        ({"tp": 2, "dp_shard": 2}, 1),
+        ({"tp": 2, "dp_shard": 2}, 2),
+        ({"tp": 2, "dp_replicate": 2}, 1),
+    ],
+)
 def test_tp_with_data_parallel_matches_single_process(dist_pool, residual, dims_kw, chunks):
     """fp32: losses within 1e-5 and gradients within 2e-5 over 3 SGD steps (TP reorders the sums in
     the row-parallel GEMMs and reduce-scatters; the gap is fp32 rounding, not drift)."""
@@ -82,20 +98,7 @@ def test_tp_with_data_parallel_matches_single_process(dist_pool, residual, dims_
 def _composed_cp(residual: str, dims_kw: dict, steps: int = 3):
     from depthscale.parallel import context_parallel as cpar
 
-    dims = ParallelDims(**dims_kw).validate(dist.get_world_size())
-    cfg = _config(residual, 1)
-    for name, value in dims_kw.items():
-        setattr(cfg.parallel, name, value)
-    mesh = dims.build_mesh("cpu")
-    torch.manual_seed(0)
-    ref = Transformer(cfg.model)
-    torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    parallelize(model, mesh, dims, cfg)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    rank, size = dp_rank_and_size(mesh, dims)
-    rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
+    dims, mesh, ref, model, opts, rows = _setup(residual, dims_kw, 1)
     cp, cp_rank, cp_group = dims.cp, mesh.get_local_rank("cp"), mesh["cp"].get_group()
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, worst = [], [], 0.0
@@ -116,13 +119,7 @@ def _composed_cp(residual: str, dims_kw: dict, steps: int = 3):
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
         ref_losses.append(ref_loss.item())
-        ref_grads = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            worst = max(worst, (_full(p.grad) - ref_grads[name].grad).abs().max().item())
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        worst = _finish_step(ref, model, opts, worst)
     return losses, ref_losses, worst
 
 
