@@ -1,4 +1,4 @@
-"""Shared helpers for benchmark scripts: device description, interleaved timing, saved-activation bytes."""
+"""Shared helpers for benchmark scripts: device description and interleaved timing."""
 
 from __future__ import annotations
 
@@ -45,22 +45,3 @@ def interleaved_times(
             sync()
             samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def saved_activation_bytes(fn: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
-    """Bytes of distinct non-parameter storages autograd saves for backward during fn(): the
-    activation memory that peaks at the end of the forward pass. Works on CPU, where there is no
-    allocator statistic."""
-    exclude = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in exclude:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_info, interleaved_times, saved_activation_bytes  # noqa: E402
+from _common import device_info, interleaved_times  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
+from depthscale.train.memory import saved_activation_bytes  # noqa: E402
 
 
 def main() -> None:

@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_info, saved_activation_bytes  # noqa: E402
+from _common import device_info  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
 from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
+from depthscale.train.memory import saved_activation_bytes  # noqa: E402
 
 
 def _free_port() -> int:

@@ -235,3 +235,10 @@ def test_depth_state_sources():
     a, b = torch.zeros(1), torch.ones(1)
     assert DepthState([a], None).sources() == [a]
     assert DepthState([a], b).sources() == [a, b]
+
+
+def test_too_many_blocks_is_a_clear_error_without_config_validation():
+    from depthscale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.attnres_n_blocks=8 must be in 1..4"):
+        Transformer(cfg(residual="block", n_layers=2, attnres_n_blocks=8))

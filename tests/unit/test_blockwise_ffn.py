@@ -5,6 +5,7 @@ import torch
 
 from depthscale.config import Config, ConfigError, ModelConfig
 from depthscale.model.layers import SwiGLU
+from depthscale.train.memory import saved_activation_bytes
 
 
 def _pair(chunk: int) -> tuple[SwiGLU, SwiGLU]:
@@ -13,23 +14,6 @@ def _pair(chunk: int) -> tuple[SwiGLU, SwiGLU]:
     blockwise = SwiGLU(ModelConfig(dim=32, ffn_dim=96, ffn_chunk_size=chunk))
     blockwise.load_state_dict(plain.state_dict())
     return plain, blockwise
-
-
-def _saved_bytes(fn, params) -> int:
-    """Bytes of distinct non-parameter storages saved for backward while running fn()."""
-    exclude = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in exclude:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("chunk", [4, 5, 64])
@@ -50,8 +34,8 @@ def test_blockwise_ffn_matches_plain_forward_and_backward(chunk):
 def test_blockwise_ffn_saves_less_for_backward():
     plain, blockwise = _pair(8)
     x = torch.randn(1, 64, 32, requires_grad=True)
-    full = _saved_bytes(lambda: plain(x), list(plain.parameters()))
-    chunked = _saved_bytes(lambda: blockwise(x), list(blockwise.parameters()))
+    full = saved_activation_bytes(lambda: plain(x), list(plain.parameters()))
+    chunked = saved_activation_bytes(lambda: blockwise(x), list(blockwise.parameters()))
     # plain keeps ~4 [64, 96] intermediates; blockwise keeps only the input x [64, 32]
     assert chunked <= x.numel() * 4
     assert full >= 4 * 64 * 96 * 4

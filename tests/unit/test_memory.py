@@ -5,7 +5,12 @@ import torch
 
 from depthscale.config import ModelConfig
 from depthscale.model.transformer import Transformer, cross_entropy
-from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
+from depthscale.train.memory import (
+    OffloadStats,
+    apply_recompute,
+    offload_activations,
+    saved_activation_bytes,
+)
 
 
 def _model(residual, recompute):
@@ -26,18 +31,11 @@ def _model(residual, recompute):
 
 
 def _saved_bytes(model, tokens):
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = cross_entropy(model(tokens), tokens)
-    return loss, sum(seen.values())
+    losses = []
+    saved = saved_activation_bytes(
+        lambda: losses.append(cross_entropy(model(tokens), tokens)), list(model.parameters())
+    )
+    return losses[0], saved
 
 
 @pytest.mark.parametrize("residual", ["standard", "full", "block"])

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from depthscale.config import ModelConfig
+from depthscale.errors import ConfigError
 from depthscale.model.attnres_ops import (
     depth_read,
     depth_read_efficient,
@@ -70,6 +71,10 @@ def block_assignment(cfg: ModelConfig) -> list[int]:
     if cfg.attnres_block_size:
         return [t // cfg.attnres_block_size for t in range(n)]
     n_blocks = cfg.attnres_n_blocks
+    if not 1 <= n_blocks <= n:  # also reached by models built without Config.validate()
+        raise ConfigError(
+            f"model.attnres_n_blocks={n_blocks} must be in 1..{n} (the number of sublayers)"
+        )
     size = n // n_blocks
     return [min(t // size, n_blocks - 1) for t in range(n)]
 

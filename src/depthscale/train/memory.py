@@ -15,7 +15,7 @@ Modules are patched through their instance `forward`, so parameter names and che
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -99,3 +99,22 @@ def offload_activations(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield stats
+
+
+def saved_activation_bytes(fn: Callable[[], object], params: list[torch.Tensor]) -> int:
+    """Bytes of distinct non-parameter storages autograd saves for backward while running fn():
+    the activation memory that peaks at the end of the forward pass. Works on CPU, where there is no
+    allocator statistic (on CUDA, compare with torch.cuda.max_memory_allocated)."""
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())

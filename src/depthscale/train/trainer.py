@@ -205,9 +205,8 @@ class Trainer:
         ys = [y.to(self.device) for y in labels.chunk(accum)]
         shape = (xs[0].shape[0], xs[0].shape[1], self.cfg.model.dim)
         runtime = self.pipeline.evaluation(len(xs)) if forward_only else self.pipeline.train
-        dtype = self.dtype if self.dtype != torch.float32 else torch.float32
         with self.autocast():
-            loss, _ = runtime.step(xs, ys, shape, dtype, self.device)
+            loss, _ = runtime.step(xs, ys, shape, self.dtype, self.device)
         total = loss if loss is not None else torch.zeros((), device=self.device)
         dist.all_reduce(
             total, group=self.pipeline.group

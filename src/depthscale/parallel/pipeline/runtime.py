@@ -27,7 +27,6 @@ class _Unit:
 
     recv: Tensor | None = None  # the received hop (a leaf), or None on the first stage
     outputs: list[Tensor] = field(default_factory=list)  # tensors whose grads come from downstream
-    sent: Tensor | None = None  # what was sent downstream (kept alive until the send completes)
     loss: Tensor | None = None
 
 
@@ -139,7 +138,6 @@ class PipelineRuntime:
                 if hop is None:
                     stats.per_hop_bytes.append(0)
                     continue
-                unit.sent = hop
                 sends.append(
                     (dist.isend(hop, dst=self._global(a.peer), group=self.group, tag=_tag(a)), hop)
                 )
