@@ -10,9 +10,10 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from depthscale.config import ModelConfig
-from depthscale.model.layers import sdpa_attention
+from depthscale.model.layers import attention_mask, sdpa_attention
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.parallel.context_parallel import (
     RingStats,
@@ -46,16 +47,20 @@ def _err(mine, ref):
     return ((mine - ref).abs().max() / ref.abs().max().clamp(min=1)).item()
 
 
-def _reference(q, k, v, dout, window):
+def _reference(q, k, v, dout, window, causal=True):
     """Full-sequence SDPA in fp32: (out, dq, dk, dv)."""
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     pos = torch.arange(q.shape[2])
-    out = sdpa_attention(*leaves, pos, pos, window)
+    if causal:
+        out = sdpa_attention(*leaves, pos, pos, window)
+    else:
+        mask = attention_mask(pos, pos, window, causal=False)
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
     out.backward(dout.float())
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def _ring(q, k, v, dout, window, mode, stats=None, kv_tile=512):
+def _ring(q, k, v, dout, window, mode, stats=None, kv_tile=512, causal=True):
     """Pad to the layout, shard, run the ring; returns this rank's (pos, out, dq, dk, dv)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     T = q.shape[2]
@@ -65,40 +70,51 @@ def _ring(q, k, v, dout, window, mode, stats=None, kv_tile=512):
     pos = positions_for(T + pad, rank, world, mode)
     local = [shard_sequence(t, rank, world, 2, mode) for t in padded]
     leaves = [t.detach().clone().requires_grad_() for t in local[:3]]
-    out = ring_attention(*leaves, pos, pos, window, dist.group.WORLD, stats, kv_tile)
+    out = ring_attention(
+        *leaves, pos, pos, window, dist.group.WORLD, stats, kv_tile, causal=causal, seq_len=T
+    )
     out.backward(local[3])
     return pos, out.detach(), *[t.grad for t in leaves]
 
 
 def _attention_parity(cases):
-    """Max error of out, dq, dk, dv for each (mode, T, window, H, Hkv, kv_tile) case."""
+    """Max error of out, dq, dk, dv for each (mode, T, window, H, Hkv, kv_tile, causal) case."""
     errors = []
-    for mode, T, window, H, Hkv, kv_tile in cases:
+    for mode, T, window, H, Hkv, kv_tile, causal in cases:
         q, k, v, dout = _inputs(T, H, Hkv)
-        ref = _reference(q, k, v, dout, window)
-        pos, *mine = _ring(q, k, v, dout, window, mode, kv_tile=kv_tile)
+        ref = _reference(q, k, v, dout, window, causal)
+        pos, *mine = _ring(q, k, v, dout, window, mode, kv_tile=kv_tile, causal=causal)
         real = pos < T  # padding rows are not part of the reference
         errs = [_err(m[:, :, real], r[:, :, pos[real]]) for m, r in zip(mine, ref)]
         errors.append(errs)
     return errors
 
 
-# (mode, T, window, H, Hkv, kv_tile): a sample of the grid covering every feature at each cp
+# (mode, T, window, H, Hkv, kv_tile, causal): a sample of the grid covering every feature at each cp
 CP2_CASES = [
-    ("contiguous", 32, 0, 4, 4, 512),
-    ("zigzag", 32, 0, 4, 2, 512),
-    ("zigzag", 30, 0, 4, 2, 3),  # padded to 32; key tiles of 3 inside each chunk
-    ("contiguous", 32, 5, 4, 2, 512),
-    ("zigzag", 32, 20, 4, 4, 512),  # long window: spans several chunks
-    ("contiguous", 26, 3, 4, 2, 4),  # padded, short window, tiled
+    ("contiguous", 32, 0, 4, 4, 512, True),
+    ("zigzag", 32, 0, 4, 2, 512, True),
+    ("zigzag", 30, 0, 4, 2, 3, True),  # padded to 32; key tiles of 3 inside each chunk
+    ("contiguous", 32, 5, 4, 2, 512, True),
+    ("zigzag", 32, 20, 4, 4, 512, True),  # long window: spans several chunks
+    ("contiguous", 26, 3, 4, 2, 4, True),  # padded, short window, tiled
+    # bidirectional: padding keys must be masked (seq_len), windows look both ways
+    ("contiguous", 32, 0, 4, 2, 512, False),
+    ("zigzag", 30, 0, 4, 4, 3, False),
+    ("contiguous", 26, 5, 4, 2, 4, False),
+    ("zigzag", 32, 9, 4, 2, 512, False),
 ]
 CP4_CASES = [
-    ("zigzag", 64, 0, 4, 2, 512),
-    ("contiguous", 64, 0, 4, 4, 5),
-    ("zigzag", 60, 7, 4, 2, 512),  # padded to 64
-    ("contiguous", 64, 40, 4, 2, 512),  # long window
-    ("zigzag", 64, 3, 4, 4, 2),
-    ("contiguous", 62, 0, 4, 2, 512),  # padded
+    ("zigzag", 64, 0, 4, 2, 512, True),
+    ("contiguous", 64, 0, 4, 4, 5, True),
+    ("zigzag", 60, 7, 4, 2, 512, True),  # padded to 64
+    ("contiguous", 64, 40, 4, 2, 512, True),  # long window
+    ("zigzag", 64, 3, 4, 4, 2, True),
+    ("contiguous", 62, 0, 4, 2, 512, True),  # padded
+    ("zigzag", 60, 0, 4, 2, 512, False),
+    ("contiguous", 64, 0, 4, 4, 5, False),
+    ("contiguous", 62, 7, 4, 2, 512, False),
+    ("zigzag", 64, 20, 4, 2, 3, False),
 ]
 
 
@@ -120,6 +136,7 @@ def test_ring_attention_matches_sdpa_exhaustive(dist_pool, world):
             [4],
             [4, 2, 1],
             [512, 3],
+            [True, False],
         )
     )
     for rank_errors in dist_pool(world).run(_attention_parity, cases):

@@ -78,6 +78,9 @@ def test_attention_mask():
     m = attention_mask(pos, pos, 2)
     assert m.tolist()[3] == [False, False, True, True, False]
     assert attention_mask(pos, pos, 0).sum() == 15
+    both = attention_mask(pos, pos, 2, causal=False)
+    assert both.tolist()[3] == [False, False, True, True, True]
+    assert attention_mask(pos, pos, 0, causal=False).all()
 
 
 def test_parallel_block_has_one_norm_per_layer():

@@ -48,12 +48,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + _rotate_half(x) * sin
 
 
-def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
-    """Boolean [Tq, Tk] mask (True = attend): causal by position, limited to `window` keys if > 0."""
+def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool = True) -> Tensor:
+    """Boolean [Tq, Tk] mask (True = attend) by position: causal (keys at or before the query) or
+    bidirectional; with `window` > 0 only keys less than `window` positions away."""
     diff = q_pos[:, None] - k_pos[None, :]
-    allowed = diff >= 0
+    allowed = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
     if window > 0:
-        allowed &= diff < window
+        allowed &= diff.abs() < window
     return allowed
 
 

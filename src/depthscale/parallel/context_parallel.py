@@ -17,11 +17,12 @@ the fp32 LSE) and recomputes each block's probabilities from the saved LSE. dQ a
 each block's dK/dV accumulate in **fp32** while travelling with the block, and reach the owner once,
 so rounding does not grow with the ring size.
 
-What is skipped (causal masking and sliding windows), with `positions` known on every rank (one small
-all-gather of int64 positions per call — never of K/V):
+What is skipped (causal masking, sliding windows, padding), with `positions` known on every rank (one
+small all-gather of int64 positions per call — never of K/V):
 
 * **compute**: a (local queries, K/V block) pair is skipped when no key of the block is visible to
-  any local query (causal: every key is later; window: every key is `window` or more positions back).
+  any local query (causal: every key is later; window: every key is `window` or more positions away;
+  padding keys are seen by nobody). Bidirectional attention (`causal=False`) skips only by window.
   Inside a computed pair only keys some local query sees are used, in tiles of consecutive
   positions (at most `kv_tile` keys), and each tile only with the query rows that see it — for
   zigzag that skips exactly the masked chunk pairs, on the diagonal block too; no mask is built
@@ -267,22 +268,55 @@ class _Index:
             acc.index_add_(dim, self.idx, value)
 
 
-def _keys_seen(q_sorted: Tensor, k_pos: Tensor, window: int) -> Tensor:
-    """bool[Tk]: keys visible to at least one query (q - window < k <= q); queries sorted."""
-    first = torch.searchsorted(q_sorted, k_pos)  # first query at or after the key
-    seen = first < q_sorted.numel()
-    if window > 0 and q_sorted.numel():
-        seen &= q_sorted[first.clamp(max=q_sorted.numel() - 1)] < k_pos + window
-    return seen
+@dataclass(frozen=True)
+class _Span:
+    """Which keys a query sees, as bounds on the position offset q - k (None: unbounded).
 
+    causal: 0 <= q - k (< window); bidirectional: |q - k| < window, or every key. Keys at or past
+    `seq_len` (padding) are seen by no query."""
 
-def _rows_seeing(k_sorted: Tensor, q_pos: Tensor, window: int) -> Tensor:
-    """bool[Tq]: queries that see at least one key; keys sorted."""
-    last = torch.searchsorted(k_sorted, q_pos, right=True) - 1  # last key at or before the query
-    sees = last >= 0
-    if window > 0 and k_sorted.numel():
-        sees &= k_sorted[last.clamp(min=0)] > q_pos - window
-    return sees
+    lo: int | None
+    hi: int | None
+    seq_len: int | None
+
+    @classmethod
+    def of(cls, window: int, causal: bool, seq_len: int | None) -> _Span:
+        hi = window - 1 if window > 0 else None
+        lo = 0 if causal else (None if hi is None else -hi)
+        return cls(lo, hi, seq_len)
+
+    def keys_seen(self, q_sorted: Tensor, k_pos: Tensor) -> Tensor:
+        """bool[Tk]: keys visible to at least one query (some q in [k + lo, k + hi]); queries sorted."""
+        n = q_sorted.numel()
+        if self.lo is None:
+            first = torch.zeros_like(k_pos)
+        else:
+            first = torch.searchsorted(q_sorted, k_pos + self.lo)  # first query at k + lo or later
+        seen = first < n
+        if self.hi is not None and n:
+            seen &= q_sorted[first.clamp(max=n - 1)] <= k_pos + self.hi
+        if self.seq_len is not None:
+            seen &= k_pos < self.seq_len
+        return seen
+
+    def rows_seeing(self, k_sorted: Tensor, q_pos: Tensor) -> Tensor:
+        """bool[Tq]: queries that see at least one key (some k in [q - hi, q - lo]); keys sorted and
+        all real (never padding)."""
+        n = k_sorted.numel()
+        if self.hi is None:
+            first = torch.zeros_like(q_pos)
+        else:
+            first = torch.searchsorted(k_sorted, q_pos - self.hi)  # first key at q - hi or later
+        sees = first < n
+        if self.lo is not None and n:
+            sees &= k_sorted[first.clamp(max=n - 1)] <= q_pos - self.lo
+        return sees
+
+    def all_visible(self, q_pos: Tensor, k_pos: Tensor) -> bool:
+        """Every (query, key) pair is visible (no mask needed); keys all real."""
+        return (self.lo is None or bool(q_pos.min() - k_pos.max() >= self.lo)) and (
+            self.hi is None or bool(q_pos.max() - k_pos.min() <= self.hi)
+        )
 
 
 @dataclass
@@ -311,7 +345,7 @@ class _Plan:
 
     rank: int
     size: int
-    window: int
+    span: _Span
     kv_tile: int
     device: torch.device
     pos: list[Tensor]
@@ -320,7 +354,7 @@ class _Plan:
     _tiles: dict[int, list[_Tile]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, positions: Tensor, window: int, kv_tile: int, group: ProcessGroup) -> _Plan:
+    def build(cls, positions: Tensor, span: _Span, kv_tile: int, group: ProcessGroup) -> _Plan:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = [torch.empty_like(positions) for _ in range(size)]
         dist.all_gather(gathered, positions.contiguous(), group=group)
@@ -328,7 +362,7 @@ class _Plan:
         sorted_pos = [p.sort().values for p in pos]
         carry, hops = [], []
         for j in range(size):
-            need = [_keys_seen(sorted_pos[(j + t) % size], pos[j], window) for t in range(size)]
+            need = [span.keys_seen(sorted_pos[(j + t) % size], pos[j]) for t in range(size)]
             need[0] = torch.zeros_like(need[0])
             c = [need[-1]]
             for t in range(size - 2, -1, -1):  # suffix OR: needed at this hop or further
@@ -336,7 +370,7 @@ class _Plan:
             c.reverse()
             carry.append(c)
             hops.append(max((t for t in range(1, size) if need[t].any()), default=0))
-        return cls(rank, size, window, kv_tile, positions.device, pos, carry, hops)
+        return cls(rank, size, span, kv_tile, positions.device, pos, carry, hops)
 
     def owner(self, step: int) -> int:
         """The block this rank holds at `step`."""
@@ -379,7 +413,7 @@ class _Plan:
         j = self.owner(step)
         here = self.payload(j, step)
         q_pos, k_pos = self.pos[self.rank], self.pos[j][here]
-        cols = _keys_seen(q_pos.sort().values, k_pos, self.window).nonzero().flatten()
+        cols = self.span.keys_seen(q_pos.sort().values, k_pos).nonzero().flatten()
         kp = k_pos[cols]
         breaks = ((cols[1:] != cols[:-1] + 1) | (kp[1:] != kp[:-1] + 1)).nonzero().flatten() + 1
         bounds = [0, *breaks.tolist(), cols.numel()]
@@ -389,11 +423,9 @@ class _Plan:
             for a in range(lo, hi, self.kv_tile):
                 c = cols[a : min(hi, a + self.kv_tile)]
                 tile_pos = kp[a : a + c.numel()]  # consecutive, so already sorted
-                row_mask = _rows_seeing(tile_pos, q_pos, self.window)
+                row_mask = self.span.rows_seeing(tile_pos, q_pos)
                 rows_pos = q_pos[row_mask]
-                dense = bool(rows_pos.min() >= tile_pos.max()) and (
-                    self.window == 0 or bool(rows_pos.max() - tile_pos.min() < self.window)
-                )
+                dense = self.span.all_visible(rows_pos, tile_pos)
                 tiles.append(
                     _Tile(
                         _Index(row_mask.nonzero().flatten(), q_pos.numel(), self.device),
@@ -408,7 +440,10 @@ class _Plan:
         return tiles
 
     def mask(self, tile: _Tile) -> Tensor | None:
-        return None if tile.dense else attention_mask(tile.q_pos, tile.k_pos, self.window)
+        if tile.dense:
+            return None
+        window = 0 if self.span.hi is None else self.span.hi + 1
+        return attention_mask(tile.q_pos, tile.k_pos, window, causal=self.span.lo == 0)
 
 
 # --------------------------------------------------------------------------- block math (fp32)
@@ -577,14 +612,19 @@ def ring_attention(
     group: ProcessGroup,
     stats: RingStats | None = None,
     kv_tile: int = 512,
+    causal: bool = True,
+    seq_len: int | None = None,
 ) -> Tensor:
-    """Causal (optionally sliding-window, GQA) attention over a sequence sharded across `group`.
+    """Causal or bidirectional (optionally sliding-window, GQA) attention over a sequence sharded
+    across `group`.
 
     q [B, H, T, hd] and k/v [B, Hkv, T, hd] are this rank's tokens, `q_pos` (== `k_pos`) [T] their
     global positions — any layout (see `shard_sequence`), equal length on every rank. Same contract
     as `sdpa_attention` on the full sequence; K/V travel at the KV head count (never expanded).
     Scores are materialised for at most `kv_tile` keys at a time (× the local queries).
-    A query that sees no key at all gets a zero output (SDPA would give NaN)."""
+    `seq_len`: the unpadded length — keys at positions >= seq_len are padding and seen by no query
+    (needed when `causal=False` and the sequence was padded; causally padding at the end is never
+    seen anyway). A query that sees no key at all gets a zero output (SDPA would give NaN)."""
     if q_pos is None or k_pos is None:
         raise ValueError(
             "ring attention needs the global positions of the local tokens: call "
@@ -600,7 +640,7 @@ def ring_attention(
             f"positions {tuple(q_pos.shape)} must be 1-D with one entry per local token "
             f"(q has {q.shape[2]}, k has {k.shape[2]})"
         )
-    plan = _Plan.build(q_pos, window, kv_tile, group)
+    plan = _Plan.build(q_pos, _Span.of(window, causal, seq_len), kv_tile, group)
     return _RingAttention.apply(q, k, v, plan, group, stats if stats is not None else RingStats())
 
 
