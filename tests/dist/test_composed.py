@@ -1,5 +1,6 @@
-"""Composed layouts through the real `parallelize()`: tp × dp_shard (and tp × dp_replicate) match
-one process on loss and gradients over several optimizer steps, for every residual mode."""
+"""Composed layouts through the real `parallelize()`: tp × dp_shard (and tp × dp_replicate), cp × dp
+and cp × tp, and pipeline stages with dp_shard, HSDP, dp_replicate and tp, match one process on loss
+and gradients over several optimizer steps."""
 
 import pytest
 import torch
@@ -15,10 +16,11 @@ from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
 BATCH, SEQ = 4, 16
 
 
-def _config(residual: str, chunks: int) -> Config:
+def _config(residual: str, chunks: int, n_layers: int = 2) -> Config:
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.max_seq_len = 64, 32, 2, 4, 2, SEQ
+    m.n_layers = n_layers
     m.residual, m.attnres_n_blocks = residual, 2
     cfg.parallel.tp_overlap_chunks = chunks
     return cfg
@@ -28,27 +30,32 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _setup(residual: str, dims_kw: dict, chunks: int):
+def _setup(residual: str, dims_kw: dict, chunks: int, **model_kw):
     """Mesh, the single-process reference and the parallelized copy (same seed), their optimizers,
-    and this rank's rows of the batch."""
+    this rank's rows of the batch and its pipeline stages."""
+    dims_kw = dict(dims_kw)
+    virtual = dims_kw.pop("pp_virtual", 1)
     dims = ParallelDims(**dims_kw).validate(dist.get_world_size())
-    cfg = _config(residual, chunks)
+    cfg = _config(residual, chunks, model_kw.pop("n_layers", 2))
+    for name, value in model_kw.items():
+        setattr(cfg.model, name, value)
     for name, value in dims_kw.items():
         setattr(cfg.parallel, name, value)
+    cfg.parallel.pp_virtual = virtual
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
     ref = Transformer(cfg.model)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    parallelize(model, mesh, dims, cfg)
+    stages = parallelize(model, mesh, dims, cfg)
     rank, size = dp_rank_and_size(mesh, dims)
     rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
     opts = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
-    return dims, mesh, ref, model, opts, rows
+    return dims, mesh, ref, model, opts, rows, stages
 
 
 def _finish_step(ref, model, opts, worst):
-    ref_grads = dict(ref.named_parameters())
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
     for name, p in model.named_parameters():
         worst = max(worst, (_full(p.grad) - ref_grads[name].grad).abs().max().item())
     for opt in opts:
@@ -58,7 +65,7 @@ def _finish_step(ref, model, opts, worst):
 
 
 def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
-    dims, _, ref, model, opts, rows = _setup(residual, dims_kw, chunks)
+    dims, _, ref, model, opts, rows, _ = _setup(residual, dims_kw, chunks)
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, worst = [], [], 0.0
     for _ in range(steps):
@@ -98,7 +105,7 @@ def test_tp_with_data_parallel_matches_single_process(dist_pool, residual, dims_
 def _composed_cp(residual: str, dims_kw: dict, steps: int = 3):
     from depthscale.parallel import context_parallel as cpar
 
-    dims, mesh, ref, model, opts, rows = _setup(residual, dims_kw, 1)
+    dims, mesh, ref, model, opts, rows, _ = _setup(residual, dims_kw, 1)
     cp, cp_rank, cp_group = dims.cp, mesh.get_local_rank("cp"), mesh["cp"].get_group()
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, worst = [], [], 0.0
@@ -129,4 +136,86 @@ def test_context_parallel_composes_with_dp_and_tp(dist_pool, dims_kw):
     1e-5 and gradients within 2e-5 of one process over 3 SGD steps (fp32)."""
     for losses, ref_losses, worst in dist_pool(4).run(_composed_cp, "block", dims_kw):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert worst < 2e-5
+
+
+def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 2):
+    """Pipeline stages (interleaved 1F1B, depth cache on) composed with dp / tp through the real
+    `parallelize()`, one-row micro-batches; the gradient norm goes through the trainer's clipping."""
+    from depthscale.parallel.data_parallel import clip_grad_norm_
+    from depthscale.parallel.pipeline.depth_cache import DepthCache
+    from depthscale.parallel.pipeline.runtime import PipelineRuntime
+    from depthscale.parallel.pipeline.schedules import interleaved_1f1b
+    from depthscale.parallel.pipeline.stage import (
+        split_layers,
+        sync_tied_grads,
+        tied_embedding_group,
+        tied_weight,
+    )
+
+    dims, mesh, ref, model, opts, rows, stages = _setup(
+        residual, dims_kw, 1, n_layers=4, tie_embeddings=tie
+    )
+    cfg = model.cfg
+    pp, virtual, pp_rank = dims.pp, len(stages), mesh.get_local_rank("pp")
+    pp_group = mesh["pp"].get_group()
+    micro = rows.stop - rows.start
+    cache = DepthCache(cfg, split_layers(cfg.n_layers, pp * virtual), pp, enabled=True)
+    runtime = PipelineRuntime(
+        stages, interleaved_1f1b(pp, virtual, micro)[pp_rank], pp_group, cache
+    )
+    tied_group = tied_embedding_group(cfg, mesh)
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses, norms, ref_norms, worst = [], [], [], [], 0.0
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (BATCH, SEQ), generator=g)
+        labels = torch.randint(0, 64, (BATCH, SEQ), generator=g)
+        ref_loss = cross_entropy(ref(tokens), labels)
+        ref_loss.backward()
+        loss, _ = runtime.step(
+            list(tokens[rows].chunk(micro)),
+            list(labels[rows].chunk(micro)),
+            (1, SEQ // dims.tp, cfg.dim),
+            torch.float32,
+            torch.device("cpu"),
+        )
+        if tied_group is not None:
+            sync_tied_grads(model, tied_group)
+        if dims.tp > 1:
+            tp_sync_replicated_grads(model)
+        total = loss.detach().clone() if loss is not None else torch.zeros(())
+        dist.all_reduce(total, group=pp_group)
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+        ref_losses.append(ref_loss.item())
+        excludes = [tied_weight(model)] if tied_group and model.tok_embeddings is None else []
+        params = [p for p in model.parameters() if p.grad is not None]
+        norms.append(clip_grad_norm_(params, 0.0, across=pp_group, norm_excludes=excludes).item())
+        ref_norms.append(clip_grad_norm_(list(ref.parameters()), 0.0).item())
+        worst = _finish_step(ref, model, opts, worst)
+    return losses, ref_losses, norms, ref_norms, worst
+
+
+PP_LAYOUTS = [
+    ("block", {"pp": 2, "dp_shard": 2}, False),
+    ("block", {"pp": 2, "dp_shard": 2, "pp_virtual": 2}, True),
+    ("standard", {"pp": 2, "dp_shard": 2}, True),
+    ("full", {"pp": 2, "dp_replicate": 2}, False),
+    ("block", {"pp": 2, "tp": 2}, False),
+    ("block", {"pp": 2, "tp": 2, "pp_virtual": 2}, True),
+    ("full", {"pp": 2, "tp": 2}, False),
+    ("standard", {"pp": 2, "tp": 2}, False),
+]
+
+
+@pytest.mark.parametrize("residual,dims_kw,tie", PP_LAYOUTS)
+def test_pipeline_composes_with_dp_and_tp(dist_pool, residual, dims_kw, tie):
+    """pp=2 × dp_shard=2 (FSDP2, each stage its root), × dp_replicate=2 and × tp=2, 1F1B and
+    interleaved (V=2), tied and untied embeddings: losses within 1e-5, gradient norms within 1e-5
+    (relative) and gradients within 2e-5 of one process over 2 SGD steps (fp32)."""
+    for losses, ref_losses, norms, ref_norms, worst in dist_pool(4).run(
+        _composed_pp, residual, dims_kw, tie
+    ):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
         assert worst < 2e-5

@@ -137,8 +137,8 @@ def test_generate_and_trace(trained_run):
         (["--data.path", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
         (["--parallel.tp", "2"], "parallel layout needs 2 processes; add --nproc 2"),
         (
-            ["--parallel.pp", "2", "--parallel.tp", "2", "--nproc", "4"],
-            "combined with dp/cp/tp is not available",
+            ["--parallel.pp", "2", "--parallel.cp", "2", "--nproc", "4"],
+            "parallel.cp=2 with parallel.pp=2 is not available",
         ),
         (["--parallel.dp_shard", "2", "--nproc", "4"], "= 2 processes, but --nproc is 4"),
     ],
@@ -210,23 +210,15 @@ def test_trace_schedule_draws_png_and_reports_bubble(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
-        ["--parallel.pp", "4", "--parallel.pp_virtual", "2", "--model.residual", "block"],
-        ["--parallel.cp", "4"],
-    ],
-)
-def test_multi_process_training_from_the_command_line(tmp_path, layout):
-    """`depthscale train --nproc 4 ...` launches 4 workers through torchrun's machinery."""
+def _train_short(tmp_path, *args):
+    """Four steps of the tiny config (block AttnRes); returns the logged losses and grad norms."""
     proc = cli(
         "train",
         "-c",
         str(os.path.abspath("configs/tiny.toml")),
-        "--nproc",
-        "4",
-        *layout,
+        *args,
+        "--model.residual",
+        "block",
         "--train.steps",
         "4",
         "--optim.warmup_steps",
@@ -243,10 +235,34 @@ def test_multi_process_training_from_the_command_line(tmp_path, layout):
         str(tmp_path / "run"),
         cwd=tmp_path,
     )
-    losses = [
-        float(line.split("loss ")[1].split()[0])
-        for line in proc.stdout.splitlines()
-        if line.startswith("step") and "| loss" in line
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step") and "| loss" in ln]
+    return [
+        (float(ln.split("loss ")[1].split()[0]), float(ln.split("grad_norm ")[1].split()[0]))
+        for ln in lines
     ]
-    assert len(losses) == 2 and all(loss == loss for loss in losses)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    return _train_short(tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2"],
+        ["--parallel.pp", "4", "--parallel.pp_virtual", "2"],
+        ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
+        ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_virtual", "2"],
+        ["--parallel.cp", "4"],
+    ],
+)
+def test_multi_process_training_from_the_command_line(tmp_path, layout, one_process_run):
+    """`depthscale train --nproc 4 ...` launches 4 workers through torchrun's machinery, and the
+    logged losses and gradient norms equal the one-process run's (printed to 4 decimals / 3)."""
+    logged = _train_short(tmp_path, "--nproc", "4", *layout)
+    assert len(logged) == 2
+    for (loss, norm), (ref_loss, ref_norm) in zip(logged, one_process_run):
+        assert loss == pytest.approx(ref_loss, abs=2e-4)
+        assert norm == pytest.approx(ref_norm, abs=2e-3)
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer_state.json").is_file()

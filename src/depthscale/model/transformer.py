@@ -116,6 +116,12 @@ class Transformer(nn.Module):
             return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         return self.rope_cos[positions], self.rope_sin[positions]
 
+    def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """RoPE tables for the layers that run on `state` (its tokens, or the given positions).
+        A layout that keeps a sequence shard in the depth state overrides this."""
+        seq_len = (state.partial if state.partial is not None else state.blocks[0]).shape[1]
+        return self.rope(positions, seq_len)
+
     def embed(self, tokens: Tensor) -> DepthState:
         return initial_state(self.cfg, self.tok_embeddings(tokens))
 
@@ -126,8 +132,7 @@ class Transformer(nn.Module):
         caches: list[KVCache] | None = None,
         start: int = 0,
     ) -> DepthState:
-        seq_len = (state.partial if state.partial is not None else state.blocks[0]).shape[1]
-        cos, sin = self.rope(positions, seq_len)
+        cos, sin = self.rope_for(state, positions)
         for i, layer in enumerate(self.layers.values()):
             cache = caches[i] if caches is not None else None
             state = layer(state, cos, sin, positions, cache, start)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from depthscale.model.residual import AttnResidual
@@ -72,10 +72,16 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    roots: list[nn.Module] | None = None,
 ) -> None:
     """Shard `model` in place with FSDP2: each TransformerBlock is a unit (see `fsdp_units` for the
     Block-AttnRes exception), then the root, which keeps the tied embedding/head weight, the final
     norm and the output AttnRes query (one weight, so the root must own both of its uses).
+
+    `roots`: the modules whose `forward` is what actually runs, when that is not `model.forward`:
+    under pipeline parallelism each stage (`PipelineStage`, which registers the modules it runs) is a
+    root, as in torchtitan. Each root owns the parameters of its children outside the block units
+    (embedding on the first stage; final norm, head and output query on the last).
 
     `dp_mesh` 1-D: ZeRO-3 over it. 2-D (dp_replicate, dp_shard): HSDP, placements (Replicate, Shard(0)).
 
@@ -97,7 +103,6 @@ def apply_fsdp(
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = fsdp_units(model)
-    fsdp_blocks: list[FSDPModule] = []
     for unit in units:
         fully_shard(
             unit if len(unit) > 1 else unit[0],
@@ -105,16 +110,26 @@ def apply_fsdp(
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward,
         )
-        fsdp_blocks.append(unit[0])  # any member of a merged unit addresses its shared state
-    fully_shard(
-        model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-    )
-    if not fsdp_blocks:
+    for root in roots if roots is not None else [model]:
+        fully_shard(
+            root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
+        _chain_prefetch(root, [u[0] for u in units if _contains(root, u[0])])
+
+
+def _contains(root: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in root.modules())
+
+
+def _chain_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
+    """Forward: root → first block → next ...; backward the reverse. Any member of a merged unit
+    addresses its shared state. Chains stay inside one root: under pipeline parallelism the next
+    stage on a rank runs other microbatches, so prefetching across stages would only hold memory."""
+    if not blocks:
         return
-    root: FSDPModule = model  # type: ignore[assignment]
-    root.set_modules_to_forward_prefetch([fsdp_blocks[0]])
-    root.set_modules_to_backward_prefetch([fsdp_blocks[-1]])
-    for prev, nxt in zip(fsdp_blocks, fsdp_blocks[1:]):
+    root.set_modules_to_forward_prefetch([blocks[0]])
+    root.set_modules_to_backward_prefetch([blocks[-1]])
+    for prev, nxt in zip(blocks, blocks[1:]):
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])
 
@@ -123,7 +138,7 @@ def apply_fsdp(
 # Replicated data parallel
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, roots: list[nn.Module] | None = None) -> None:
     """Replicate `model` over the 1-D `dp_mesh`; gradients are averaged by all-reduces that start
     while backward is still running. Parameter names and state-dict keys stay those of the plain
     model in both of the paths below (no wrapper, no `module.` prefix to strip for checkpoints).
@@ -145,10 +160,14 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     FSDP2's replicate instead (`replicate_with_fsdp`): parameters become 2-D DTensors
     (Replicate on dp, TP placement on tp), unit by unit like `apply_fsdp`, and each unit's gradient
     all-reduce is issued from its post-backward hook.
+
+    `roots` (pipeline stages, see `apply_fsdp`): the modules whose forward actually runs. DDP's reducer
+    is prepared in the model's forward, which never runs under pipeline parallelism, so stages always
+    take FSDP2's replicate, each stage a root.
     """
     if dp_mesh.ndim != 1:
         raise ValueError(f"apply_ddp needs a 1-D dp_replicate mesh, got {dp_mesh.ndim}-D")
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    if roots is None and not any(isinstance(p, DTensor) for p in model.parameters()):
         from torch.distributed._composable import replicate
 
         replicate(model, process_group=dp_mesh.get_group(), static_graph=True)
@@ -158,7 +177,8 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> None:
     units = fsdp_units(model) if isinstance(model, Transformer) else []
     for unit in units:
         replicate_dtensor(unit if len(unit) > 1 else unit[0], mesh=dp_mesh)
-    replicate_dtensor(model, mesh=dp_mesh)
+    for root in roots if roots is not None else [model]:
+        replicate_dtensor(root, mesh=dp_mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,10 +197,39 @@ def _mesh_key(g: Tensor) -> tuple:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[Tensor] | Tensor, max_norm: float, foreach: bool | None = None
+    parameters: Iterable[Tensor] | Tensor,
+    max_norm: float,
+    foreach: bool | None = None,
+    across: dist.ProcessGroup | None = None,
+    norm_excludes: Iterable[Tensor] = (),
 ) -> Tensor:
     """Clip the global L2 norm of all gradients to `max_norm`; returns the norm before clipping as a
     plain fp32 scalar tensor, identical on every rank. `max_norm <= 0` only measures.
+
+    `across`: a group whose ranks hold *different* parameters (pipeline stages); their squared norms
+    are summed over it. `norm_excludes`: parameters to scale but leave out of the norm — a copy of a
+    weight another rank counts already (the tied head on the last pipeline stage).
+    See `grad_norm` for how sharded and replicated gradients are counted."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    skip = {id(p) for p in norm_excludes}
+    total_norm = grad_norm([p for p in params if id(p) not in skip], foreach, across)
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        targets = [_local(g) for g in grads]  # scaling the shards scales the DTensors
+        if foreach is not False:
+            torch._foreach_mul_(targets, coef.to(targets[0].device))
+        else:
+            for t in targets:
+                t.mul_(coef)
+    return total_norm
+
+
+@torch.no_grad()
+def grad_norm(
+    params: list[Tensor], foreach: bool | None = None, across: dist.ProcessGroup | None = None
+) -> Tensor:
+    """The global L2 norm of the gradients of `params`, an fp32 scalar identical on every rank.
 
     Works when gradients are DTensors on different meshes (2-D FSDP×TP weights next to 1-D FSDP ones)
     or plain tensors, where `torch.nn.utils.clip_grad_norm_` fails (it stacks per-parameter norms,
@@ -189,20 +238,16 @@ def clip_grad_norm_(
     is *sharded* on (summing over a replicated dimension would count the same elements twice).
     Partial gradients (pending reductions) are reduced first. Plain tensors are taken as replicas
     (DDP gradients are identical everywhere after backward) and are not reduced. Groups are summed in
-    parameter order, the same on every rank, so the result is bit-identical across ranks.
-
-    Not covered: parameters that exist on some ranks only (pipeline stages); with PP the squared
-    norm must also be summed over the pp group.
+    parameter order, the same on every rank, so the result is bit-identical across ranks. With
+    `across`, the squared norm is finally summed over that group (ranks holding different parameters:
+    every rank must call this, even one without gradients).
     """
-    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
     groups: dict[tuple, list[Tensor]] = {}
     for g in grads:
         groups.setdefault(_mesh_key(g), []).append(g)
-
-    total = torch.zeros((), dtype=torch.float32, device=_local(grads[0]).device)
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
     for group in groups.values():
         first = group[0]
         if isinstance(first, DTensor) and any(p.is_partial() for p in first.placements):
@@ -222,17 +267,9 @@ def clip_grad_norm_(
                 if not placement.is_replicate() and mesh.size(dim) > 1:
                     dist.all_reduce(sq, group=mesh.get_group(dim))
         total = total + sq.to(total.device)
-    total_norm = total.sqrt()
-
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        targets = [_local(g) for g in grads]  # scaling the shards scales the DTensors
-        if foreach is not False:
-            torch._foreach_mul_(targets, coef)
-        else:
-            for t in targets:
-                t.mul_(coef)
-    return total_norm
+    if across is not None:
+        dist.all_reduce(total, group=across)
+    return total.sqrt()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """Apply a parallel layout to a model, in one place and in a fixed order (torchtitan's lesson):
 
+0. pipeline split (which layers, embedding and head this rank keeps, as stages),
 1. tensor + sequence parallel (shards weights along heads / hidden features on the `tp` mesh dim),
-2. data parallel: FSDP2 over `dp_shard` (HSDP when `dp_replicate` > 1 too), or replicated DDP.
+2. context parallel (attention becomes a ring over the `cp` group),
+3. data parallel: FSDP2 over `dp_shard` (HSDP when `dp_replicate` > 1 too), or replicated DDP —
+   with pipeline stages as the FSDP roots, since their forward is what runs.
 
 Every rank builds the same single-process model from the same seed first, so every layout starts from
 bit-identical weights; parallelizing only slices and wraps them.
@@ -20,15 +23,13 @@ from depthscale.parallel.mesh import ParallelDims
 
 def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
     """Layouts this build can run; anything else fails here, before a process group starts."""
-    if dims.pp > 1 and dims.world_size != dims.pp:
-        raise ConfigError(
-            f"parallel.pp={dims.pp} combined with dp/cp/tp is not available in this "
-            "build; allowed: pipeline parallelism alone (all other degrees 1)"
-        )
     if virtual > 1 and dims.pp == 1:
         raise ConfigError(f"parallel.pp_virtual={virtual} needs parallel.pp > 1")
     if dims.cp > 1 and dims.pp > 1:
-        raise ConfigError("parallel.cp > 1 with parallel.pp > 1 is not available in this build")
+        raise ConfigError(
+            f"parallel.cp={dims.cp} with parallel.pp={dims.pp} is not available in this build; "
+            "allowed with pp: dp_replicate, dp_shard and tp"
+        )
 
 
 def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
@@ -68,9 +69,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: C
             param_dtype=param_dtype,
             reduce_dtype=torch.float32,
             reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+            roots=stages or None,
         )
     elif dims.dp_replicate > 1:
         from depthscale.parallel.data_parallel import apply_ddp
 
-        apply_ddp(model, mesh["dp_replicate"])
+        apply_ddp(model, mesh["dp_replicate"], roots=stages or None)
     return stages

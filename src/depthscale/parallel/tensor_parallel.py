@@ -199,7 +199,8 @@ class SequenceParallelBlock(TransformerBlock):
 
 class SequenceParallelTransformer(Transformer):
     """A `Transformer` whose embed keeps this rank's sequence shard, whose layers see RoPE tables of
-    the full sequence, and whose head all-gathers the logits so every rank returns [B, T, V]."""
+    the full sequence (`rope_for`), and whose head all-gathers the logits so every rank returns
+    [B, T, V]. Pipeline stages call these same methods, so tp composes with pp."""
 
     tp: TPContext
 
@@ -209,6 +210,11 @@ class SequenceParallelTransformer(Transformer):
         t = T // self.tp.size
         return super().embed(tokens[:, self.tp.rank * t : (self.tp.rank + 1) * t])
 
+    def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Tables for the full sequence: the layers gather it for attention."""
+        local = (state.partial if state.partial is not None else state.blocks[0]).shape[1]
+        return self.rope(positions, local * self.tp.size)
+
     def run_layers(
         self,
         state: DepthState,
@@ -217,11 +223,7 @@ class SequenceParallelTransformer(Transformer):
         start: int = 0,
     ) -> DepthState:
         _no_cache(caches)
-        local = (state.partial if state.partial is not None else state.blocks[0]).shape[1]
-        cos, sin = self.rope(positions, local * self.tp.size)
-        for layer in self.layers.values():
-            state = layer(state, cos, sin, positions)
-        return state
+        return super().run_layers(state, positions)
 
     def head(self, state: DepthState) -> Tensor:
         return gather_sequence_replicated(super().head(state), self.tp.group)

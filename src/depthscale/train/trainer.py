@@ -30,7 +30,12 @@ from depthscale.parallel.parallelize import check_supported, dp_rank_and_size, p
 from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.runtime import PipelineRuntime
 from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
-from depthscale.parallel.pipeline.stage import split_layers, sync_tied_grads, tied_embedding_ranks
+from depthscale.parallel.pipeline.stage import (
+    split_layers,
+    sync_tied_grads,
+    tied_embedding_group,
+    tied_weight,
+)
 from depthscale.train.checkpoint import Checkpointer, CheckpointError
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
@@ -203,7 +208,8 @@ class Trainer:
         accum = self.cfg.grad_accum_steps
         xs = [x.to(self.device) for x in inputs.chunk(accum)]
         ys = [y.to(self.device) for y in labels.chunk(accum)]
-        shape = (xs[0].shape[0], xs[0].shape[1], self.cfg.model.dim)
+        # under tp the depth state between stages is a sequence shard
+        shape = (xs[0].shape[0], xs[0].shape[1] // self.dims.tp, self.cfg.model.dim)
         runtime = self.pipeline.evaluation(len(xs)) if forward_only else self.pipeline.train
         with self.autocast():
             loss, _ = runtime.step(xs, ys, shape, self.dtype, self.device)
@@ -215,21 +221,40 @@ class Trainer:
 
     def _mean_over_ranks(self, value: Tensor) -> float:
         """Each dp rank's loss is the mean over its own tokens (ranks hold equal token counts), and tp
-        ranks repeat it, so the global mean is the mean over all ranks."""
-        if self.env.world_size > 1 and self.pipeline is None:
+        ranks (and pp ranks, after `_pipeline_loss`) repeat it, so the global mean is the mean over
+        all ranks."""
+        if self.env.world_size > 1:
             value = value.clone()
             dist.all_reduce(value)
             value /= self.env.world_size
         return value.item()
 
+    def _global_params(self) -> int:
+        """The whole model's parameter count, whatever the layout: sharded (DTensor) parameters
+        report their global shape; pipeline ranks hold disjoint parts (the tied head counted once)."""
+        n = self.model.num_params()
+        if self.pipeline is None:
+            return n
+        if self.pipeline.tied_group is not None and self.model.tok_embeddings is None:
+            n -= tied_weight(self.model).numel()
+        total = torch.tensor(n, dtype=torch.int64)
+        dist.all_reduce(total, group=self.pipeline.group)
+        return int(total)
+
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.pipeline is not None:
-            return _clip_across_stages(params, self.cfg.train.grad_clip, self.pipeline.group)
         if self.mesh is not None:
             from depthscale.parallel.data_parallel import clip_grad_norm_
 
-            return float(clip_grad_norm_(params, self.cfg.train.grad_clip))
+            across, excludes = None, []
+            if self.pipeline is not None:  # stages hold different parameters
+                across = self.pipeline.group
+                if self.pipeline.tied_group is not None and self.model.tok_embeddings is None:
+                    excludes = [tied_weight(self.model)]  # the first stage counts the tied weight
+            norm = clip_grad_norm_(
+                params, self.cfg.train.grad_clip, across=across, norm_excludes=excludes
+            )
+            return float(norm)
         if self.cfg.train.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
         else:
@@ -243,7 +268,10 @@ class Trainer:
         self.model.eval()
         batches = self.data.val.iter_eval(self.cfg.train.eval_batches, self.dp_rank, self.dp_size)
         if self.pipeline is not None:
-            losses = [self._pipeline_loss(x, y, forward_only=True).item() for x, y in batches]
+            losses = [
+                self._mean_over_ranks(self._pipeline_loss(x, y, forward_only=True))
+                for x, y in batches
+            ]
         else:
             losses = [self._mean_over_ranks(self.loss(x, y)[1]) for x, y in batches]
         self.model.train()
@@ -268,7 +296,7 @@ class Trainer:
             )
             return history
         _print(
-            f"depthscale: {self.model.num_params() / 1e6:.2f}M parameters, residual={cfg.model.residual}, "
+            f"depthscale: {self._global_params() / 1e6:.2f}M parameters, residual={cfg.model.residual}, "
             f"device={self.device}, dtype={cfg.train.dtype}, run_dir={self.run_dir}"
             + (f", resumed at step {self.step}" if self.step else "")
         )
@@ -347,29 +375,8 @@ def _build_pipeline(cfg: Config, mesh, stages: list) -> _Pipeline:
     layers = split_layers(cfg.model.n_layers, pp * virtual)
     cache = DepthCache(cfg.model, layers, pp, enabled=True)
     train = PipelineRuntime(stages, interleaved_1f1b(pp, virtual, accum)[rank], group, cache)
-    tied = tied_embedding_ranks(cfg.model, pp)
-    tied_group = None
-    if tied is not None:  # every rank takes part in creating the group; only the two use it
-        tied_group = dist.new_group([dist.get_global_rank(group, r) for r in tied])
-        if rank not in tied:
-            tied_group = None
+    tied_group = tied_embedding_group(cfg.model, mesh)
     return _Pipeline(train, group, stages, rank, layers, tied_group)
-
-
-def _clip_across_stages(params: list[Tensor], max_norm: float, group) -> float:
-    """Global gradient norm when each pipeline rank holds different parameters."""
-    local = (
-        torch.stack([p.grad.detach().float().pow(2).sum() for p in params]).sum()
-        if params
-        else torch.zeros(())
-    )
-    dist.all_reduce(local, group=group)
-    norm = local.sqrt()
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(scale)
-    return float(norm)
 
 
 def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:

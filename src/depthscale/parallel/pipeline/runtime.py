@@ -123,13 +123,12 @@ class PipelineRuntime:
                         unit.recv.requires_grad_()
                     state_in = self.cache.receive(a.stage, a.microbatch, unit.recv)
                 t0 = time.perf_counter()
-                state_out = stage(state_in)
                 if stage.spec.is_last:
-                    loss = stage.loss(state_out, micro_labels[a.microbatch]) / n_micro
+                    loss = stage(state_in, micro_labels[a.microbatch]) / n_micro
                     unit.loss = loss
                     total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
                 else:
-                    unit.outputs = self.cache.produced(a.stage, a.microbatch, state_out)
+                    unit.outputs = self.cache.produced(a.stage, a.microbatch, stage(state_in))
                 stats.compute_s += time.perf_counter() - t0
                 units[(a.microbatch, a.stage)] = unit
             elif a.kind == Kind.SEND_F:

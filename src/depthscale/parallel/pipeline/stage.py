@@ -9,9 +9,13 @@ so receivers know every message's shape in advance (no shape handshake).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from depthscale.config import ModelConfig
 from depthscale.model.residual import DepthState, block_assignment, link_groups
@@ -69,37 +73,41 @@ class StageSpec:
 
 class PipelineStage(nn.Module):
     """One chunk: the embedding (first stage), a range of layers, the head and loss (last stage).
-    Holds references to the rank's model modules, so parameters are shared, never copied."""
+
+    The modules it runs are registered as its children (the model owns them too: parameters are
+    shared, never copied, and keep their single-process names in the model's state dict). That makes
+    the stage a self-contained root for wrappers such as FSDP2, whose root hooks fire on
+    `stage(...)`: the last stage computes head and loss inside `forward`, so everything a stage
+    touches runs within one call."""
 
     def __init__(self, model: Transformer, spec: StageSpec) -> None:
         super().__init__()
         self.spec = spec
         self.cfg = model.cfg
-        self._model = [
-            model
-        ]  # a list: not registered as a submodule (the model owns the parameters)
-        self.layer_ids = [str(i) for i in spec.layers]
-        link_groups([r for i in self.layer_ids for r in model.layers[i].residuals()])
+        self._model = [model]  # a list: the stage calls the model's methods but does not own it
+        self.layers = nn.ModuleList([model.layers[str(i)] for i in spec.layers])
+        if spec.is_first:
+            self.tok_embeddings = model.tok_embeddings
+        if spec.is_last:
+            self.output_residual = model.output_residual
+            self.norm, self.output = model.norm, model.output
+        link_groups([r for layer in self.layers for r in layer.residuals()])
 
     @property
     def model(self) -> Transformer:
         return self._model[0]
 
-    def forward(self, inputs: Tensor | DepthState) -> DepthState:
+    def forward(self, inputs: Tensor | DepthState, labels: Tensor | None = None) -> Any:
+        """tokens (first stage) or the received depth state → the depth state to send on; the last
+        stage, given `labels`, returns the mean token loss instead."""
         m = self.model
         state = m.embed(inputs) if self.spec.is_first else inputs
-        cos, sin = m.rope(None, _seq_len(state))
-        for i in self.layer_ids:
-            state = m.layers[i](state, cos, sin)
+        cos, sin = m.rope_for(state)
+        for layer in self.layers:
+            state = layer(state, cos, sin)
+        if self.spec.is_last and labels is not None:
+            return cross_entropy(m.head(state), labels)
         return state
-
-    def loss(self, state: DepthState, labels: Tensor) -> Tensor:
-        return cross_entropy(self.model.head(state), labels)
-
-
-def _seq_len(state: DepthState) -> int:
-    t = state.partial if state.partial is not None else state.blocks[0]
-    return t.shape[1]
 
 
 def build_stages(
@@ -131,13 +139,35 @@ def tied_embedding_ranks(cfg: ModelConfig, pp_size: int) -> tuple[int, int] | No
     return 0, pp_size - 1
 
 
+def tied_embedding_group(cfg: ModelConfig, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The group joining this rank's copy of the tied weight with its twin on the other end of its
+    pipeline (same coordinates in every other mesh dim), or None where the rank holds no copy.
+    `new_group` must be called by every rank for every group in the same order, so each rank
+    creates all of them and keeps its own."""
+    pp_dim = mesh.mesh_dim_names.index("pp")
+    pp = mesh.size(pp_dim)
+    tied = tied_embedding_ranks(cfg, pp)
+    if tied is None:
+        return None
+    mine = None
+    for pipeline in mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist():
+        ranks = [pipeline[r] for r in tied]
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
 def sync_tied_grads(model: Transformer, group) -> None:
     """All-reduce the tied embedding/head gradient between the first and last stage's ranks."""
-    import torch.distributed as dist
-
-    weight = (
-        model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
-    )
+    weight = tied_weight(model)
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=group)
+    grad = weight.grad
+    # under data parallelism a shard: both ranks hold the same dp coordinates, so the same slice
+    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+
+def tied_weight(model: Transformer) -> Tensor:
+    """This rank's copy of the tied embedding/head weight."""
+    return model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
