@@ -123,6 +123,13 @@ class TrainConfig:
     run_dir: str = "runs/{name}"
     name: str = "tiny"
     deterministic: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation per layer. selective: attention and MLP internals are re-run in
+    backward, each sublayer's input (so the AttnRes read) stays saved; full: only each layer's input
+    depth state stays, the whole layer is re-run."""
+    offload_activations: bool = False
+    """Keep the tensors saved for backward in host memory until backward needs them (with pipeline
+    parallelism: while a micro-batch is in flight). A no-op copy on CPU; its bytes are counted."""
 
 
 @dataclass
@@ -276,6 +283,12 @@ class Config:
             raise ConfigError(
                 f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
                 f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
+            )
+        if t.recompute == "selective" and p.tp > 1:
+            raise ConfigError(
+                "train.recompute='selective' with parallel.tp > 1 is not available (the sequence-"
+                "parallel block fuses attention and MLP with their collectives); allowed with tp: "
+                "'none' or 'full'"
             )
         dp = self.dp_degree
         if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):

@@ -15,6 +15,7 @@ from depthscale.parallel.pipeline.stage import (
     sync_tied_grads,
     tied_embedding_ranks,
 )
+from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
 
 MICRO, SEQ = 4, 16
 
@@ -45,7 +46,17 @@ def _reference(cfg, tokens, labels):
     return model, total.item()
 
 
-def _pipeline_parity(residual, n_layers, virtual, schedule, cache, read="two_phase", tie=False):
+def _pipeline_parity(
+    residual,
+    n_layers,
+    virtual,
+    schedule,
+    cache,
+    read="two_phase",
+    tie=False,
+    recompute="none",
+    offload=None,
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = _cfg(residual, n_layers, read, tie)
     g = torch.Generator().manual_seed(1)
@@ -58,6 +69,9 @@ def _pipeline_parity(residual, n_layers, virtual, schedule, cache, read="two_pha
     depth_cache = DepthCache(cfg, split_layers(n_layers, world * virtual), world, enabled=cache)
     actions = build_schedule(schedule, world, virtual, MICRO)[rank]
     runtime = PipelineRuntime(stages, actions, dist.group.WORLD, depth_cache)
+    apply_recompute(model, recompute)
+    if offload is not None:
+        runtime.forward_context = lambda: offload_activations(offload)
     loss, stats = runtime.step(
         list(tokens.chunk(MICRO)),
         list(labels.chunk(MICRO)),
@@ -160,3 +174,26 @@ def test_tied_embeddings_and_more_stages_than_layers(dist_pool, world, n_layers,
     )
     assert results[-1][0] == pytest.approx(results[-1][1], abs=1e-6)
     assert all(worst < 1e-6 for _, _, worst, _ in results)
+
+
+def _pipeline_memory(residual, virtual, recompute):
+    stats = OffloadStats()
+    loss, ref_loss, worst, _ = _pipeline_parity(
+        residual, 4, virtual, "1f1b", True, recompute=recompute, offload=stats
+    )
+    return loss, ref_loss, worst, stats.bytes
+
+
+@pytest.mark.parametrize("residual,virtual", [("block", 2), ("full", 1), ("standard", 2)])
+def test_recompute_and_offload_under_pipeline(dist_pool, residual, virtual):
+    """Selective/full recompute and activation offload of in-flight micro-batches: same loss and
+    gradients as one process; the bytes kept for backward (all offloaded, so all counted) fall
+    from none to selective to full on every rank."""
+    offloaded = {}
+    for mode in ("none", "selective", "full"):
+        results = dist_pool(2).run(_pipeline_memory, residual, virtual, mode)
+        assert results[-1][0] == pytest.approx(results[-1][1], abs=1e-6)
+        assert all(worst < 1e-6 for _, _, worst, _ in results)
+        offloaded[mode] = [r[3] for r in results]
+    for none, sel, full in zip(*offloaded.values()):
+        assert none > sel > full > 0, offloaded

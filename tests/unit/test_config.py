@@ -88,6 +88,16 @@ def test_toml_round_trip(tmp_path):
         ("", ["--parallel.tp", "0"], r"parallel.tp=0 must be >= 1"),
         (
             "",
+            ["--train.recompute", "some"],
+            r"train.recompute: 'some' is not allowed; allowed: 'none', 'selective', 'full'",
+        ),
+        (
+            "",
+            ["--train.recompute", "selective", "--parallel.tp", "2"],
+            r"train.recompute='selective' with parallel.tp > 1 is not available",
+        ),
+        (
+            "",
             ["--checkpoint.resume", "/no/such/dir"],
             r"checkpoint.resume='/no/such/dir' does not exist",
         ),

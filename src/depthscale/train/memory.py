@@ -74,6 +74,9 @@ class OffloadStats:
     tensors: int = 0
     bytes: int = 0
 
+    def reset(self) -> None:
+        self.tensors = self.bytes = 0
+
 
 @contextlib.contextmanager
 def offload_activations(

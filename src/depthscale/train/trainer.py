@@ -37,6 +37,7 @@ from depthscale.parallel.pipeline.stage import (
     tied_weight,
 )
 from depthscale.train.checkpoint import Checkpointer, CheckpointError
+from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
 
@@ -101,6 +102,10 @@ class Trainer:
             stages = parallelize(self.model, self.mesh, self.dims, cfg)
             if stages:
                 self.pipeline = _build_pipeline(cfg, self.mesh, stages)
+        apply_recompute(self.model, cfg.train.recompute)  # after tp, which swaps the block classes
+        self.offload = OffloadStats() if cfg.train.offload_activations else None
+        if self.pipeline is not None:
+            self.pipeline.train.forward_context = self._offloading
         # static shapes: train and eval batches differ, and dynamic-shape tracing of the custom AttnRes
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
         self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
@@ -180,7 +185,8 @@ class Trainer:
         else:
             total = torch.zeros((), device=self.device)
             for x, y in zip(inputs.chunk(accum), labels.chunk(accum)):
-                loss, report = self.loss(x, y)
+                with self._offloading():
+                    loss, report = self.loss(x, y)
                 (loss / accum).backward()
                 total += report / accum
             if self.dims.cp > 1:
@@ -200,7 +206,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        return {"loss": self._mean_over_ranks(total), "lr": lr, "grad_norm": grad_norm}
+        metrics = {"loss": self._mean_over_ranks(total), "lr": lr, "grad_norm": grad_norm}
+        if self.offload is not None:  # this rank's bytes moved to host memory during the step
+            metrics["offloaded_mb"] = self.offload.bytes / 1e6
+            self.offload.reset()
+        return metrics
+
+    def _offloading(self) -> contextlib.AbstractContextManager:
+        if self.offload is None:
+            return contextlib.nullcontext()
+        return offload_activations(self.offload)
 
     def _pipeline_loss(self, inputs: Tensor, labels: Tensor, forward_only: bool) -> Tensor:
         """Run the pipeline schedule over `grad_accum_steps` micro-batches; every pipeline rank gets

@@ -9,7 +9,9 @@ stage cut (no shape handshake). The cross-stage cache decides which blocks a hop
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +62,9 @@ class PipelineRuntime:
         self.group = group
         self.cache = cache
         self.lookahead = lookahead
+        self.forward_context: Callable[[], contextlib.AbstractContextManager] | None = None
+        """Entered around every training stage forward, e.g. `train.memory.offload_activations`
+        to keep what a micro-batch saves for backward in host memory while it is in flight."""
 
     def _global(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank)
@@ -123,12 +128,16 @@ class PipelineRuntime:
                         unit.recv.requires_grad_()
                     state_in = self.cache.receive(a.stage, a.microbatch, unit.recv)
                 t0 = time.perf_counter()
+                with self._forward_context():
+                    out = stage(
+                        state_in, micro_labels[a.microbatch] if stage.spec.is_last else None
+                    )
                 if stage.spec.is_last:
-                    loss = stage(state_in, micro_labels[a.microbatch]) / n_micro
+                    loss = out / n_micro
                     unit.loss = loss
                     total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
                 else:
-                    unit.outputs = self.cache.produced(a.stage, a.microbatch, stage(state_in))
+                    unit.outputs = self.cache.produced(a.stage, a.microbatch, out)
                 stats.compute_s += time.perf_counter() - t0
                 units[(a.microbatch, a.stage)] = unit
             elif a.kind == Kind.SEND_F:
@@ -180,6 +189,11 @@ class PipelineRuntime:
         self.cache.clear()  # a forward-only pass leaves its microbatches behind
         stats.step_s = time.perf_counter() - step_start
         return total_loss, stats
+
+    def _forward_context(self) -> contextlib.AbstractContextManager:
+        if self.forward_context is None or not torch.is_grad_enabled():
+            return contextlib.nullcontext()
+        return self.forward_context()
 
 
 def _tag(a: Action) -> int:
