@@ -200,6 +200,7 @@ PP_LAYOUTS = [
     ("block", {"pp": 2, "dp_shard": 2}, False),
     ("block", {"pp": 2, "dp_shard": 2, "pp_virtual": 2}, True),
     ("standard", {"pp": 2, "dp_shard": 2}, True),
+    ("full", {"pp": 2, "dp_shard": 2, "pp_virtual": 2}, False),
     ("full", {"pp": 2, "dp_replicate": 2}, False),
     ("block", {"pp": 2, "tp": 2}, False),
     ("block", {"pp": 2, "tp": 2, "pp_virtual": 2}, True),
