@@ -128,17 +128,33 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
     ) -> Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = self.attend(self.wq(x), self.wk(x), self.wv(x), cos, sin, positions, cache, start)
+        return self.wo(y)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        """Everything between the projections: projected q/k/v [B, T, heads·hd] (any number of
+        local heads, which is how tensor parallelism reuses it) → [B, T, heads·hd] before `wo`."""
+        B, T, _ = q.shape
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pos = positions
         if cache is not None:
             k, v = cache.update(start, k, v)
-            k_pos = torch.arange(k.shape[2], device=x.device)
+            k_pos = torch.arange(k.shape[2], device=q.device)
         y = self.attention_fn(q, k, v, positions, k_pos, self.window)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return y.transpose(1, 2).reshape(B, T, -1)
 
 
 class SwiGLU(nn.Module):

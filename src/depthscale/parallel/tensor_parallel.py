@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from depthscale.config import ModelConfig
 from depthscale.errors import ConfigError
-from depthscale.model.layers import Attention, KVCache, apply_rope
+from depthscale.model.layers import KVCache
 from depthscale.model.residual import DepthState
 from depthscale.model.transformer import Transformer, TransformerBlock
 from depthscale.parallel.tp_comm import (
@@ -135,19 +135,6 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size} (Shard(1))"
 
 
-def _attention_core(
-    attn: Attention, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions
-) -> Tensor:
-    """`Attention.forward` between the projections (no cache): q/k/v [B, T, local heads·hd] → [B, T, ·]."""
-    B, T, _ = q.shape
-    q = q.view(B, T, -1, attn.head_dim).transpose(1, 2)
-    k = k.view(B, T, -1, attn.head_dim).transpose(1, 2)
-    v = v.view(B, T, -1, attn.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    y = attn.attention_fn(q, k, v, positions, positions, attn.window)
-    return y.transpose(1, 2).reshape(B, T, -1)
-
-
 def _no_cache(cache) -> None:
     if cache is not None:
         raise NotImplementedError(
@@ -178,7 +165,7 @@ class SequenceParallelBlock(TransformerBlock):
             x = self.attention_norm(self.residual.read(state))
             cols = [getattr(attn, n) for n in COLUMN[:3]] + [mlp.w_gate, mlp.w_up]
             q, kk, v, gate, up = all_gather_matmul(x, [m.local_weight() for m in cols], g, k)
-            ya = _attention_core(attn, q, kk, v, cos, sin, positions)
+            ya = attn.attend(q, kk, v, cos, sin, positions)
             ym = F.silu(gate) * up
             y = matmul_reduce_scatter(
                 [ya, ym], [attn.wo.local_weight(), mlp.w_down.local_weight()], g, k
@@ -188,7 +175,7 @@ class SequenceParallelBlock(TransformerBlock):
         q, kk, v = all_gather_matmul(
             x, [attn.wq.local_weight(), attn.wk.local_weight(), attn.wv.local_weight()], g, k
         )
-        ya = _attention_core(attn, q, kk, v, cos, sin, positions)
+        ya = attn.attend(q, kk, v, cos, sin, positions)
         y = matmul_reduce_scatter([ya], [attn.wo.local_weight()], g, k)
         state = self.attention_residual.write(state, y)
         x = self.ffn_norm(self.ffn_residual.read(state))
