@@ -2,6 +2,8 @@
 and cp × tp, and pipeline stages with dp_shard, HSDP, dp_replicate and tp, match one process on loss
 and gradients over several optimizer steps."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -139,7 +141,7 @@ def test_context_parallel_composes_with_dp_and_tp(dist_pool, dims_kw):
         assert worst < 2e-5
 
 
-def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 2):
+def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
     """Pipeline stages (interleaved 1F1B, depth cache on) composed with dp / tp through the real
     `parallelize()`, one-row micro-batches; the gradient norm goes through the trainer's clipping."""
     from depthscale.parallel.data_parallel import clip_grad_norm_
@@ -167,18 +169,21 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 2):
     tied_group = tied_embedding_group(cfg, mesh)
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, norms, ref_norms, worst = [], [], [], [], 0.0
-    for _ in range(steps):
+    reductions = []  # FSDP gradient reduce-scatters / all-reduces issued inside each step
+    for step in range(steps):
         tokens = torch.randint(0, 64, (BATCH, SEQ), generator=g)
         labels = torch.randint(0, 64, (BATCH, SEQ), generator=g)
         ref_loss = cross_entropy(ref(tokens), labels)
         ref_loss.backward()
-        loss, _ = runtime.step(
-            list(tokens[rows].chunk(micro)),
-            list(labels[rows].chunk(micro)),
-            (1, SEQ // dims.tp, cfg.dim),
-            torch.float32,
-            torch.device("cpu"),
-        )
+        with _counting_reductions() as count, _deferral(enabled=step < steps - 1):
+            loss, _ = runtime.step(
+                list(tokens[rows].chunk(micro)),
+                list(labels[rows].chunk(micro)),
+                (1, SEQ // dims.tp, cfg.dim),
+                torch.float32,
+                torch.device("cpu"),
+            )
+        reductions.append(count[0])
         if tied_group is not None:
             sync_tied_grads(model, tied_group)
         if dims.tp > 1:
@@ -193,7 +198,40 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 2):
         norms.append(clip_grad_norm_(params, 0.0, across=pp_group, norm_excludes=excludes).item())
         ref_norms.append(clip_grad_norm_(list(ref.parameters()), 0.0).item())
         worst = _finish_step(ref, model, opts, worst)
-    return losses, ref_losses, norms, ref_norms, worst
+    return losses, ref_losses, norms, ref_norms, worst, reductions, micro
+
+
+@contextlib.contextmanager
+def _counting_reductions():
+    count = [0]
+    originals = dist.reduce_scatter_single, dist.all_reduce
+
+    def counted(fn):
+        def run(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    dist.reduce_scatter_single, dist.all_reduce = map(counted, originals)
+    try:
+        yield count
+    finally:
+        dist.reduce_scatter_single, dist.all_reduce = originals
+
+
+@contextlib.contextmanager
+def _deferral(enabled: bool):
+    """Turn off the runtime's deferred gradient sync (FSDP reduces after every micro-batch)."""
+    from depthscale.parallel.pipeline import runtime
+
+    original = runtime._defer_gradient_sync
+    if not enabled:
+        runtime._defer_gradient_sync = lambda stage, until_last: None
+    try:
+        yield
+    finally:
+        runtime._defer_gradient_sync = original
 
 
 PP_LAYOUTS = [
@@ -213,10 +251,15 @@ PP_LAYOUTS = [
 def test_pipeline_composes_with_dp_and_tp(dist_pool, residual, dims_kw, tie):
     """pp=2 × dp_shard=2 (FSDP2, each stage its root), × dp_replicate=2 and × tp=2, 1F1B and
     interleaved (V=2), tied and untied embeddings: losses within 1e-5, gradient norms within 1e-5
-    (relative) and gradients within 2e-5 of one process over 2 SGD steps (fp32)."""
-    for losses, ref_losses, norms, ref_norms, worst in dist_pool(4).run(
+    (relative) and gradients within 2e-5 of one process over 3 SGD steps (fp32). With data
+    parallelism, gradients are reduced once per step, not once per micro-batch (the last step
+    turns the deferral off to compare)."""
+    for losses, ref_losses, norms, ref_norms, worst, reductions, micro in dist_pool(4).run(
         _composed_pp, residual, dims_kw, tie
     ):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert norms == pytest.approx(ref_norms, rel=1e-5)
         assert worst < 2e-5
+        if "tp" not in dims_kw:  # data parallel: one gradient reduction per unit and step
+            deferred, every_micro = reductions[0], reductions[-1]
+            assert deferred > 0 and every_micro == micro * deferred, reductions
