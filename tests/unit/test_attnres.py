@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from depthscale import kernels
 from depthscale.config import ModelConfig
 from depthscale.model.attnres_ops import (
     depth_read,
@@ -125,7 +126,8 @@ def test_embedding_is_one_source_and_blocks_exclude_it():
         assert len(state.blocks) == before + 1 and state.partial is None
         outputs.append(state.blocks[-1])
     assert len(state.blocks) == 1 + model.cfg.n_layers
-    assert state.blocks[0] is emb
+    # b_0 is still the embedding: the same storage (reads pass blocks on as aliases), unchanged
+    assert state.blocks[0].data_ptr() == emb.data_ptr() and torch.equal(state.blocks[0], emb)
     # standard residual stream = embedding + all block sums: the embedding is in exactly one source
     standard = Transformer(cfg())
     standard.load_state_dict(model.state_dict(), strict=False)
@@ -181,14 +183,16 @@ def test_multi_query_read_gradcheck_float64():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n_blocks", [1, 3])
-def test_two_phase_equals_reference_fwd_bwd(n_blocks, dtype):
+@pytest.mark.parametrize("cpu_kernels", [None, False])  # fp32: the C++ kernels (if built) / PyTorch
+def test_two_phase_equals_reference_fwd_bwd(n_blocks, dtype, cpu_kernels):
     blocks, partial = rand_sources(n_blocks, dtype), rand_sources(1, dtype)[0]
     queries = torch.randn(4, 16, dtype=dtype, requires_grad=True)
     up = [torch.randn(2, 5, 16, dtype=dtype) for _ in range(4)]
-    out, lse = inter_block_read(blocks, queries, 1e-6)
-    two_phase = [out[0]] + [
-        merge_partial(out[s], lse[s], partial, queries[s], 1e-6) for s in range(1, 4)
-    ]
+    with kernels.use_cpu_kernels(cpu_kernels):
+        out, lse = inter_block_read(blocks, queries, 1e-6)
+        two_phase = [out[0]] + [
+            merge_partial(out[s], lse[s], partial, queries[s], 1e-6) for s in range(1, 4)
+        ]
     reference = [depth_read(blocks, queries[0], None, 1e-6)] + [
         depth_read([*blocks, partial], queries[s], None, 1e-6) for s in range(1, 4)
     ]
@@ -200,7 +204,8 @@ def test_two_phase_equals_reference_fwd_bwd(n_blocks, dtype):
             rtol=1e-6 if dtype == torch.float32 else 0,
         )
     ins = [*blocks, partial, queries]
-    ga = torch.autograd.grad(sum((a * u).sum() for a, u in zip(two_phase, up)), ins)
+    with kernels.use_cpu_kernels(cpu_kernels):
+        ga = torch.autograd.grad(sum((a * u).sum() for a, u in zip(two_phase, up)), ins)
     gb = torch.autograd.grad(sum((b * u).sum() for b, u in zip(reference, up)), ins)
     assert_grads_close(ga, gb, dtype)
 
@@ -213,7 +218,8 @@ def test_two_phase_equals_reference_fwd_bwd(n_blocks, dtype):
         ("block", {"attnres_n_blocks": 2, "parallel_block": True}),
     ],
 )
-def test_read_impls_agree_in_the_model(residual, extra):
+@pytest.mark.parametrize("cpu_kernels", [None, False])  # the C++ kernels (if built) / PyTorch
+def test_read_impls_agree_in_the_model(residual, extra, cpu_kernels):
     torch.manual_seed(2)
     models = {
         r: Transformer(cfg(residual=residual, attnres_read=r, **extra))
@@ -225,7 +231,8 @@ def test_read_impls_agree_in_the_model(residual, extra):
     tokens = torch.randint(0, 61, (2, 12))
     ref_logits, ref_grads = logits_and_grads(models["reference"], tokens)
     for name in ("efficient", "two_phase"):
-        logits, grads = logits_and_grads(models[name], tokens)
+        with kernels.use_cpu_kernels(cpu_kernels):
+            logits, grads = logits_and_grads(models[name], tokens)
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
         for k, g in ref_grads.items():
             torch.testing.assert_close(grads[k], g, atol=1e-5, rtol=1e-4, msg=f"{name}: {k}")

@@ -1,7 +1,10 @@
-"""Triton AttnRes kernels against the PyTorch ops, forward and every gradient.
+"""Fused AttnRes kernels against the PyTorch ops, forward and every gradient.
 
-Without a GPU the kernels run under TRITON_INTERPRET=1, which must be set before the kernels are
-defined (at import of `depthscale.kernels.attnres_triton`, which only these tests trigger).
+Triton: without a GPU the kernels run under TRITON_INTERPRET=1, which must be set before the
+kernels are defined (at import of `depthscale.kernels.attnres_triton`, which only these tests
+trigger). C++ CPU kernels: built on first use (once per process, cached on disk); the tests also
+check their determinism (bitwise), the chained gradient sums, the dispatch, the env switch and the
+fallback when the build fails.
 
 Tolerances: kernels and reference do the same fp32 arithmetic on the same inputs in a different
 order, so fp32 results — also for bf16/fp16 inputs: out, lse, d_queries, d_inter_out, d_lse — agree
@@ -14,6 +17,7 @@ ulp, at most 2^-7 (2^-10) relative, so they are compared at two ulps, rtol 2^-6 
 
 import importlib.util
 import os
+import shutil
 import sys
 
 import pytest
@@ -24,7 +28,13 @@ if not torch.cuda.is_available():
 
 from depthscale import kernels  # noqa: E402
 from depthscale.config import ModelConfig  # noqa: E402
-from depthscale.model.attnres_ops import merge_partial, multi_query_read  # noqa: E402
+from depthscale.model.attnres_ops import (  # noqa: E402
+    inter_block_read,
+    inter_block_read_chained,
+    merge_partial,
+    merge_partial_chained,
+    multi_query_read,
+)
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
@@ -54,8 +64,8 @@ def grads_of(outputs, upstream, inputs):
 
 
 def pytorch(op, *args):
-    """The PyTorch op, also where the dispatch would pick Triton (CUDA)."""
-    with kernels.use_triton(False):
+    """The PyTorch op, also where the dispatch would pick Triton (CUDA) or the CPU kernels."""
+    with kernels.use_triton(False), kernels.use_cpu_kernels(False):
         return op(*args)
 
 
@@ -189,3 +199,221 @@ def test_model_with_triton_matches_pytorch(read):
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- C++ CPU kernels (built on first use; the first test that needs them pays the compile once) ----
+
+CPU_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    """The CPU kernels. Skipped where no C++ toolchain exists (then the fallback tests below still
+    run); where one exists, a failed build fails the tests instead of hiding behind the fallback."""
+    from depthscale.kernels import attnres_cpu
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ compiler or ninja here: the CPU kernels cannot build (fallback tested)")
+    if not attnres_cpu.enabled_by_env():
+        pytest.skip("DEPTHSCALE_CPU_KERNELS=0")
+    ops = attnres_cpu.load()
+    assert ops is not None, "a C++ toolchain is present but the AttnRes CPU kernels did not build"
+    return ops
+
+
+def on_cpu(fn, *args, kernels_on: bool):
+    with kernels.use_triton(False), kernels.use_cpu_kernels(kernels_on):
+        return fn(*args)
+
+
+def cpu_leaf(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape) * scale).to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(
+    "m,S,B,T,d",
+    [
+        (4, 3, 2, 7, 24),  # d < 32: partial 16-lane block and zero-padded tail
+        (1, 1, 1, 7, 40),  # one source
+        (3, 6, 2, 5, 17),  # S > 4: two query groups (4 + 2); d not a multiple of 16
+        (5, 2, 1, 3, 48),  # d a multiple of 16, not of 32
+    ],
+)
+def test_cpu_read_matches_pytorch(cpu_ops, dtype, m, S, B, T, d):
+    sources = [cpu_leaf(B, T, d, dtype=dtype, scale=1 + 0.5 * i) for i in range(m)]
+    queries = cpu_leaf(S, d, scale=0.5)
+    got = on_cpu(multi_query_read, sources, queries, EPS, kernels_on=True)
+    want = on_cpu(multi_query_read, sources, queries, EPS, kernels_on=False)
+    for g, w, name in zip(got, want, ("out", "lse")):
+        assert_close(g, w, name)
+    upstream = [torch.randn_like(want[0]), torch.randn_like(want[1])]
+    upstream[0][0] = 0  # one query's output unused: its upstream gradient is zero
+    inputs = [queries, *sources]
+    names = ["d_queries", *(f"d_source{i}" for i in range(m))]
+    for g, w, name in zip(grads_of(got, upstream, inputs), grads_of(want, upstream, inputs), names):
+        assert_close(g, w, name)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("B,T,d", [(2, 7, 24), (1, 5, 33)])
+def test_cpu_merge_matches_pytorch(cpu_ops, dtype, B, T, d):
+    inter_out, partial = cpu_leaf(B, T, d), cpu_leaf(B, T, d, dtype=dtype)
+    inter_lse = cpu_leaf(B, T, scale=3.0)  # both sides of the gate win somewhere
+    query = cpu_leaf(d, scale=0.5)
+    inputs = [inter_out, inter_lse, partial, query]
+    got = on_cpu(merge_partial, *inputs, EPS, kernels_on=True)
+    want = on_cpu(merge_partial, *inputs, EPS, kernels_on=False)
+    assert_close(got, want, "h")
+    upstream = [torch.randn_like(want, dtype=torch.float32)]
+    names = ["d_inter_out", "d_inter_lse", "d_partial", "d_query"]
+    for g, w, name in zip(
+        grads_of([got], upstream, inputs), grads_of([want], upstream, inputs), names
+    ):
+        assert_close(g, w, name)
+
+
+def _read_then_merge(blocks, partial, queries):
+    """A block's reads as the model chains them: phase 1 (passing the blocks on), a merge with the
+    partial sum (passing it on), then the next block's phase 1 over the passed-on blocks + 1."""
+    out, lse, blocks = inter_block_read_chained(blocks, queries[:2], EPS)
+    h, partial = merge_partial_chained(out[1], lse[1], partial, queries[1], EPS)
+    nxt, _, _ = inter_block_read_chained([*blocks, partial * 1.5], queries[2:], EPS)
+    return [out[0], h, *nxt, partial]
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_chained_reads_sum_gradients_like_autograd_bitwise(request, kernels_on):
+    """Chaining moves the summation of a source's gradients from autograd's buffers into the reads'
+    backward, in the same order: gradients are bitwise those of unchained reads of the same tensors."""
+    if kernels_on:
+        request.getfixturevalue("cpu_ops")
+    blocks = [cpu_leaf(2, 5, 24, scale=1 + 0.3 * i) for i in range(3)]
+    partial, queries = cpu_leaf(2, 5, 24), cpu_leaf(4, 24, scale=0.5)
+    inputs = [*blocks, partial, queries]
+
+    def unchained():
+        out, lse = inter_block_read(blocks, queries[:2], EPS)
+        h = merge_partial(out[1], lse[1], partial, queries[1], EPS)
+        nxt, _ = inter_block_read([*blocks, partial * 1.5], queries[2:], EPS)
+        return [out[0], h, *nxt, partial]
+
+    with kernels.use_cpu_kernels(kernels_on):
+        outs_a = _read_then_merge(blocks, partial, queries)
+        outs_b = unchained()
+        upstream = [torch.randn_like(o) for o in outs_a]
+        for a, b in zip(outs_a, outs_b):
+            assert torch.equal(a, b)
+        for a, b in zip(grads_of(outs_a, upstream, inputs), grads_of(outs_b, upstream, inputs)):
+            assert torch.equal(a, b)
+
+
+def test_cpu_kernels_are_deterministic_and_layout_independent(cpu_ops):
+    """Bitwise: run to run, 1 vs 2 threads, and per token independent of the batch it came in
+    (pipeline parity relies on it) and of the sources' alignment."""
+    B, T, d = 3, 37, 40
+    sources = [cpu_leaf(B, T, d, scale=1 + 0.5 * i) for i in range(3)]
+    queries = cpu_leaf(2, d, scale=0.5)
+    upstream = [torch.randn(2, B, T, d), torch.randn(2, B, T)]
+
+    def run(srcs, q=queries, up=upstream):
+        with kernels.use_cpu_kernels(True):
+            out = multi_query_read(srcs, q, EPS)
+            return [*out, *grads_of(out, up, [q, *srcs])]
+
+    first = run(sources)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run(sources)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(first, run(sources), single):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # one batch row alone: outputs and source gradients per token are the same bits
+    row = [s.detach()[1:2].clone().requires_grad_() for s in sources]
+    alone = run(row, up=[u[:, 1:2] for u in upstream])
+    assert torch.equal(alone[0], first[0][:, 1:2]) and torch.equal(alone[1], first[1][:, 1:2])
+    for a, b in zip(alone[3:], first[3:]):
+        assert torch.equal(a, b[1:2])
+    # a source 4 bytes into its storage (not 16-byte aligned)
+    flat = torch.empty(B * T * d + 1)
+    shifted = flat[1:].view(B, T, d).copy_(sources[0].detach()).requires_grad_()
+    assert shifted.data_ptr() % 16
+    moved = run([shifted, *sources[1:]])
+    for a, b in zip(moved, first):
+        assert torch.equal(a, b)
+
+
+def test_cpu_path_float64_runs_in_pytorch_and_passes_gradcheck(cpu_ops):
+    """float64 (gradcheck) is outside the kernels: dispatch falls back; chained reads and merges
+    still have exact gradients."""
+    blocks = [torch.randn(1, 3, 6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    partial = torch.randn(1, 3, 6, dtype=torch.float64, requires_grad=True)
+    queries = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    with kernels.use_cpu_kernels(True):
+        assert torch.autograd.gradcheck(
+            lambda b0, b1, p, q: tuple(_read_then_merge([b0, b1], p, q)),
+            (*blocks, partial, queries),
+        )
+
+
+def test_cpu_dispatch_and_env_switch(cpu_ops, monkeypatch):
+    from depthscale.kernels import attnres_cpu
+
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(cpu_ops, name)
+
+    monkeypatch.setattr(attnres_cpu, "_ops", Spy())
+    sources, queries = [cpu_leaf(1, 3, 8) for _ in range(2)], cpu_leaf(2, 8)
+    out, lse = multi_query_read(sources, queries, EPS)
+    (out.sum() + lse.sum()).backward()
+    assert calls == ["read_forward", "read_backward"]
+    with torch.no_grad():
+        multi_query_read(sources, queries, EPS)
+        merge_partial(out[0].detach(), lse[0].detach(), sources[0], queries[0], EPS)
+    assert calls[2:] == ["read_forward", "merge_forward"]
+    calls.clear()
+    with kernels.use_cpu_kernels(False):
+        multi_query_read(sources, queries, EPS)
+    multi_query_read([s.double() for s in sources], queries.double(), EPS)  # fp64: PyTorch
+    multi_query_read([sources[0], sources[1].bfloat16()], queries, EPS)  # mixed dtypes: PyTorch
+    monkeypatch.setenv("DEPTHSCALE_CPU_KERNELS", "0")
+    multi_query_read(sources, queries, EPS)
+    assert calls == []
+    with kernels.use_cpu_kernels(True), pytest.raises(RuntimeError, match="DEPTHSCALE_CPU_KERNELS"):
+        multi_query_read(sources, queries, EPS)
+
+
+def test_failed_build_falls_back_once_with_a_warning(monkeypatch, caplog):
+    """No compiler / a compile error: one warning, the PyTorch ops run, the model trains; a forced
+    `use_cpu_kernels(True)` raises instead of silently testing PyTorch against itself."""
+    from depthscale.kernels import attnres_cpu
+
+    attempts = []
+
+    def broken(name, cflags, ldflags):
+        attempts.append(name)
+        raise RuntimeError("Error building extension\nc++: error: unrecognized option")
+
+    monkeypatch.setattr(attnres_cpu, "_build", broken)
+    monkeypatch.setattr(attnres_cpu, "_ops", None)
+    monkeypatch.setattr(attnres_cpu, "_tried", False)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, dim=24, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
+                      residual="block", attnres_block_size=2)  # fmt: skip
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 61, (2, 7))
+    with caplog.at_level("WARNING", logger=attnres_cpu.__name__):
+        for _ in range(2):
+            cross_entropy(model(tokens), tokens).backward()
+    assert attempts == [name for name, _, _ in attnres_cpu.VARIANTS]  # tried once per process
+    warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "unrecognized option" in warnings[0].getMessage()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "layers.1" in n)
+    with kernels.use_cpu_kernels(True), pytest.raises(RuntimeError, match="did not build"):
+        multi_query_read([torch.randn(1, 2, 8)] * 2, torch.randn(1, 8), EPS)

@@ -1,8 +1,11 @@
-"""Fused GPU kernels. Importing this package never imports triton: CPU-only installs work unchanged.
+"""Fused kernels. Importing this package never imports triton nor builds anything: CPU-only installs
+and machines without a compiler work unchanged.
 
 The AttnRes ops in `model/attnres_ops.py` use `attnres_triton` for CUDA inputs when triton
-imports. `use_triton` overrides that choice: to test the kernels on CPU under `TRITON_INTERPRET=1`,
-or to compare them with the PyTorch ops on a GPU.
+imports, and `attnres_cpu` (C++, built on first use) for CPU inputs when it builds.
+`use_triton` / `use_cpu_kernels` override those choices: to test the Triton kernels on CPU under
+`TRITON_INTERPRET=1`, or to compare either with the PyTorch ops. DEPTHSCALE_CPU_KERNELS=0 turns
+the CPU kernels off for a whole process.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import Any
 
 _override: bool | None = None
+_cpu_override: bool | None = None
 
 
 @contextmanager
@@ -42,3 +47,35 @@ def load_attnres_triton() -> ModuleType | None:
             raise
         return None
     return attnres_triton
+
+
+@contextmanager
+def use_cpu_kernels(enabled: bool | None) -> Iterator[None]:
+    """Within the block, True: the AttnRes ops run the C++ CPU kernels for CPU inputs (float64 and
+    mixed dtypes still run in PyTorch) and a failed build raises; False: they run the PyTorch ops;
+    None: the default (the kernels when they build, unless DEPTHSCALE_CPU_KERNELS=0)."""
+    global _cpu_override
+    previous, _cpu_override = _cpu_override, enabled
+    try:
+        yield
+    finally:
+        _cpu_override = previous
+
+
+def cpu_kernels_override() -> bool | None:
+    """The choice made by the innermost `use_cpu_kernels` block, or None outside one."""
+    return _cpu_override
+
+
+def load_attnres_cpu() -> Any:
+    """The CPU kernels' op namespace (`torch.ops.depthscale_attnres`), built on first use, or None
+    when disabled or unbuildable (logged once). Under `use_cpu_kernels(True)` unavailability raises
+    RuntimeError, so that a forced run never silently tests PyTorch against itself."""
+    from depthscale.kernels import attnres_cpu
+
+    if _cpu_override and not attnres_cpu.enabled_by_env():
+        raise RuntimeError("use_cpu_kernels(True) under DEPTHSCALE_CPU_KERNELS=0")
+    ops = attnres_cpu.load()
+    if ops is None and _cpu_override:
+        raise RuntimeError("use_cpu_kernels(True): the AttnRes CPU kernels did not build (see log)")
+    return ops

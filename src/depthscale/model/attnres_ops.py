@@ -10,16 +10,21 @@ in the sources' dtype.
   [m, B, T, d] intermediates per read.
 - Two-phase (paper §4.2, Algorithm 1), exact in forward and backward:
   `inter_block_read` (phase 1) reads the completed blocks once for all S queries of a block and returns
-  normalised outputs and log-sum-exps; `merge_partial` (phase 2) merges one query's phase-1 result with
-  the running partial sum by online softmax.
+  normalised outputs and log-sum-exps, one tensor per query; `merge_partial` (phase 2) merges one
+  query's phase-1 result with the running partial sum by online softmax.
 
-`multi_query_read` and `merge_partial` run fused Triton kernels (`depthscale.kernels.attnres_triton`)
-for CUDA inputs when triton imports; `depthscale.kernels.use_triton` overrides the choice.
+Kernels: `multi_query_reads` and `merge_partial` run fused Triton kernels
+(`depthscale.kernels.attnres_triton`) for CUDA inputs when triton imports, and fused C++ kernels
+(`depthscale.kernels.attnres_cpu`, one pass over a token's sources, threads over tokens,
+deterministic) for fp32/bf16/fp16 CPU inputs when they build; otherwise, for float64 and under
+torch.compile, the PyTorch ops below. `kernels.use_triton` / `kernels.use_cpu_kernels` override the
+choice, DEPTHSCALE_CPU_KERNELS=0 disables the CPU kernels.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -79,54 +84,103 @@ def _inv_rms(v: Tensor, eps: float) -> Tensor:
 
 
 def _multi_query_forward(w: Tensor, eps: float, sources: tuple[Tensor, ...] | list[Tensor]):
-    """Forward of the multi-query read; also returns the per-token scalars backward needs."""
+    """Forward of the multi-query read in PyTorch: one output [B, T, d] and one lse [B, T] per query,
+    and the per-token scalars backward needs."""
     shape = sources[0].shape
     values = _flat(sources)
     inv_rms = torch.stack([_inv_rms(v, eps) for v in values])  # [m, N]
     logits = torch.stack([(v @ w.T).T for v in values], dim=1) * inv_rms  # [S, m, N]
     lse = torch.logsumexp(logits, dim=1)  # [S, N]
     weights = torch.exp(logits - lse[:, None])
-    out = weights[:, 0, :, None] * values[0]
-    for i in range(1, len(values)):
-        out.addcmul_(weights[:, i, :, None], values[i])  # [S, N, d]
-    S = w.shape[0]
-    return out.reshape(S, *shape), lse.reshape(S, *shape[:-1]), inv_rms, logits, weights
+    outs, lses = [], []
+    for s in range(w.shape[0]):
+        out = weights[s, 0, :, None] * values[0]
+        for i in range(1, len(values)):
+            out.addcmul_(weights[s, i, :, None], values[i])  # [N, d]
+        outs.append(out.reshape(shape))
+        lses.append(lse[s].reshape(shape[:-1]).clone())  # not views of one tensor: own outputs
+    return outs, lses, inv_rms, logits, weights
+
+
+def _multi_query_backward(w, inv_rms, logits, weights, sources, d_outs, d_lses):
+    """PyTorch backward of the multi-query read; a None upstream gradient counts as zero."""
+    values = _flat(sources)
+    d, m, N = w.shape[1], len(values), values[0].shape[0]
+    acc = values[0].dtype
+    d_outs = [None if g is None else g.reshape(-1, d).to(acc) for g in d_outs]
+    # dot[s, i, n] = do_s · v_i ; dz = a (dot − Σ_j a_j dot_j) (+ a dlse)
+    zeros = values[0].new_zeros(m, N)
+    dots = torch.stack(
+        [zeros if g is None else torch.stack([torch.linalg.vecdot(g, v) for v in values])
+         for g in d_outs]
+    )  # fmt: skip
+    d_logits = weights * (dots - (weights * dots).sum(1, keepdim=True))
+    if any(g is not None for g in d_lses):
+        d_lse = torch.stack([zeros[0] if g is None else g.reshape(-1).to(acc) for g in d_lses])
+        d_logits = d_logits + weights * d_lse[:, None]
+    g = d_logits * inv_rms  # [S, m, N]
+    # the RMS term: −(Σ_s g_si z_si) r_i / d · v_i
+    rms_coef = (g * logits).sum(0) * inv_rms / d  # [m, N]
+    d_w = torch.zeros_like(w)
+    grads = []
+    for i, (v, src) in enumerate(zip(values, sources)):
+        dv = g[:, i, :].T @ w
+        for s, d_out in enumerate(d_outs):
+            if d_out is not None:
+                dv.addcmul_(weights[s, i, :, None], d_out)
+        dv.addcmul_(rms_coef[i, :, None], v, value=-1.0)
+        d_w += g[:, i, :] @ v
+        grads.append(dv.reshape(src.shape).to(src.dtype))
+    return grads, d_w
+
+
+def _contiguous(tensors) -> list[Tensor]:
+    return [t.contiguous() for t in tensors]
 
 
 class _MultiQueryRead(torch.autograd.Function):
-    """Every pass touches each source a fixed number of times and writes in place: the read is
-    memory-bound, so passes over [N, d] tensors, not FLOPs, are what it costs."""
+    """Returns S outputs, then S log-sum-exps, then (`chain`) the m sources again as aliases; each
+    its own tensor: a stacked [S, ...] output would cost a zero-filled [S, B, T, d] gradient per
+    consumer in backward. `ops`: the CPU kernels, or None for PyTorch, where every pass touches each
+    source a fixed number of times and writes in place (the read is memory-bound: passes over
+    [N, d] tensors, not FLOPs, are what it costs). Both save per-token scalars only, besides the
+    sources, which are alive anyway.
+
+    Chaining: when the next read takes the aliases instead of the sources, autograd sees one
+    consumer per source, and this read's backward adds its gradient to the aliases' (the later reads'
+    sum) itself, in the same order autograd would have, instead of autograd summing separately
+    stored [B, T, d] gradients in its input buffers (one more pass over memory per read and source).
+    """
 
     @staticmethod
-    def forward(ctx, w: Tensor, eps: float, *sources: Tensor) -> tuple[Tensor, Tensor]:
-        out, lse, inv_rms, logits, weights = _multi_query_forward(w, eps, sources)
-        ctx.save_for_backward(w, inv_rms, logits, weights, *sources)
-        return out, lse
+    def forward(
+        ctx, w: Tensor, eps: float, ops: Any, chain: bool, *sources: Tensor
+    ) -> tuple[Tensor, ...]:
+        if ops is not None:
+            outs, lses, *scalars = ops.read_forward(_contiguous(sources), w, eps, True)
+        else:
+            outs, lses, *scalars = _multi_query_forward(w, eps, sources)
+        ctx.save_for_backward(w, *scalars, *sources)
+        ctx.ops, ctx.chain = ops, chain
+        ctx.set_materialize_grads(False)
+        aliases = [s.view_as(s) for s in sources] if chain else []
+        return (*outs, *lses, *aliases)
 
     @staticmethod
-    def backward(ctx, d_out: Tensor, d_lse: Tensor):
-        w, inv_rms, logits, weights, *sources = ctx.saved_tensors
-        values = _flat(sources)
-        S, d = w.shape
-        d_out = d_out.reshape(S, -1, d).to(values[0].dtype)
-        # dot[s, i, n] = do_s · v_i ; dz = a (dot − Σ_j a_j dot_j) (+ a dlse)
-        dots = torch.stack([torch.linalg.vecdot(d_out, v) for v in values], dim=1)
-        d_logits = weights * (dots - (weights * dots).sum(1, keepdim=True))
-        if d_lse is not None:
-            d_logits = d_logits + weights * d_lse.reshape(S, 1, -1).to(values[0].dtype)
-        g = d_logits * inv_rms  # [S, m, N]
-        # the RMS term: −(Σ_s g_si z_si) r_i / d · v_i
-        rms_coef = (g * logits).sum(0) * inv_rms / d  # [m, N]
-        d_w = torch.zeros_like(w)
-        grads = []
-        for i, (v, src) in enumerate(zip(values, sources)):
-            dv = g[:, i, :].T @ w
-            for s in range(S):
-                dv.addcmul_(weights[s, i, :, None], d_out[s])
-            dv.addcmul_(rms_coef[i, :, None], v, value=-1.0)
-            d_w += g[:, i, :] @ v
-            grads.append(dv.reshape(src.shape).to(src.dtype))
-        return (d_w, None, *grads)
+    def backward(ctx, *upstream: Tensor | None):
+        w, s1, s2, s3, *sources = ctx.saved_tensors
+        S = w.shape[0]
+        d_outs, d_lses = list(upstream[:S]), list(upstream[S : 2 * S])
+        d_up = list(upstream[2 * S :])  # the aliases' gradients (chain), None where unused
+        if ctx.ops is not None:
+            grads, d_w = ctx.ops.read_backward(
+                _contiguous(sources), w, s1, s2, s3, d_outs, d_lses, d_up
+            )
+        else:
+            grads, d_w = _multi_query_backward(w, s1, s2, s3, sources, d_outs, d_lses)
+            if d_up:
+                grads = [g if up is None else up + g for g, up in zip(grads, d_up)]
+        return (d_w, None, None, None, *grads)
 
 
 def _merge_forward(
@@ -141,20 +195,46 @@ def _merge_forward(
 
 class _MergePartial(torch.autograd.Function):
     """Phase 2 as a gate: h = α·o + (1−α)·p with α = sigmoid(lse − z), z the partial sum's logit.
-    Saves per-token scalars only (α, z, inverse RMS) besides o and p, which are alive anyway."""
+    Saves per-token scalars only (α, z, inverse RMS) besides o and p, which are alive anyway.
+    `ops`: the CPU kernels, or None for PyTorch. `chain`: also return p as an alias whose gradient
+    backward adds to p's own (see `_MultiQueryRead`)."""
 
     @staticmethod
     def forward(
-        ctx, inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float
-    ) -> Tensor:
-        h, alpha, z, inv_rms = _merge_forward(inter_out, inter_lse, partial, query, eps)
-        ctx.save_for_backward(inter_out, partial, query, alpha, z, inv_rms)
-        ctx.eps = eps
-        return h.to(partial.dtype)
+        ctx,
+        inter_out: Tensor,
+        inter_lse: Tensor,
+        partial: Tensor,
+        query: Tensor,
+        eps: float,
+        ops: Any,
+        chain: bool,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if ops is not None:
+            o, p = inter_out.contiguous(), partial.contiguous()
+            h, alpha, z, inv_rms = ops.merge_forward(
+                o, inter_lse.contiguous(), p, query.contiguous(), eps, True
+            )
+            ctx.save_for_backward(o, p, query, alpha, z, inv_rms)
+        else:
+            h, alpha, z, inv_rms = _merge_forward(inter_out, inter_lse, partial, query, eps)
+            h = h.to(partial.dtype)
+            ctx.save_for_backward(inter_out, partial, query, alpha, z, inv_rms)
+        ctx.ops = ops
+        ctx.lse_shape = inter_lse.shape
+        ctx.set_materialize_grads(False)
+        return (h, partial.view_as(partial)) if chain else h
 
     @staticmethod
-    def backward(ctx, dh: Tensor):
+    def backward(ctx, dh: Tensor | None, d_up: Tensor | None = None):
         inter_out, partial, query, alpha, z, inv_rms = ctx.saved_tensors
+        if dh is None:  # h unused: only the alias's gradient passes through
+            return None, None, d_up, None, None, None, None
+        if ctx.ops is not None:
+            d_o, d_alpha, d_partial, d_query = ctx.ops.merge_backward(
+                inter_out, partial, query.contiguous(), alpha, z, inv_rms, dh, d_up
+            )
+            return d_o, d_alpha.reshape(ctx.lse_shape), d_partial, d_query, None, None, None
         p = _acc(partial)
         dh = dh.to(p.dtype)
         d_alpha = torch.linalg.vecdot(dh, inter_out - p) * alpha * (1 - alpha)  # d(lse − z)
@@ -162,8 +242,11 @@ class _MergePartial(torch.autograd.Function):
         coef = (dz * inv_rms)[..., None]
         d_partial = (1 - alpha)[..., None] * dh + coef * query
         d_partial -= (dz * z * inv_rms.pow(2) / p.shape[-1])[..., None] * p
+        d_partial = d_partial.to(partial.dtype)
+        if d_up is not None:
+            d_partial = d_up + d_partial
         d_query = (coef * p).reshape(-1, p.shape[-1]).sum(0)
-        return alpha[..., None] * dh, d_alpha, d_partial.to(partial.dtype), d_query, None
+        return alpha[..., None] * dh, d_alpha, d_partial, d_query, None, None, None
 
 
 def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
@@ -181,15 +264,67 @@ def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
     return kernels.load_attnres_triton()
 
 
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_ops(values: list[Tensor], *fp32: Tensor) -> Any:
+    """The CPU kernels' ops when they apply, else None: CPU tensors, `values` of one dtype among
+    fp32/bf16/fp16 and the `fp32` tensors (queries, phase-1 results) in fp32 (so float64, e.g.
+    gradcheck, runs in PyTorch), not under `use_cpu_kernels(False)`, and not while torch.compile
+    traces (the compiler fuses the PyTorch ops itself; an opaque op would break the graph)."""
+    from depthscale import kernels
+
+    if kernels.cpu_kernels_override() is False or torch.compiler.is_compiling():
+        return None
+    if any(t.device.type != "cpu" for t in (*values, *fp32)):
+        return None
+    dtype = values[0].dtype
+    if dtype not in _CPU_KERNEL_DTYPES or any(v.dtype != dtype for v in values):
+        return None
+    if any(t.dtype != torch.float32 for t in fp32):
+        return None
+    return kernels.load_attnres_cpu()
+
+
+def _reads(
+    sources: list[Tensor], queries: Tensor, eps: float, chain: bool
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    ops = _triton_ops(sources, queries)
+    if ops is not None:  # no chaining: autograd accumulates the sources' gradients
+        out, lse = ops.triton_multi_query_read(sources, queries, eps)
+        return list(out.unbind(0)), list(lse.unbind(0)), list(sources)
+    w = _acc(queries).contiguous()
+    cpu = _cpu_ops(sources, w)
+    if not torch.is_grad_enabled():  # inference: nothing to save (and simpler for torch.compile)
+        if cpu is not None:
+            outs, lses, *_ = cpu.read_forward(_contiguous(sources), w, eps, False)
+        else:
+            outs, lses, *_ = _multi_query_forward(w, eps, sources)
+        return list(outs), list(lses), list(sources)
+    results = _MultiQueryRead.apply(w, eps, cpu, chain, *sources)
+    S = w.shape[0]
+    chained = list(results[2 * S :]) if chain else list(sources)
+    return list(results[:S]), list(results[S : 2 * S]), chained
+
+
+def multi_query_reads(
+    sources: list[Tensor], queries: Tensor, eps: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """S queries [S, d] (gain already folded in) over m sources [B, T, d] -> per query, an output
+    [B, T, d] and a log-sum-exp [B, T] (fp32, fp64 for fp64 inputs), with a backward that saves only
+    per-token scalars. Separate tensors, not stacked: consumers take one query's result each."""
+    outs, lses, _ = _reads(sources, queries, eps, chain=False)
+    return outs, lses
+
+
 def multi_query_read(sources: list[Tensor], queries: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """S queries [S, d] (gain already folded in) over m sources [B, T, d] -> fp32 outputs
-    [S, B, T, d] and log-sum-exps [S, B, T], with a backward that saves only per-token scalars."""
+    """`multi_query_reads` stacked: outputs [S, B, T, d] and log-sum-exps [S, B, T] (tests and
+    benchmarks compare implementations through this form)."""
     ops = _triton_ops(sources, queries)
     if ops is not None:
         return ops.triton_multi_query_read(sources, queries, eps)
-    if not torch.is_grad_enabled():  # inference: nothing to save (and simpler for torch.compile)
-        return _multi_query_forward(_acc(queries), eps, sources)[:2]
-    return _MultiQueryRead.apply(_acc(queries), eps, *sources)
+    outs, lses = multi_query_reads(sources, queries, eps)
+    return torch.stack(outs), torch.stack(lses)
 
 
 def depth_read_efficient(
@@ -198,13 +333,52 @@ def depth_read_efficient(
     """`depth_read` with the memory-efficient backward."""
     if len(sources) == 1:
         return sources[0]
-    out, _ = multi_query_read(sources, _query(query, key_weight)[None], eps)
-    return out[0].to(sources[0].dtype)
+    outs, _ = multi_query_reads(sources, _query(query, key_weight)[None], eps)
+    return outs[0].to(sources[0].dtype)
 
 
-def inter_block_read(blocks: list[Tensor], queries: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Phase 1: all S queries of a block [S, d] over its completed blocks, one pass over memory."""
-    return multi_query_read(blocks, queries, eps)
+def inter_block_read(
+    blocks: list[Tensor], queries: Tensor, eps: float
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Phase 1: all S queries of a block [S, d] over its completed blocks, one pass over memory;
+    per query an output [B, T, d] and a log-sum-exp [B, T]."""
+    return multi_query_reads(blocks, queries, eps)
+
+
+def inter_block_read_chained(
+    blocks: list[Tensor], queries: Tensor, eps: float
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """`inter_block_read`, plus the blocks to use from now on in place of `blocks`: the same
+    values (aliases) whose gradients this read's backward extends, so that autograd never sums a
+    block's gradients from several reads in a buffer of its own (an extra pass over memory per
+    read and block). Numerically identical to reading `blocks` again (the sums run in autograd's
+    order). Where no kernel supports it (Triton, inference) the blocks come back unchanged."""
+    return _reads(blocks, queries, eps, chain=True)
+
+
+def _merge(
+    inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float, chain: bool
+) -> tuple[Tensor, Tensor]:
+    ops = _triton_ops([partial], inter_out, inter_lse, query)
+    if ops is not None:
+        return ops.triton_merge_partial(inter_out, inter_lse, partial, query, eps), partial
+    w = _acc(query)
+    cpu = _cpu_ops([partial], inter_out, inter_lse, w)
+    if not torch.is_grad_enabled():
+        if cpu is not None:
+            h = cpu.merge_forward(
+                inter_out.contiguous(),
+                inter_lse.contiguous(),
+                partial.contiguous(),
+                w.contiguous(),
+                eps,
+                False,
+            )[0]
+            return h, partial
+        return _merge_forward(inter_out, inter_lse, partial, w, eps)[0].to(partial.dtype), partial
+    if chain:
+        return _MergePartial.apply(inter_out, inter_lse, partial, w, eps, cpu, True)
+    return _MergePartial.apply(inter_out, inter_lse, partial, w, eps, cpu, False), partial
 
 
 def merge_partial(
@@ -212,9 +386,12 @@ def merge_partial(
 ) -> Tensor:
     """Phase 2: merge a phase-1 result (fp32 output [B,T,d], lse [B,T]) with the partial sum's
     one-source term by online softmax; exact, elementwise over tokens."""
-    ops = _triton_ops([partial], inter_out, inter_lse, query)
-    if ops is not None:
-        return ops.triton_merge_partial(inter_out, inter_lse, partial, query, eps)
-    if not torch.is_grad_enabled():
-        return _merge_forward(inter_out, inter_lse, partial, _acc(query), eps)[0].to(partial.dtype)
-    return _MergePartial.apply(inter_out, inter_lse, partial, _acc(query), eps)
+    return _merge(inter_out, inter_lse, partial, query, eps, chain=False)[0]
+
+
+def merge_partial_chained(
+    inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """`merge_partial`, plus the partial sum to use from now on (an alias whose gradient this
+    merge's backward extends; see `inter_block_read_chained`)."""
+    return _merge(inter_out, inter_lse, partial, query, eps, chain=True)

@@ -12,7 +12,9 @@ A sublayer does `h = res.read(state)`, `y = f(norm(h))`, `state = res.write(stat
 Reads come in three exact implementations (`model.attnres_read`): the plain-autograd reference, the
 memory-efficient one, and the paper's two-phase computation, where the first sublayer of a block reads
 the completed blocks once for all queries of the block (phase 1) and every sublayer merges that result
-with the running partial sum (phase 2). Phase-1 results ride along in `DepthState.inter`.
+with the running partial sum (phase 2). Phase-1 results ride along in `DepthState.inter`, and these
+reads hand the blocks and the partial sum on as aliases, so that each block's gradients are summed
+inside the reads' backward (one pass) instead of in autograd's buffers (see `attnres_ops`).
 
 Pipeline stages send and receive `DepthState`s (blocks and partial only); nothing inside attention or
 the MLP knows which residual is in use.
@@ -30,8 +32,8 @@ from depthscale.errors import ConfigError
 from depthscale.model.attnres_ops import (
     depth_read,
     depth_read_efficient,
-    inter_block_read,
-    merge_partial,
+    inter_block_read_chained,
+    merge_partial_chained,
 )
 
 
@@ -45,6 +47,8 @@ class DepthState:
     partial: Tensor | None = None
     inter: InterBlock | None = None
     """Two-phase memo: phase-1 results for the remaining sublayers of the current block."""
+    # A two-phase read also replaces `blocks` / `partial` by aliases (same values and storage) that
+    # its backward accumulates gradients through (`attnres_ops.inter_block_read_chained`).
 
     def sources(self) -> list[Tensor]:
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
@@ -53,8 +57,8 @@ class DepthState:
 @dataclass
 class InterBlock:
     members: list[AttnResidual]
-    out: Tensor  # [S, B, T, d] fp32, normalised phase-1 outputs
-    lse: Tensor  # [S, B, T] fp32
+    out: list[Tensor]  # S × [B, T, d] fp32, normalised phase-1 outputs
+    lse: list[Tensor]  # S × [B, T] fp32
 
     def slot(self, member: AttnResidual) -> int | None:
         return next((i for i, m in enumerate(self.members) if m is member), None)
@@ -130,14 +134,15 @@ class AttnResidual(nn.Module):
         ):  # first sublayer of the block here: phase 1 for it and the rest of the block
             members = self.group[next(i for i, m in enumerate(self.group) if m is self) :]
             queries = torch.stack([m.query() for m in members])
-            out, lse = inter_block_read(state.blocks, queries, self.eps)
+            out, lse, state.blocks = inter_block_read_chained(state.blocks, queries, self.eps)
             state.inter = inter = InterBlock(members, out, lse)
             slot = 0
         if state.partial is None:
             return inter.out[slot].to(state.blocks[0].dtype)
-        return merge_partial(
+        h, state.partial = merge_partial_chained(
             inter.out[slot], inter.lse[slot], state.partial, self.query(), self.eps
         )
+        return h
 
     def write(self, state: DepthState, y: Tensor) -> DepthState:
         partial = y if state.partial is None else state.partial + y
