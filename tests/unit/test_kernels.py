@@ -382,6 +382,11 @@ def test_cpu_dispatch_and_env_switch(cpu_ops, monkeypatch):
         multi_query_read(sources, queries, EPS)
     multi_query_read([s.double() for s in sources], queries.double(), EPS)  # fp64: PyTorch
     multi_query_read([sources[0], sources[1].bfloat16()], queries, EPS)  # mixed dtypes: PyTorch
+
+    class Sharded(torch.Tensor):  # stands in for a DTensor query (tp + dp): no sharding rules
+        pass
+
+    multi_query_read(sources, queries.detach().as_subclass(Sharded), EPS)  # subclass: PyTorch
     monkeypatch.setenv("DEPTHSCALE_CPU_KERNELS", "0")
     multi_query_read(sources, queries, EPS)
     assert calls == []

@@ -265,18 +265,22 @@ def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
 
 
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _cpu_ops(values: list[Tensor], *fp32: Tensor) -> Any:
-    """The CPU kernels' ops when they apply, else None: CPU tensors, `values` of one dtype among
-    fp32/bf16/fp16 and the `fp32` tensors (queries, phase-1 results) in fp32 (so float64, e.g.
-    gradcheck, runs in PyTorch), not under `use_cpu_kernels(False)`, and not while torch.compile
-    traces (the compiler fuses the PyTorch ops itself; an opaque op would break the graph)."""
+    """The CPU kernels' ops when they apply, else None: plain CPU tensors (not DTensors, e.g. the
+    AttnRes queries under tp + dp, nor other subclasses: the ops have no sharding rules), `values`
+    of one dtype among fp32/bf16/fp16 and the `fp32` tensors (queries, phase-1 results) in fp32 (so
+    float64, e.g. gradcheck, runs in PyTorch), not under `use_cpu_kernels(False)`, and not while
+    torch.compile traces (the compiler fuses the PyTorch ops itself; an opaque op would break the
+    graph)."""
     from depthscale import kernels
 
     if kernels.cpu_kernels_override() is False or torch.compiler.is_compiling():
         return None
-    if any(t.device.type != "cpu" for t in (*values, *fp32)):
+    tensors = (*values, *fp32)
+    if any(type(t) not in _PLAIN or t.device.type != "cpu" for t in tensors):
         return None
     dtype = values[0].dtype
     if dtype not in _CPU_KERNEL_DTYPES or any(v.dtype != dtype for v in values):
