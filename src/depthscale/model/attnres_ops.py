@@ -161,7 +161,7 @@ class _MultiQueryRead(torch.autograd.Function):
         else:
             outs, lses, *scalars = _multi_query_forward(w, eps, sources)
         ctx.save_for_backward(w, *scalars, *sources)
-        ctx.ops, ctx.chain = ops, chain
+        ctx.ops = ops
         ctx.set_materialize_grads(False)
         aliases = [s.view_as(s) for s in sources] if chain else []
         return (*outs, *lses, *aliases)
