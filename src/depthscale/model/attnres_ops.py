@@ -249,13 +249,20 @@ class _MergePartial(torch.autograd.Function):
         return alpha[..., None] * dh, d_alpha, d_partial, d_query, None, None, None
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+"""Tensor types the kernels take: not DTensors (e.g. AttnRes queries under tp + dp) nor other
+subclasses, which the custom ops have no sharding rules for."""
+
+
 def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
-    """The Triton kernels module when it applies, else None: CUDA inputs (any device under
+    """The Triton kernels module when it applies, else None: plain CUDA tensors (any device under
     `kernels.use_triton(True)`, none under `use_triton(False)`), values of one dtype, no float64
     (gradcheck), triton importable. Imported lazily: model/ must not need triton."""
     from depthscale import kernels
 
     tensors = [*values, *others]
+    if any(type(t) not in _PLAIN for t in tensors):
+        return None
     override = kernels.triton_override()
     if override is False or (override is None and not all(t.is_cuda for t in tensors)):
         return None
@@ -265,7 +272,6 @@ def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
 
 
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _cpu_ops(values: list[Tensor], *fp32: Tensor) -> Any:
