@@ -149,10 +149,10 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
     from depthscale.parallel.pipeline.runtime import PipelineRuntime
     from depthscale.parallel.pipeline.schedules import interleaved_1f1b
     from depthscale.parallel.pipeline.stage import (
+        counted_elsewhere,
         split_layers,
         sync_tied_grads,
         tied_embedding_group,
-        tied_weight,
     )
 
     dims, mesh, ref, model, opts, rows, stages = _setup(
@@ -193,7 +193,7 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
         ref_losses.append(ref_loss.item())
-        excludes = [tied_weight(model)] if tied_group and model.tok_embeddings is None else []
+        excludes = counted_elsewhere(model, tied_group)
         params = [p for p in model.parameters() if p.grad is not None]
         norms.append(clip_grad_norm_(params, 0.0, across=pp_group, norm_excludes=excludes).item())
         ref_norms.append(clip_grad_norm_(list(ref.parameters()), 0.0).item())

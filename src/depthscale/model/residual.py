@@ -50,6 +50,11 @@ class DepthState:
     # A two-phase read also replaces `blocks` / `partial` by aliases (same values and storage) that
     # its backward accumulates gradients through (`attnres_ops.inter_block_read_chained`).
 
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sequence held in this state (a shard of the sequence under tp)."""
+        return (self.partial if self.partial is not None else self.blocks[0]).shape[1]
+
     def sources(self) -> list[Tensor]:
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
 

@@ -119,8 +119,7 @@ class Transformer(nn.Module):
     def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """RoPE tables for the layers that run on `state` (its tokens, or the given positions).
         A layout that keeps a sequence shard in the depth state overrides this."""
-        seq_len = (state.partial if state.partial is not None else state.blocks[0]).shape[1]
-        return self.rope(positions, seq_len)
+        return self.rope(positions, state.seq_len)
 
     def embed(self, tokens: Tensor) -> DepthState:
         return initial_state(self.cfg, self.tok_embeddings(tokens))

@@ -225,6 +225,16 @@ def clip_grad_norm_(
     return total_norm
 
 
+def _norm_device(grads: list[Tensor], across: dist.ProcessGroup | None) -> torch.device:
+    """Where the squared-norm sum lives: with the gradients, or, on a rank without any (an empty
+    pipeline stage), where `across`'s backend communicates (NCCL needs a CUDA tensor)."""
+    if grads:
+        return _local(grads[0]).device
+    if across is not None and dist.get_backend(across) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def grad_norm(
     params: list[Tensor], foreach: bool | None = None, across: dist.ProcessGroup | None = None
@@ -246,8 +256,7 @@ def grad_norm(
     groups: dict[tuple, list[Tensor]] = {}
     for g in grads:
         groups.setdefault(_mesh_key(g), []).append(g)
-    device = _local(grads[0]).device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=torch.float32, device=_norm_device(grads, across))
     for group in groups.values():
         first = group[0]
         if isinstance(first, DTensor) and any(p.is_partial() for p in first.placements):

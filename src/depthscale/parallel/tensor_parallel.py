@@ -199,8 +199,7 @@ class SequenceParallelTransformer(Transformer):
 
     def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Tables for the full sequence: the layers gather it for attention."""
-        local = (state.partial if state.partial is not None else state.blocks[0]).shape[1]
-        return self.rope(positions, local * self.tp.size)
+        return self.rope(positions, state.seq_len * self.tp.size)
 
     def run_layers(
         self,

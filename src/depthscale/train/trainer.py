@@ -31,10 +31,10 @@ from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.runtime import PipelineRuntime
 from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
 from depthscale.parallel.pipeline.stage import (
+    counted_elsewhere,
     split_layers,
     sync_tied_grads,
     tied_embedding_group,
-    tied_weight,
 )
 from depthscale.train.checkpoint import Checkpointer, CheckpointError
 from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
@@ -250,9 +250,8 @@ class Trainer:
         n = self.model.num_params()
         if self.pipeline is None:
             return n
-        if self.pipeline.tied_group is not None and self.model.tok_embeddings is None:
-            n -= tied_weight(self.model).numel()
-        total = torch.tensor(n, dtype=torch.int64)
+        n -= sum(p.numel() for p in counted_elsewhere(self.model, self.pipeline.tied_group))
+        total = torch.tensor(n, dtype=torch.int64, device=self.device)
         dist.all_reduce(total, group=self.pipeline.group)
         return int(total)
 
@@ -264,8 +263,7 @@ class Trainer:
             across, excludes = None, []
             if self.pipeline is not None:  # stages hold different parameters
                 across = self.pipeline.group
-                if self.pipeline.tied_group is not None and self.model.tok_embeddings is None:
-                    excludes = [tied_weight(self.model)]  # the first stage counts the tied weight
+                excludes = counted_elsewhere(self.model, self.pipeline.tied_group)
             norm = clip_grad_norm_(
                 params, self.cfg.train.grad_clip, across=across, norm_excludes=excludes
             )

@@ -113,23 +113,15 @@ def interleaved_1f1b(ranks: int, virtual: int, microbatches: int) -> Schedule:
             warmup = min(ranks - r - 1, microbatches)
         else:
             warmup = min((ranks - r - 1) * 2 + (virtual - 1) * ranks, total)
-        seq: list[tuple[str, int, int]] = []
-        f = b = 0
-        for _ in range(warmup):
-            m, c = unit(f, True)
-            seq.append(("F", m, layout.stages_of(r)[c]))
-            f += 1
-        while f < total:
-            m, c = unit(f, True)
-            seq.append(("F", m, layout.stages_of(r)[c]))
-            f += 1
-            m, c = unit(b, False)
-            seq.append(("B", m, layout.stages_of(r)[c]))
-            b += 1
-        while b < total:
-            m, c = unit(b, False)
-            seq.append(("B", m, layout.stages_of(r)[c]))
-            b += 1
+
+        def op(kind: str, k: int, r: int = r) -> tuple[str, int, int]:
+            m, c = unit(k, kind == "F")
+            return kind, m, layout.stages_of(r)[c]
+
+        seq = [op("F", f) for f in range(warmup)]  # warm-up
+        for b, f in enumerate(range(warmup, total)):  # steady state: one forward, one backward
+            seq += [op("F", f), op("B", b)]
+        seq += [op("B", b) for b in range(total - warmup, total)]  # cool-down
         orders.append(seq)
     return _with_communication(layout, orders)
 

@@ -168,6 +168,14 @@ def sync_tied_grads(model: Transformer, group) -> None:
     dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
 
+def counted_elsewhere(model: Transformer, tied_group: dist.ProcessGroup | None) -> list[Tensor]:
+    """Parameters of this rank that another pipeline rank also holds and counts (norms, parameter
+    totals): the last stage's copy of a tied embedding/head weight."""
+    if tied_group is None or model.tok_embeddings is not None:
+        return []
+    return [tied_weight(model)]
+
+
 def tied_weight(model: Transformer) -> Tensor:
     """This rank's copy of the tied embedding/head weight."""
     return model.tok_embeddings.weight if model.tok_embeddings is not None else model.output.weight
