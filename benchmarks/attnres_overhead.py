@@ -3,10 +3,12 @@
     python benchmarks/attnres_overhead.py [--dim 256 --layers 8 --seq 128 --batch 8 --rounds 10
                                            --repeats 1 --note TEXT]
 
-Prints one JSON object: training-step time (forward, backward, AdamW) and activation memory of
-`block` and `full` AttnRes relative to `standard` on the same data, and the activation memory of the
-memory-efficient / two-phase read paths relative to plain autograd (the `reference` read). Activation
-memory is the bytes autograd saves for backward (on CUDA also the allocator's peak).
+Prints one JSON object: training-step time (forward, backward, and the trainer's AdamW from
+`build_optimizer`) and activation memory of `block` and `full` AttnRes relative to `standard` on the
+same data, and the activation memory of the memory-efficient / two-phase read paths relative to
+plain autograd (the `reference` read). Activation memory is the bytes autograd saves for backward
+(on CUDA also the allocator's peak). Like the trainer, it keeps freed host memory for reuse
+(`train.keep_host_memory`), so steps do not page-fault their activations in again.
 
 The variants run interleaved (ratios are robust to drift); with --repeats R the whole timing runs
 R times and the JSON keeps every run's ratios (`step_time_ratio_runs`) next to the median run's.
@@ -25,9 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import device_info, interleaved_times  # noqa: E402
 
-from depthscale.config import ModelConfig  # noqa: E402
+from depthscale.config import ModelConfig, OptimConfig  # noqa: E402
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
+from depthscale.train.host import keep_freed_host_memory  # noqa: E402
 from depthscale.train.memory import saved_activation_bytes  # noqa: E402
+from depthscale.train.optim import build_optimizer  # noqa: E402
 
 
 def main() -> None:
@@ -46,6 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    host_memory_kept = keep_freed_host_memory()  # as the trainer does (train.keep_host_memory)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = dict(
         vocab_size=args.vocab,
@@ -73,7 +78,7 @@ def main() -> None:
         model = Transformer(cfg).to(device)
         model.load_state_dict(reference.state_dict(), strict=False)  # identical shared weights
         models[name] = model
-        optims[name] = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optims[name] = build_optimizer(model, OptimConfig(lr=1e-4))  # the trainer's AdamW
 
         def step(model=model, opt=optims[name]) -> None:
             cross_entropy(model(x), y).backward()
@@ -98,6 +103,8 @@ def main() -> None:
         "benchmark": "attnres_overhead",
         **device_info(),
         "kernels": _kernels(device),
+        "optimizer": "build_optimizer (AdamW, fused for plain CPU/CUDA parameters)",
+        "host_memory_kept": host_memory_kept,
         "config": {
             k: v for k, v in vars(args).items() if k not in ("rounds", "repeats", "threads", "note")
         },

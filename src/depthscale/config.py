@@ -130,6 +130,10 @@ class TrainConfig:
     offload_activations: bool = False
     """Keep the tensors saved for backward in host memory until backward needs them (with pipeline
     parallelism: while a micro-batch is in flight). A no-op copy on CPU; its bytes are counted."""
+    keep_host_memory: bool = True
+    """Let glibc malloc reuse freed host memory instead of returning it to the OS, so a step does
+    not page-fault its activations in again (`train.host.keep_freed_host_memory`); RSS then stays
+    at the peak. False leaves the allocator's defaults."""
 
 
 @dataclass

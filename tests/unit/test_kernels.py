@@ -238,6 +238,7 @@ def cpu_leaf(*shape, dtype=torch.float32, scale=1.0):
         (1, 1, 1, 7, 40),  # one source
         (3, 6, 2, 5, 17),  # S > 4: two query groups (4 + 2); d not a multiple of 16
         (5, 2, 1, 3, 48),  # d a multiple of 16, not of 32
+        (18, 2, 1, 3, 24),  # m > 16: the softmax's exp runs on two 16-lane chunks
     ],
 )
 def test_cpu_read_matches_pytorch(cpu_ops, dtype, m, S, B, T, d):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from depthscale.config import OptimConfig
-from depthscale.train.optim import LAMB, build_optimizer
+from depthscale.train.optim import LAMB, build_optimizer, param_groups
 
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.99, 1e-6, 0.01
 
@@ -203,3 +203,28 @@ def test_adamw_one_step_matches_hand_computation():
 def test_build_optimizer_rejects_a_model_without_trainable_parameters():
     with pytest.raises(ValueError, match="no trainable parameters"):
         build_optimizer(nn.Identity(), OptimConfig())
+
+
+def test_adamw_is_fused_for_plain_parameters_and_matches_the_loop():
+    """build_optimizer takes torch's fused AdamW for plain CPU/CUDA parameters (one kernel for all
+    tensors); over a few steps it matches torch's per-tensor loop to rounding."""
+    cfg = OptimConfig(name="adamw", lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    fused_model, loop_model = Tiny(), Tiny()
+    loop_model.load_state_dict(fused_model.state_dict())
+    fused = build_optimizer(fused_model, cfg)
+    assert fused.defaults["fused"] is True
+    groups = [
+        {k: v for k, v in g.items() if k != "adaptive"} for g in param_groups(loop_model, 0.1)
+    ]
+    loop = torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False
+    )
+    for step in range(3):
+        for model, opt in ((fused_model, fused), (loop_model, loop)):
+            torch.manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+    for a, b in zip(fused_model.parameters(), loop_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -6,10 +6,13 @@
 //
 // Layout of the work: one token at a time (threads over tokens, at::parallel_for), all sources of
 // that token in one sweep. Per token, the first pass over the m source rows gives every inverse RMS
-// and logit, the softmax is exact (max, exp, sum over m scalars), and the second pass accumulates
-// the outputs; the rows it rereads are this token's m·d values, still in L1. Nothing is stacked and
-// no [m, N, d] temporary exists. The reads are memory-bound: each pass over a source row is what
-// costs, so forward reads every source row once and backward once (plus the chained gradient).
+// and logit (one sweep per row for v·v and all query dots), the softmax runs on 16 lanes (exact max,
+// a vector exp, a fixed-tree sum), and the second pass accumulates the outputs; the rows it rereads
+// are this token's m·d values, still in L1. Backward likewise: dots, per-token scalars, then one
+// sweep that writes each source's gradient once with the query gradients held in registers. Nothing
+// is stacked and no [m, N, d] temporary exists. The reads are memory-bound: each pass over a source
+// row is what costs, so forward reads every source row once and backward once (plus the chained
+// gradient); the arithmetic is kept short enough to hide under the loads.
 //
 // Determinism and exactness:
 // - Reductions over d use explicit 16-float lanes, two accumulators and a fixed tree, never the
@@ -91,7 +94,20 @@ DS_INLINE vec vsplat(float x) {
   for (int64_t j = 0; j < kLanes; ++j) v[j] = x;
   return v;
 }
-DS_INLINE float hsum(vec v) {  // fixed tree over the lanes
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef float vec2 __attribute__((vector_size(2 * sizeof(float))));
+DS_INLINE float hsum(vec v) {  // fixed tree over the lanes: t[j] += t[j + width], width 8, 4, 2, 1
+  const vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) +
+                  __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  const vec2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  return h2[0] + h2[1];
+}
+#else
+DS_INLINE float hsum(vec v) {  // the same tree, lane by lane
   float t[kLanes];
   std::memcpy(t, &v, sizeof t);
   for (int64_t width = kLanes / 2; width > 0; width /= 2) {
@@ -99,6 +115,7 @@ DS_INLINE float hsum(vec v) {  // fixed tree over the lanes
   }
   return t[0];
 }
+#endif
 
 // ---- scalar conversions (inlined into every clone) ---------------------------------------------
 
@@ -202,6 +219,62 @@ DS_INLINE float inv_rms(const float* v, int64_t d, float eps) {
   return 1.0f / std::sqrt(dot(v, v, d) / static_cast<float>(d) + eps);
 }
 
+// exp for x <= 0 (a logit minus the maximum), 16 lanes: 2^n · e^r with n = round(x / ln 2),
+// |r| <= ln(2)/2 (ln 2 split in two for an exact reduction) and e^r by its Taylor polynomial to
+// degree 7. Within 1.2 ulp of exp over [−87, 0] (checked exhaustively at a stride), in every
+// clone; lanes below −87.3 (and −inf) give 0, NaN stays NaN. One call replaces m libm calls.
+#if defined(__GNUC__)
+DS_INLINE vec vexp_nonpositive(vec x) {
+  typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+  const vec lowest = vsplat(-87.3f);
+  const vec xc = x < lowest ? lowest : x;
+  const vec shifter = vsplat(12582912.0f);  // 1.5 · 2^23: adding it rounds to an integer
+  const vec fn = (xc * vsplat(1.44269504088896341f) + shifter) - shifter;
+  vec r = xc - fn * vsplat(0.693145751953125f);
+  r = r - fn * vsplat(1.42860682030941723e-6f);
+  vec poly = vsplat(1.0f / 5040.0f);
+  poly = poly * r + vsplat(1.0f / 720.0f);
+  poly = poly * r + vsplat(1.0f / 120.0f);
+  poly = poly * r + vsplat(1.0f / 24.0f);
+  poly = poly * r + vsplat(1.0f / 6.0f);
+  poly = poly * r + vsplat(0.5f);
+  poly = poly * r + vsplat(1.0f);
+  poly = poly * r + vsplat(1.0f);
+  const ivec bits = (__builtin_convertvector(fn, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const vec e = poly * scale;
+  return x < lowest ? vzero() : e;
+}
+#else
+DS_INLINE vec vexp_nonpositive(vec x) {  // the portable stand-in: libm, lane by lane
+  for (int64_t j = 0; j < kLanes; ++j) x[j] = std::exp(x[j]);
+  return x;
+}
+#endif
+
+// Softmax over m logits (exact max, vector exp, a lane-wise then fixed-tree sum): weights into a,
+// returns the log-sum-exp. Independent of where the logits sit in memory and of anything else.
+DS_INLINE float softmax(const float* z, int64_t m, float* a) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float top = neg_inf;
+  for (int64_t i = 0; i < m; ++i) top = std::max(top, z[i]);
+  vec sum = vzero();
+  for (int64_t i0 = 0; i0 < m; i0 += kLanes) {
+    float t[kLanes];
+    const int64_t len = std::min(kLanes, m - i0);
+    for (int64_t j = 0; j < kLanes; ++j) t[j] = j < len ? z[i0 + j] - top : neg_inf;
+    const vec e = vexp_nonpositive(vload(t));
+    vstore(t, e);
+    std::memcpy(a + i0, t, len * sizeof(float));
+    sum += e;
+  }
+  const float total = hsum(sum);
+  const float inv = 1.0f / total;
+  for (int64_t i = 0; i < m; ++i) a[i] *= inv;
+  return top + std::log(total);
+}
+
 // Queries are processed in groups of at most kGroup with the group size a compile-time constant, so
 // that per-query scalars and pointers live in registers; the group size never changes a result.
 constexpr int kGroup = 4;
@@ -267,30 +340,32 @@ DS_INLINE void read_forward_body(const ReadArgs& p, int64_t n0, int64_t n1) {
   std::vector<float> buf(f32 ? 0 : m * d);
   std::vector<const float*> rows(m), w_rows(S);
   std::vector<float*> o_rows(S);
-  std::vector<float> r(m), z(S * m), a(S * m), zi(S);
-  for (int64_t s = 0; s < S; ++s) w_rows[s] = p.w + s * d;
+  std::vector<float> r(m), z(S * m), a(S * m), zi(S + 1);
+  std::vector<const float*> u(S + 1);
+  for (int64_t s = 0; s < S; ++s) w_rows[s] = u[s + 1] = p.w + s * d;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t i = 0; i < m; ++i) {
       const T* row = static_cast<const T*>(p.src[i]) + n * d;
       const float* v = as_float(row, buf.data() + (f32 ? 0 : i * d), d);
       rows[i] = v;
-      r[i] = inv_rms(v, d, p.eps);
-      DS_FOR_GROUPS(S, dots<G>(v, w_rows.data() + s0, d, zi.data() + s0))
-      for (int64_t s = 0; s < S; ++s) z[s * m + i] = r[i] * zi[s];
+      if (S <= kGroup) {  // v · v among the query dots: one sweep over the row, same bits
+        u[0] = v;
+        switch (S) {
+          case 1: dots<2>(v, u.data(), d, zi.data()); break;
+          case 2: dots<3>(v, u.data(), d, zi.data()); break;
+          case 3: dots<4>(v, u.data(), d, zi.data()); break;
+          default: dots<5>(v, u.data(), d, zi.data()); break;
+        }
+        r[i] = 1.0f / std::sqrt(zi[0] / static_cast<float>(d) + p.eps);
+        for (int64_t s = 0; s < S; ++s) z[s * m + i] = r[i] * zi[s + 1];
+      } else {
+        r[i] = inv_rms(v, d, p.eps);
+        DS_FOR_GROUPS(S, dots<G>(v, w_rows.data() + s0, d, zi.data() + s0))
+        for (int64_t s = 0; s < S; ++s) z[s * m + i] = r[i] * zi[s];
+      }
     }
     for (int64_t s = 0; s < S; ++s) {
-      const float* zs = z.data() + s * m;
-      float* as = a.data() + s * m;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < m; ++i) top = std::max(top, zs[i]);
-      float sum = 0.0f;
-      for (int64_t i = 0; i < m; ++i) {
-        as[i] = std::exp(zs[i] - top);
-        sum += as[i];
-      }
-      const float inv_sum = 1.0f / sum;
-      for (int64_t i = 0; i < m; ++i) as[i] *= inv_sum;
-      p.lse[s][n] = top + std::log(sum);
+      p.lse[s][n] = softmax(z.data() + s * m, m, a.data() + s * m);
       o_rows[s] = p.out[s] + n * d;
     }
     DS_FOR_GROUPS(S, weighted_sums<G>(rows.data(), m, a.data() + s0 * m, d, o_rows.data() + s0))
@@ -363,6 +438,72 @@ DS_INLINE void source_grad(float* t, const float* v, bool first, float neg_c,
   }
 }
 
+// Pass 2 of the backward for one token when all S = G queries form one group: per 16-lane chunk,
+// sources innermost, the query gradients dw_g stay in registers across the m sources and each
+// source's gradient row is written once (t, or up + t for a chained gradient). The arithmetic per
+// element is source_grad's followed by store_grad's, in the same order.
+template <int G, typename T>
+DS_INLINE void source_grads_one_group(const float* const* rows, int64_t m, const float* c,
+                                      const float* const* dos, const float* const* ws,
+                                      float* const* dws, const float* a, const float* g,
+                                      void* const* d_src, const void* const* d_up, int64_t n,
+                                      int64_t d) {
+  constexpr bool f32 = std::is_same_v<T, float>;
+  int64_t k = 0;
+  for (; k + kLanes <= d; k += kLanes) {
+    vec dov[G], wv[G], dwv[G];
+    for (int j = 0; j < G; ++j) {
+      dov[j] = vload(dos[j] + k);
+      wv[j] = vload(ws[j] + k);
+      dwv[j] = vload(dws[j] + k);
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const vec vv = vload(rows[i] + k);
+      vec acc = -c[i] * vv;
+      for (int j = 0; j < G; ++j) {
+        const float aj = a[j * m + i], gj = g[j * m + i];
+        acc += aj * dov[j];
+        acc += gj * wv[j];
+        dwv[j] += gj * vv;
+      }
+      T* dst = static_cast<T*>(d_src[i]) + n * d + k;
+      const T* up = d_up[i] == nullptr ? nullptr : static_cast<const T*>(d_up[i]) + n * d + k;
+      if constexpr (f32) {
+        vstore(dst, up == nullptr ? acc : vload(up) + acc);
+      } else {
+        float t[kLanes];
+        vstore(t, acc);
+        if (up == nullptr) {
+          store_row(dst, t, kLanes);
+        } else {
+          store_row_plus(dst, t, up, kLanes);
+        }
+      }
+    }
+    for (int j = 0; j < G; ++j) vstore(dws[j] + k, dwv[j]);
+  }
+  for (; k < d; ++k) {
+    for (int64_t i = 0; i < m; ++i) {
+      float acc = -c[i] * rows[i][k];
+      for (int j = 0; j < G; ++j) {
+        acc += a[j * m + i] * dos[j][k];
+        acc += g[j * m + i] * ws[j][k];
+        dws[j][k] += g[j * m + i] * rows[i][k];
+      }
+      T* dst = static_cast<T*>(d_src[i]) + n * d + k;
+      if (d_up[i] == nullptr) {
+        if constexpr (f32) {
+          *dst = acc;
+        } else {
+          store_row(dst, &acc, 1);
+        }
+      } else {
+        store_row_plus(dst, &acc, static_cast<const T*>(d_up[i]) + n * d + k, 1);
+      }
+    }
+  }
+}
+
 template <typename T>
 DS_INLINE void read_backward_body(const ReadGradArgs& p, int64_t n0, int64_t n1, float* dw) {
   constexpr bool f32 = std::is_same_v<T, float>;
@@ -396,6 +537,19 @@ DS_INLINE void read_backward_body(const ReadGradArgs& p, int64_t n0, int64_t n1,
       float gz = 0.0f;
       for (int64_t s = 0; s < S; ++s) gz += g[s * m + i] * z[s * m + i];
       c[i] = gz * r[i] / static_cast<float>(d);
+    }
+    if (S <= kGroup) {  // the usual case (S = sublayers per block): one sweep
+#define DS_ONE_GROUP(G)                                                                         \
+  source_grads_one_group<G, T>(rows.data(), m, c.data(), dos.data(), ws.data(), dws.data(), a, \
+                               g.data(), p.d_src, p.d_up, n, d)
+      switch (S) {
+        case 1: DS_ONE_GROUP(1); break;
+        case 2: DS_ONE_GROUP(2); break;
+        case 3: DS_ONE_GROUP(3); break;
+        default: DS_ONE_GROUP(4); break;
+      }
+#undef DS_ONE_GROUP
+      continue;
     }
     for (int64_t i = 0; i < m; ++i) {
       T* dst = static_cast<T*>(p.d_src[i]) + n * d;

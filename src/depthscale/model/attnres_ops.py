@@ -135,7 +135,7 @@ def _multi_query_backward(w, inv_rms, logits, weights, sources, d_outs, d_lses):
 
 
 def _contiguous(tensors) -> list[Tensor]:
-    return [t.contiguous() for t in tensors]
+    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
 class _MultiQueryRead(torch.autograd.Function):
@@ -260,11 +260,13 @@ def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
     (gradcheck), triton importable. Imported lazily: model/ must not need triton."""
     from depthscale import kernels
 
+    override = kernels.triton_override()
+    if override is False:
+        return None
     tensors = [*values, *others]
     if any(type(t) not in _PLAIN for t in tensors):
         return None
-    override = kernels.triton_override()
-    if override is False or (override is None and not all(t.is_cuda for t in tensors)):
+    if override is None and not all(t.is_cuda for t in tensors):
         return None
     if len({v.dtype for v in values}) != 1 or any(t.dtype == torch.float64 for t in tensors):
         return None
@@ -285,14 +287,15 @@ def _cpu_ops(values: list[Tensor], *fp32: Tensor) -> Any:
 
     if kernels.cpu_kernels_override() is False or torch.compiler.is_compiling():
         return None
-    tensors = (*values, *fp32)
-    if any(type(t) not in _PLAIN or t.device.type != "cpu" for t in tensors):
-        return None
     dtype = values[0].dtype
-    if dtype not in _CPU_KERNEL_DTYPES or any(v.dtype != dtype for v in values):
+    if dtype not in _CPU_KERNEL_DTYPES:
         return None
-    if any(t.dtype != torch.float32 for t in fp32):
-        return None
+    for v in values:  # called per read: plain attribute checks, no device objects
+        if type(v) not in _PLAIN or not v.is_cpu or v.dtype != dtype:
+            return None
+    for t in fp32:
+        if type(t) not in _PLAIN or not t.is_cpu or t.dtype != torch.float32:
+            return None
     return kernels.load_attnres_cpu()
 
 

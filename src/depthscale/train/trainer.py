@@ -37,6 +37,7 @@ from depthscale.parallel.pipeline.stage import (
     tied_embedding_group,
 )
 from depthscale.train.checkpoint import Checkpointer, CheckpointError
+from depthscale.train.host import keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
@@ -75,6 +76,8 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
+        if cfg.train.keep_host_memory:
+            keep_freed_host_memory()
         self.dims = ParallelDims.from_config(cfg.parallel)
         self.env = init_distributed(self.device.type)
         self.dims.validate(self.env.world_size)
