@@ -215,8 +215,12 @@ DS_INLINE float dot(const float* a, const float* b, int64_t d) {
   return out;
 }
 
+DS_INLINE float inv_rms_of(float sum_sq, int64_t d, float eps) {  // (mean(v²) + eps)^-½
+  return 1.0f / std::sqrt(sum_sq / static_cast<float>(d) + eps);
+}
+
 DS_INLINE float inv_rms(const float* v, int64_t d, float eps) {
-  return 1.0f / std::sqrt(dot(v, v, d) / static_cast<float>(d) + eps);
+  return inv_rms_of(dot(v, v, d), d, eps);
 }
 
 // exp for x <= 0 (a logit minus the maximum), 16 lanes: 2^n · e^r with n = round(x / ln 2),
@@ -356,7 +360,7 @@ DS_INLINE void read_forward_body(const ReadArgs& p, int64_t n0, int64_t n1) {
           case 3: dots<4>(v, u.data(), d, zi.data()); break;
           default: dots<5>(v, u.data(), d, zi.data()); break;
         }
-        r[i] = 1.0f / std::sqrt(zi[0] / static_cast<float>(d) + p.eps);
+        r[i] = inv_rms_of(zi[0], d, p.eps);
         for (int64_t s = 0; s < S; ++s) z[s * m + i] = r[i] * zi[s + 1];
       } else {
         r[i] = inv_rms(v, d, p.eps);
