@@ -3,8 +3,18 @@ import os
 import pytest
 import torch
 
-# Tests run on 2 cores next to multi-process cases; keep intra-op threads modest and results deterministic.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _intra_op_threads() -> int:
+    """$OMP_NUM_THREADS when set (a stress run varies it: 1, 2, 4, and thread counts change how some
+    kernels split their reductions); otherwise at most 2: tests run on 2 cores next to
+    multi-process cases. tests/dist/harness.py does the same for its workers (default 1)."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+torch.set_num_threads(_intra_op_threads())
 
 
 @pytest.fixture(autouse=True)

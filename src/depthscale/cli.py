@@ -10,15 +10,27 @@ depthscale trace depth --run runs/tiny
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import traceback
 from pathlib import Path
 
 from depthscale.errors import CheckpointError, ConfigError, DepthscaleError
+from depthscale.parallel.launcher import (
+    BUG,
+    INPUT,
+    PEER_LOST,
+    is_worker,
+    peer_lost,
+    record_worker_error,
+)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from depthscale.config import load_config
-    from depthscale.parallel.launcher import is_worker, launch
+    from depthscale.parallel.launcher import launch
+    from depthscale.parallel.parallelize import check_layout
 
     cfg = load_config(args.config, overrides)  # bad input fails here, before any process starts
     if cfg.parallel.nproc > 1 and not is_worker():
@@ -27,26 +39,23 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
                 f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} "
                 f"processes, but --nproc is {cfg.parallel.nproc}; allowed: equal numbers"
             )
-        from depthscale.parallel.mesh import ParallelDims
-        from depthscale.parallel.parallelize import check_supported
-
-        check_supported(ParallelDims.from_config(cfg.parallel), cfg.parallel.pp_virtual)
+        check_layout(cfg)  # every rule a worker would enforce, checked once here
         passthrough = ["-c", args.config] if args.config else []
-        launch(cfg.parallel.nproc, [*passthrough, *overrides])
-        return 0
+        return launch(cfg.parallel.nproc, [*passthrough, *overrides])
     if cfg.world_size > 1 and not is_worker():
         raise ConfigError(
             f"parallel layout needs {cfg.world_size} processes; add --nproc {cfg.world_size} "
             "(or start the workers with torchrun)"
         )
+    check_layout(cfg)
     from depthscale.parallel.mesh import destroy_distributed
     from depthscale.train.trainer import Trainer
 
-    try:
-        Trainer(cfg).fit()
-    finally:
-        destroy_distributed()
-    return 0
+    trainer = Trainer(cfg)
+    trainer.fit()
+    # Only on success: a collective in an error path would wait for a peer that already left.
+    destroy_distributed()
+    return 128 + trainer.stopped_by if trainer.stopped_by is not None else 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -62,6 +71,13 @@ def _generate(args: argparse.Namespace) -> int:
         tokenizer.eos_id,
         *tokenizer.encode(args.prompt),
     ]  # training puts EOS before every document
+    limit = model.cfg.max_seq_len
+    if len(ids) + args.max_new_tokens > limit:
+        raise ConfigError(
+            f"the prompt is {len(ids)} tokens and --max-new-tokens is {args.max_new_tokens}: "
+            f"together more than the model's max_seq_len={limit}; allowed: a prompt of at most "
+            f"{limit - args.max_new_tokens} tokens, or a smaller --max-new-tokens"
+        )
     prompt = torch.tensor([ids], dtype=torch.long)
     gen = torch.Generator().manual_seed(args.seed)
     out = generate(
@@ -115,7 +131,10 @@ def _trace_schedule(args: argparse.Namespace) -> int:
     from depthscale.observe.schedule_plot import plot_timeline
     from depthscale.parallel.pipeline.schedules import build_schedule, simulate
 
-    schedule = build_schedule(args.schedule, args.pp, args.virtual, args.microbatches)
+    try:
+        schedule = build_schedule(args.schedule, args.pp, args.virtual, args.microbatches)
+    except ValueError as err:
+        raise ConfigError(f"trace schedule: {err}") from None
     timeline = simulate(schedule, forward_cost=1.0, backward_cost=2.0)
     bubble = timeline.bubble_ratio(1.0, 2.0)
     out = Path(
@@ -146,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("-c", "--config", help="TOML config file (defaults apply to missing keys)")
     train.add_argument(
-        "--nproc", type=int, help="local worker processes (same as --parallel.nproc)"
+        "--nproc", type=_positive_int, help="local worker processes (same as --parallel.nproc)"
     )
 
     gen = sub.add_parser("generate", help="sample text from a trained run (KV-cache decoding)")
@@ -154,10 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--run", required=True, help="run directory (holds config.toml, tokenizer/, checkpoints/)"
     )
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=50, help="0 = no top-k filtering")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=200)
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=_non_negative_int, default=50, help="0 = no top-k filtering")
+    gen.add_argument("--seed", type=_non_negative_int, default=0)
     gen.add_argument("--checkpoint", help="a step_* directory (default: the newest in the run)")
 
     trace = sub.add_parser(
@@ -172,13 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--run", help="depth: run directory")
     trace.add_argument("--checkpoint", help="depth: a step_* directory (default: the newest)")
     trace.add_argument(
-        "--batch", type=int, default=4, help="depth: held-out sequences to average over"
+        "--batch", type=_positive_int, default=4, help="depth: held-out sequences to average over"
     )
     trace.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    trace.add_argument("--pp", type=int, default=4, help="schedule: pipeline ranks")
-    trace.add_argument("--virtual", type=int, default=1, help="schedule: virtual stages per rank")
+    trace.add_argument("--pp", type=_positive_int, default=4, help="schedule: pipeline ranks")
     trace.add_argument(
-        "--microbatches", type=int, default=8, help="schedule: microbatches per step"
+        "--virtual", type=_positive_int, default=1, help="schedule: virtual stages per rank"
+    )
+    trace.add_argument(
+        "--microbatches", type=_positive_int, default=8, help="schedule: microbatches per step"
     )
     trace.add_argument(
         "--out", help="PNG path (depth default: RUN/depth_trace.png, with a .json beside it)"
@@ -199,31 +220,76 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
-        if args.command == "train":
-            if args.nproc is not None:
-                rest = [*rest, "--parallel.nproc", str(args.nproc)]
-            return _train(args, rest)
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "trace":
-            if args.what == "depth" and not args.run:
-                parser.error("trace depth needs --run DIR")
-            return _trace(args)
-        if args.command == "convert":
-            if args.direction == "hf-to-ds" and not args.hf:
-                parser.error("convert hf-to-ds needs --hf DIR")
-            if args.direction == "ds-to-hf" and not args.run:
-                parser.error("convert ds-to-hf needs --run DIR")
-            return _convert(args)
-    except ConfigError as err:
-        print(f"depthscale: config error: {err}", file=sys.stderr)
-        return 2
-    except (DepthscaleError, FileNotFoundError) as err:
-        print(f"depthscale: error: {err}", file=sys.stderr)
-        return 2
-    return 1
+        return _run(parser, args, rest)
+    except DepthscaleError as err:
+        kind = "config error" if isinstance(err, ConfigError) else "error"
+        return _fail(f"depthscale: {kind}: {err}", INPUT, 2)
+    except FileNotFoundError as err:
+        return _fail(f"depthscale: error: {err}", INPUT, 2)
+    except KeyboardInterrupt:
+        return _fail("depthscale: interrupted", INPUT, 130)
+    except Exception as err:
+        if not is_worker():
+            raise  # a bug: the traceback is the report
+        if peer_lost(err):
+            return _fail(f"depthscale: rank {_rank()} lost a peer process ({err})", PEER_LOST, 1)
+        return _fail(
+            f"depthscale: rank {_rank()} failed:\n{traceback.format_exc().rstrip()}", BUG, 1
+        )
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
+    if args.command == "train":
+        if args.nproc is not None:
+            rest = [*rest, "--parallel.nproc", str(args.nproc)]
+        return _train(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "trace":
+        if args.what == "depth" and not args.run:
+            parser.error("trace depth needs --run DIR")
+        return _trace(args)
+    if args.direction == "hf-to-ds" and not args.hf:
+        parser.error("convert hf-to-ds needs --hf DIR")
+    if args.direction == "ds-to-hf" and not args.run:
+        parser.error("convert ds-to-hf needs --run DIR")
+    return _convert(args)
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _fail(message: str, kind: str, code: int) -> int:
+    """Report an error once: a worker hands it to the launcher (which prints the root cause once
+    for the whole group); a single process, or a worker under plain torchrun, prints it."""
+    if not (is_worker() and record_worker_error(_rank(), kind, message)):
+        print(message, file=sys.stderr, flush=True)
+    return code
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def _non_negative_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def _non_negative_float(text: str) -> float:
+    return _number(text, float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+
+
+def _number(text: str, kind: type, ok, allowed: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: {allowed}")
+    return value
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import tomllib
 import types
 import typing
@@ -22,6 +24,7 @@ __all__ = ["Config", "ConfigError", "load_config"]
 
 
 ResidualMode = Literal["standard", "full", "block"]
+RopeScalingKind = Literal["none", "linear", "llama3"]
 
 
 @dataclass
@@ -42,6 +45,20 @@ class ModelConfig:
     sequence at once (exact; costs one extra MLP forward in training). 0 = off."""
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingKind = "none"
+    """RoPE frequency scaling (HF `rope_type`), to run past the pre-training context: 'linear'
+    divides every frequency by rope_scaling_factor (the same as dividing positions); 'llama3'
+    (Llama 3.1+) divides only the low frequencies, keeps the high ones, and blends in between."""
+    rope_scaling_factor: float = 1.0
+    """linear, llama3: how many times the context is stretched (HF `factor`); 1 = unscaled."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above rope_original_max_len / this are divided by the factor (HF
+    `low_freq_factor`)."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below rope_original_max_len / this are kept (HF `high_freq_factor`)."""
+    rope_original_max_len: int = 8192
+    """llama3: the context length the model was pre-trained with (HF
+    `original_max_position_embeddings`)."""
     max_seq_len: int = 4096
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -83,6 +100,28 @@ class ModelConfig:
         """Sublayers that read the depth state: 2 per layer, 1 with the parallel block."""
         return self.n_layers * (1 if self.parallel_block else 2)
 
+    def check_rope(self) -> None:
+        """Raise ConfigError for RoPE settings that give NaN, infinite or shrunk frequencies
+        (transformers only warns about them). Comparisons are written so that NaN fails them."""
+        if not 0.0 < self.rope_theta < math.inf:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be a finite number > 0")
+        if not 1.0 <= self.rope_scaling_factor < math.inf:
+            raise ConfigError(
+                f"model.rope_scaling_factor={self.rope_scaling_factor} must be finite and >= 1 "
+                "(scaling stretches the context; 1 = unscaled)"
+            )
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if not 0.0 < low < high < math.inf:
+            raise ConfigError(
+                f"model.rope_low_freq_factor={low} and model.rope_high_freq_factor={high} must "
+                "satisfy 0 < low < high (finite); llama3 blends over the band between them and "
+                "divides by high - low"
+            )
+        if self.rope_original_max_len <= 0:
+            raise ConfigError(
+                f"model.rope_original_max_len={self.rope_original_max_len} must be > 0"
+            )
+
 
 @dataclass
 class DataConfig:
@@ -96,8 +135,9 @@ class DataConfig:
     """Fraction of the token stream (taken from its end) held out for evaluation."""
     max_bytes: int = 0
     """Read at most this many bytes of raw text from the corpus; 0 = all of it."""
-    bin_dtype: Literal["uint16", "uint32"] = "uint16"
-    """Element type of pre-tokenized .bin token files."""
+    bin_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Element type of a pre-tokenized .bin file. auto: the one its sidecar `NAME.bin.json` records
+    (written by `data.sources.write_bin`); a .bin without a sidecar needs it set explicitly."""
     cache_dir: str = ""
     """Where tokenized corpora and trained tokenizers are cached; '' = ~/.cache/depthscale."""
     jsonl_field: str = "text"
@@ -182,6 +222,9 @@ class CheckpointConfig:
     resume: str = "auto"
     """'auto' (newest checkpoint in the run directory, if any), 'none', or a checkpoint directory."""
     async_save: bool = False
+    on_signal: bool = True
+    """On SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption notice), finish the current step, save
+    a checkpoint and exit; False exits after the step without saving."""
 
 
 @dataclass
@@ -232,6 +275,7 @@ class Config:
     def validate(self) -> Config:
         """Cross-field checks; raises ConfigError naming the key and what is allowed."""
         m, d, t, o, p = self.model, self.data, self.train, self.optim, self.parallel
+        _check_fields(self)
         _positive(
             self,
             "model.dim",
@@ -268,6 +312,7 @@ class Config:
             )
         if m.head_dim % 2:
             raise ConfigError(f"model.dim / model.n_heads = {m.head_dim} must be even for RoPE")
+        m.check_rope()
         if m.n_heads % m.kv_heads:
             raise ConfigError(
                 f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}"
@@ -359,6 +404,81 @@ def _non_negative(cfg: Config, *keys: str) -> None:
     for key in keys:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+
+
+# Fields whose only rule is a lower bound, beyond those `validate` checks with the cross-field rules.
+_AT_LEAST_ONE = ("model.multiple_of", "model.attnres_n_blocks", "logging.log_every")
+_POSITIVE_FLOATS = ("model.norm_eps", "model.init_std", "model.attnres_eps", "optim.eps")
+_NON_EMPTY = ("data.path", "data.tokenizer", "data.jsonl_field", "train.name", "train.run_dir")
+_SEED_LIMIT = 2**32  # numpy's seed range
+
+
+def _check_fields(cfg: Config) -> None:
+    """Per-field rules for every field of the tree: floats finite (NaN passes every comparison, so
+    each bound is also written to fail on NaN), counts and sizes in range, strings non-empty, paths
+    usable. Cross-field rules follow in `Config.validate`."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"{section.name}.{f.name}={value} is not allowed; allowed: a finite number"
+                )
+    for key in _AT_LEAST_ONE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
+    for key in _POSITIVE_FLOATS:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+    for key in _NON_EMPTY:
+        if not _get(cfg, key).strip():
+            raise ConfigError(f"{key} is empty; allowed: a non-empty string")
+    t, d = cfg.train, cfg.data
+    if not 0 <= t.seed < _SEED_LIMIT:
+        raise ConfigError(f"train.seed={t.seed} must be in [0, {_SEED_LIMIT})")
+    if t.eval_every and t.eval_batches < 1:
+        raise ConfigError(
+            f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0 "
+            "(or set train.eval_every 0 to skip evaluation)"
+        )
+    if d.tokenizer == "bpe" and d.bpe_vocab_size < 258:
+        raise ConfigError(
+            f"data.bpe_vocab_size={d.bpe_vocab_size} is too small; allowed: >= 258 "
+            "(256 byte tokens + BOS + EOS)"
+        )
+    try:
+        run_path = Path(t.run_dir.format(name=t.name))
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(
+            f"train.run_dir={t.run_dir!r} is not a valid path template ({err!r}); "
+            "allowed: a path, optionally containing {name} (replaced by train.name)"
+        ) from None
+    _check_dir_creatable("train.run_dir", run_path)
+    if d.cache_dir:
+        _check_dir_creatable("data.cache_dir", Path(d.cache_dir).expanduser())
+
+
+def _check_dir_creatable(key: str, path: Path) -> None:
+    """The directory exists or can be made: nothing on its way is a regular file, and the nearest
+    existing ancestor is writable. Checked up front so a run fails before any work, not at its
+    first write."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}: {str(path)!r} is a file; allowed: a directory path")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ConfigError(
+            f"{key}: {str(path)!r} cannot be created because {str(existing)!r} is a file; "
+            "allowed: a path whose parents are directories"
+        )
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}: {str(path)!r} cannot be written ({str(existing)!r} is not writable)"
+        )
 
 
 # --------------------------------------------------------------------------------------------

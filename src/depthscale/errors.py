@@ -15,3 +15,7 @@ class DataError(DepthscaleError, ValueError):
 
 class CheckpointError(DepthscaleError, RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model being trained."""
+
+
+class TrainingError(DepthscaleError, RuntimeError):
+    """Training cannot go on (a NaN/Inf loss); the message says why and what was kept."""

@@ -5,18 +5,33 @@ once and then runs many test bodies: `pool.run(fn, *args)` executes the module-l
 `fn(*args)` on every rank and returns the per-rank results. An exception on any rank fails the call
 with that rank's traceback; a hang (a rank stuck in a collective) hits the timeout, and the pool is
 then restarted so later tests start clean.
+
+Timeout: it only has to tell a hang from slow progress. A test body takes seconds on an idle 2-core
+box, but the first call also waits for N spawned processes to import torch and join the group, and
+under load (4 workers × OMP threads on 2 busy cores, a parallel CI job) one call took over 180 s.
+Hence 900 s by default; $DEPTHSCALE_DIST_TIMEOUT_S overrides it.
+
+Threads: each worker uses $OMP_NUM_THREADS intra-op threads when that is set (a stress run varies
+it), otherwise 1 (N workers share 2 cores).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import time
 import traceback
 from typing import Any
 
 import torch.multiprocessing as mp
 
-DEFAULT_TIMEOUT_S = 180.0
+DEFAULT_TIMEOUT_S = float(os.environ.get("DEPTHSCALE_DIST_TIMEOUT_S", "900"))
+
+
+def _worker_threads() -> int:
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else 1
 
 
 def _free_port() -> int:
@@ -26,6 +41,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    threads = _worker_threads()
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -33,11 +49,11 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
+        OMP_NUM_THREADS=str(threads),
     )
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     from depthscale.parallel.mesh import destroy_distributed, init_distributed
 
     init_distributed("cpu")
@@ -74,24 +90,31 @@ class DistPool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    def run(self, fn, *args: Any, timeout: float | None = None) -> list[Any]:
         """fn(*args) on every rank; returns results ordered by rank."""
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         for q in self.tasks:
             q.put((fn, args))
         out: dict[int, Any] = {}
         errors: list[str] = []
-        try:
-            for _ in range(self.world_size):
-                rank, ok, value = self.results.get(timeout=timeout)
-                if ok:
-                    out[rank] = value
-                else:
-                    errors.append(f"--- rank {rank} ---\n{value}")
-                    break  # peers may now be stuck in a collective: restart below
-        except Exception:
-            errors.append(
-                f"timed out after {timeout:.0f} s waiting for ranks {sorted(set(range(self.world_size)) - set(out))}"
-            )
+        deadline = time.monotonic() + timeout
+        while len(out) < self.world_size and not errors:
+            try:  # poll, so that a worker that died (no result will ever come) fails the call now
+                rank, ok, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    codes = {r: self.procs[r].exitcode for r in dead}
+                    errors.append(f"worker process(es) died, exit codes by rank: {codes}")
+                elif time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(out))
+                    errors.append(f"timed out after {timeout:.0f} s waiting for ranks {missing}")
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                # peers may now be stuck in a collective: restart below
         if errors:
             self.restart()
             raise AssertionError(

@@ -24,6 +24,7 @@ from depthscale.parallel.tensor_parallel import (
     tp_sync_replicated_grads,
 )
 from depthscale.parallel.tp_comm import comm_counter
+from tolerances import check, copy_params_, fp32_model_bound
 
 TP = 2
 B, T, VOCAB = 2, 16, 64
@@ -89,7 +90,10 @@ def _step(model, tokens, labels, tp: bool):
 
 def _parity(cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3) -> dict:
     """Single-process reference and tp model side by side for `steps` SGD steps: per step the
-    relative errors of logits, loss, gradients (worst tensor) and, after the update, parameters."""
+    relative errors of logits, loss, gradients (worst tensor) and, after the update, parameters.
+    fp32: every step starts from the reference's parameters (training amplifies a rounding
+    difference in the parameters ×10-20 per step here, so free-running fp32 trajectories have no
+    fixed bound); fp64 runs free: its rounding stays far below the limit after 3 steps."""
     cfg = _cfg(**cfg_kw)
     ref, tpm = _build(cfg, dtype), _build(cfg, dtype)
     apply_tensor_parallel(tpm, _tp_mesh(), chunks=chunks)
@@ -101,6 +105,8 @@ def _parity(cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3) -> di
     tp_params = dict(tpm.named_parameters())
     errs, counts = [], []
     for _ in range(steps):
+        if dtype == torch.float32:
+            copy_params_(tpm, ref)
         logits_ref, loss_ref = _step(ref, tokens, labels, tp=False)
         comm_counter.reset()
         logits_tp, loss_tp = _step(tpm, tokens, labels, tp=True)
@@ -123,26 +129,25 @@ def _parity(cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3) -> di
     }
 
 
-# fp64 isolates the algorithm from rounding: observed errors <= 3e-15 through 3 SGD steps.
-# fp32 observed (worst over all cases, chunks 1/2/4), step 1/2/3: logits 3e-7/4e-6/3e-5, gradient
-# tensor 5e-6/4e-5/4e-4, params 3e-7/2e-6/3e-5. The growth is the model's own fp32 conditioning, not
-# tp: the single-process fp32 model differs from its fp64 twin by the same 4e-6/4e-5/3e-4 (AttnRes
-# pseudo_query / key_norm gradients are sums with heavy cancellation). Limits: ~5-10x the observed.
-TOLS = {
-    torch.float64: [dict(logits=1e-12, loss=1e-12, grad=1e-12, param=1e-12)] * 3,
-    torch.float32: [
-        dict(logits=2e-6, loss=1e-6, grad=3e-5, param=2e-6),
-        dict(logits=4e-5, loss=1e-5, grad=4e-4, param=2e-5),
-        dict(logits=3e-4, loss=2e-5, grad=4e-3, param=3e-4),
-    ],
-}
+# fp64 isolates the algorithm from rounding: observed errors <= 3e-15 through 3 free-running SGD steps
+# (limit 1e-12). fp32: tp reorders the sums of the row-parallel GEMMs and reduce-scatters, so every
+# step (from the same parameters) is bounded by the model's fp32 chain bound (tests/tolerances.py);
+# parameters after the update p - lr·g inherit lr·(gradient error), well inside the same bound.
+FP64_TOL = 1e-12
 
 
-def _check(results: list[dict], dtype: torch.dtype) -> None:
+def _tols(cfg_kw: dict, dtype: torch.dtype) -> float:
+    if dtype == torch.float64:
+        return FP64_TOL
+    return fp32_model_bound(_cfg(**cfg_kw), T, B)
+
+
+def _check(results: list[dict], cfg_kw: dict, dtype: torch.dtype) -> None:
+    bound = _tols(cfg_kw, dtype)
     for r in results:
-        for step, (err, tol) in enumerate(zip(r["errs"], TOLS[dtype])):
-            for key, limit in tol.items():
-                assert err[key] < limit, (dtype, step, key, r)
+        for step, err in enumerate(r["errs"]):
+            for key, value in err.items():
+                check(value, bound, f"{dtype} step {step} {key}")
         assert all(c == r["expected"] for c in r["counts"]), r
     assert results[0]["loss"] == results[1]["loss"]  # every tp rank returns the same logits
 
@@ -163,18 +168,19 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_matches_single_process(dist_pool, case, dtype):
-    _check(dist_pool(TP).run(_parity, CASES[case], 1, DTYPES[dtype]), DTYPES[dtype])
+    _check(dist_pool(TP).run(_parity, CASES[case], 1, DTYPES[dtype]), CASES[case], DTYPES[dtype])
 
 
 @pytest.mark.parametrize(
     ("case", "chunks"), [("block", 2), ("block-parallel-gqa", 4), ("standard-gqa", 4)]
 )
 def test_chunked_overlap_matches_single_process(dist_pool, case, chunks):
-    _check(dist_pool(TP).run(_parity, CASES[case], chunks, torch.float64), torch.float64)
+    _check(dist_pool(TP).run(_parity, CASES[case], chunks, torch.float64), CASES[case], torch.float64)
 
 
 def _chunked_vs_unchunked(cfg_kw: dict, chunks: int) -> dict:
-    """The fused chunked operators against the unfused path (not only against the reference)."""
+    """The fused chunked operators against the unfused path (not only against the reference). fp32:
+    the paths differ in GEMM shapes (chunked pieces), so in summation order."""
     cfg = _cfg(**cfg_kw)
     a, b = _build(cfg), _build(cfg)
     apply_tensor_parallel(a, _tp_mesh(), chunks=1)
@@ -189,11 +195,14 @@ def _chunked_vs_unchunked(cfg_kw: dict, chunks: int) -> dict:
     return {"logits": _rel(lb, la), "grad": grad, "counts": counts}
 
 
+
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_chunked_equals_unchunked(dist_pool, chunks):
     cfg_kw = dict(residual="block", attnres_n_blocks=2, n_kv_heads=2)
+    bound = fp32_model_bound(_cfg(**cfg_kw), T, B)  # two fp32 summation orders of one model
     for r in dist_pool(TP).run(_chunked_vs_unchunked, cfg_kw, chunks):
-        assert r["logits"] < 1e-6 and r["grad"] < 1e-6, r
+        check(r["logits"], bound, "logits")
+        check(r["grad"], bound, "grad (worst tensor)")
         # 2 layers × 2 sublayers; per sublayer: chunks AG + chunks RS forward, the same backward
         s = 4
         assert r["counts"] == {
@@ -294,7 +303,8 @@ def test_bad_layout_names_values(dist_pool, cfg_kw, seq, chunks, match):
 
 
 def _dcp_roundtrip(path: str) -> dict:
-    """DCP checkpoints reshard between the tp model (DTensor shards) and the single-process model."""
+    """DCP checkpoints reshard between the tp model (DTensor shards) and the single-process model.
+    A checkpoint round trip copies values: the loaded parameters equal the saved ones bit for bit."""
     import torch.distributed.checkpoint as dcp
 
     cfg = _cfg(residual="block", attnres_n_blocks=2, n_kv_heads=2)
@@ -312,7 +322,8 @@ def _dcp_roundtrip(path: str) -> dict:
     sd = plain.state_dict()
     dcp.load(sd, checkpoint_id=f"{path}/tp")
     plain.load_state_dict(sd)
-    tp_to_plain = max(_rel(p, q) for p, q in zip(plain.parameters(), ref.parameters()))
+    saved_tp = [_full(p.detach()) for p in tpm.parameters()]
+    tp_to_plain = [n for (n, p), q in zip(plain.named_parameters(), saved_tp) if not torch.equal(p, q)]
 
     dcp.save(ref.state_dict(), checkpoint_id=f"{path}/plain")
     other = Transformer(cfg)
@@ -320,12 +331,14 @@ def _dcp_roundtrip(path: str) -> dict:
     sd = other.state_dict()
     dcp.load(sd, checkpoint_id=f"{path}/plain")
     other.load_state_dict(sd)
-    plain_to_tp = max(
-        _rel(_full(p.detach()), q) for p, q in zip(other.parameters(), ref.parameters())
-    )
+    plain_to_tp = [
+        n
+        for (n, p), q in zip(other.named_parameters(), ref.parameters())
+        if not torch.equal(_full(p.detach()), q)
+    ]
     return {"tp_to_plain": tp_to_plain, "plain_to_tp": plain_to_tp}
 
 
 def test_dcp_checkpoint_reshards_to_and_from_single_process(dist_pool, tmp_path):
     for r in dist_pool(TP).run(_dcp_roundtrip, str(tmp_path)):
-        assert r["tp_to_plain"] < 1e-6 and r["plain_to_tp"] < 1e-6, r
+        assert r["tp_to_plain"] == [] and r["plain_to_tp"] == [], r  # names of differing tensors

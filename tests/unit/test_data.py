@@ -13,7 +13,7 @@ from depthscale.data.loader import (
     token_dtype,
     tokenize_corpus,
 )
-from depthscale.data.sources import iter_documents, stdlib_files
+from depthscale.data.sources import iter_documents, stdlib_files, write_bin
 from depthscale.data.tokenizer import ByteTokenizer, train_bpe
 from depthscale.errors import DataError
 
@@ -137,13 +137,38 @@ def test_bin_round_trip(tmp_path, dtype):
     assert len(tokenize_corpus(cfg, ByteTokenizer())) == 1000 // np.dtype(dtype).itemsize
 
 
+@pytest.mark.parametrize("vocab, dtype", [(258, "uint16"), (70_000, "uint32")])
+def test_bin_sidecar_records_the_dtype(tmp_path, vocab, dtype):
+    ids = np.random.default_rng(0).integers(0, 258, 500)
+    path = write_bin(tmp_path / "tokens.bin", ids, vocab)
+    assert json.loads((tmp_path / "tokens.bin.json").read_text())["dtype"] == dtype
+    got = tokenize_corpus(DataConfig(path=str(path)), ByteTokenizer())  # bin_dtype 'auto'
+    assert got.dtype == np.dtype(dtype) and np.array_equal(got, ids)
+    other = "uint16" if dtype == "uint32" else "uint32"
+    with pytest.raises(DataError, match=f"says tokens.bin holds {dtype}"):
+        tokenize_corpus(DataConfig(path=str(path), bin_dtype=other), ByteTokenizer())
+
+
 def test_bin_errors(tmp_path):
     np.array([1, 2, 300], np.uint16).tofile(tmp_path / "big.bin")
     with pytest.raises(DataError, match="token id 300"):
-        tokenize_corpus(DataConfig(path=str(tmp_path / "big.bin")), ByteTokenizer())
+        tokenize_corpus(
+            DataConfig(path=str(tmp_path / "big.bin"), bin_dtype="uint16"), ByteTokenizer()
+        )
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     with pytest.raises(DataError, match="not a whole number of uint16"):
-        tokenize_corpus(DataConfig(path=str(tmp_path / "odd.bin")), ByteTokenizer())
+        tokenize_corpus(
+            DataConfig(path=str(tmp_path / "odd.bin"), bin_dtype="uint16"), ByteTokenizer()
+        )
+    with pytest.raises(DataError, match="no sidecar tokens.bin.json"):
+        np.array([1, 2], np.uint16).tofile(tmp_path / "tokens.bin")
+        tokenize_corpus(DataConfig(path=str(tmp_path / "tokens.bin")), ByteTokenizer())
+    # uint32 ids read as uint16: every second token is 0
+    np.random.default_rng(0).integers(1, 258, 500).astype(np.uint32).tofile(tmp_path / "wide.bin")
+    with pytest.raises(DataError, match="looks like uint32"):
+        tokenize_corpus(
+            DataConfig(path=str(tmp_path / "wide.bin"), bin_dtype="uint16"), ByteTokenizer()
+        )
 
 
 def test_split_stream():

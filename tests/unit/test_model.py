@@ -9,6 +9,7 @@ from depthscale.config import ModelConfig
 from depthscale.model.generate import generate
 from depthscale.model.layers import apply_rope, attention_mask
 from depthscale.model.transformer import Transformer
+from tolerances import check_close, fp32_model_bound
 
 
 def tiny(**kw) -> ModelConfig:
@@ -56,9 +57,9 @@ def reference_forward(model, tokens, parallel):
 def test_forward_matches_reference(parallel, window):
     model = Transformer(tiny(parallel_block=parallel, sliding_window=window))
     tokens = torch.randint(0, 97, (2, 24))
-    torch.testing.assert_close(
-        model(tokens), reference_forward(model, tokens, parallel), atol=1e-5, rtol=1e-5
-    )
+    # SDPA vs the per-query loop: the same sums in other orders (tests/tolerances.py)
+    bound = fp32_model_bound(model.cfg, 24, 2, backward=False)
+    check_close(model(tokens), reference_forward(model, tokens, parallel), bound, "logits")
 
 
 def test_sliding_window_limits_receptive_field():
@@ -99,7 +100,8 @@ def test_kv_cache_decoding_matches_full_forward(residual, window):
         caches = model.make_caches(2, 12)
         parts = [model(tokens[:, :7], caches=caches, start=0)]
         parts += [model(tokens[:, t : t + 1], caches=caches, start=t) for t in range(7, 12)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
+    # one token at a time against the cache: other GEMM shapes, so other summation orders
+    check_close(torch.cat(parts, 1), full, fp32_model_bound(model.cfg, 12, 2, backward=False))
 
 
 def test_greedy_generation_is_argmax_of_full_forward():

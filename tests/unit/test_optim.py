@@ -9,6 +9,7 @@ from torch import nn
 
 from depthscale.config import OptimConfig
 from depthscale.train.optim import LAMB, build_optimizer, param_groups
+from tolerances import fp32_sum_bound
 
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.99, 1e-6, 0.01
 
@@ -45,6 +46,8 @@ def test_lamb_two_steps_match_hand_computation():
     opt = LAMB([param], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
     param.grad = torch.tensor(g1)
     opt.step()
+    # fp32 against Python floats: ~25 chained roundings on the step lr·trust·u (~0.3) and one on p
+    # bound the error by u·(|p| + 25·0.3) ≈ 10u of |p1| ≥ 1.29; rel=1e-6 is 17u (seen ≤ 1.2u)
     assert param.tolist() == pytest.approx(p1, rel=1e-6)
     param.grad = torch.tensor(g2)
     opt.step()
@@ -226,5 +229,16 @@ def test_adamw_is_fused_for_plain_parameters_and_matches_the_loop():
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
             opt.step()
+    # Same gradients; the fused kernel and the loop evaluate Adam's ~10 elementwise operations per
+    # step in their own order (tests/tolerances.py): per step c·10·u of |p| and of the step
+    # lr·|m̂/(√v̂+ε)|, over 3 steps. Seen: bit-identical.
+    per_step = fp32_sum_bound(10)
     for a, b in zip(fused_model.parameters(), loop_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        state = loop.state.get(b)
+        if not state:  # frozen: never stepped
+            assert torch.equal(a, b)
+            continue
+        m_hat = state["exp_avg"] / (1 - cfg.beta1**3)
+        v_hat = state["exp_avg_sq"] / (1 - cfg.beta2**3)
+        step = cfg.lr * (m_hat / (v_hat.sqrt() + cfg.eps)).abs().max().item()
+        torch.testing.assert_close(a, b, rtol=3 * per_step, atol=3 * per_step * step)

@@ -24,7 +24,9 @@ __all__ = [
     "corpus_identity",
     "is_pretokenized",
     "iter_documents",
+    "bin_dtype",
     "read_bin",
+    "write_bin",
     "stdlib_files",
 ]
 
@@ -97,19 +99,78 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
     return _limit_bytes(docs, cfg.max_bytes) if cfg.max_bytes else docs
 
 
+def bin_sidecar(path: Path) -> Path:
+    """`NAME.bin.json`: what a .bin of raw tokens cannot say itself (as Megatron's .idx does)."""
+    return path.with_name(path.name + ".json")
+
+
+def write_bin(path: str | Path, tokens: np.ndarray, vocab_size: int) -> Path:
+    """Write pre-tokenized `tokens` as a .bin (raw little-endian ids) plus its sidecar, which
+    records the element type and vocabulary so a reader never has to guess them."""
+    path = Path(path)
+    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise DataError(f"write_bin: token ids must lie in [0, {vocab_size})")
+    np.asarray(tokens).astype(dtype.newbyteorder("<")).tofile(path)
+    meta = {"format": "depthscale-tokens", "dtype": dtype.name, "vocab_size": vocab_size}
+    bin_sidecar(path).write_text(json.dumps(meta) + "\n")
+    return path
+
+
+def bin_dtype(cfg: DataConfig, path: Path) -> np.dtype:
+    """The element type of the .bin at `path`: its sidecar's, which `data.bin_dtype` (if set) must
+    agree with; without a sidecar, `data.bin_dtype` must say it."""
+    sidecar = bin_sidecar(path)
+    if not sidecar.is_file():
+        if cfg.bin_dtype == "auto":
+            raise DataError(
+                f"{path} has no sidecar {sidecar.name} recording its token type; set "
+                "data.bin_dtype (allowed: 'uint16', 'uint32') or write the file with "
+                "depthscale.data.sources.write_bin"
+            )
+        return np.dtype(cfg.bin_dtype)
+    try:
+        recorded = json.loads(sidecar.read_text())["dtype"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{sidecar}: not a valid token sidecar ({err!r})") from None
+    if recorded not in ("uint16", "uint32"):
+        raise DataError(f"{sidecar}: dtype {recorded!r}; allowed: 'uint16', 'uint32'")
+    if cfg.bin_dtype not in ("auto", recorded):
+        raise DataError(
+            f"data.bin_dtype={cfg.bin_dtype!r}, but {sidecar.name} says {path.name} holds "
+            f"{recorded} tokens; allowed: 'auto' or {recorded!r}"
+        )
+    return np.dtype(recorded)
+
+
 def read_bin(cfg: DataConfig) -> np.ndarray:
-    """A .bin file of raw little-endian `data.bin_dtype` tokens, memory-mapped (nothing is read yet)."""
+    """A .bin file of raw little-endian tokens, memory-mapped (nothing is read yet)."""
     path = corpus_files(cfg)[0]
-    dtype = np.dtype(cfg.bin_dtype).newbyteorder("<")
+    dtype = bin_dtype(cfg, path).newbyteorder("<")
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise DataError(
-            f"{path}: {size} bytes is not a whole number of {cfg.bin_dtype} tokens; "
+            f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; "
             "check data.bin_dtype"
         )
     if size == 0:
         return np.empty(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    _check_not_wider(tokens, path)
+    return tokens
+
+
+def _check_not_wider(tokens: np.ndarray, path: Path, sample: int = 4096) -> None:
+    """uint32 ids below 65536 read as uint16 give every second token 0: a stream no tokenizer
+    produces. Refuse it rather than train on it."""
+    if tokens.itemsize != 2 or len(tokens) < 64:
+        return
+    head = np.asarray(tokens[: 2 * sample])
+    if not head[1::2].any() and head[0::2].any():
+        raise DataError(
+            f"{path} read as uint16 has every second token 0: it looks like uint32 tokens; "
+            "set data.bin_dtype uint32 (or write a sidecar with depthscale.data.sources.write_bin)"
+        )
 
 
 def _read(path: Path, field: str) -> Iterator[str]:

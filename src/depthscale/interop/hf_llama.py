@@ -3,10 +3,10 @@
 The model follows HF Llama conventions (rotate-half RoPE, fp32 RMSNorm statistics, SwiGLU, no
 biases), so a checkpoint converts by renaming tensors alone: no weight permutation. Only json and
 safetensors are needed here; `transformers` is never imported, so conversion works without it.
-Anything a depthscale model cannot represent (RoPE scaling, biases, other architectures) and
-anything HF Llama cannot represent (AttnRes, parallel blocks, sliding windows) is refused with a
-`ConfigError` naming the field, rather than converted into a model that silently computes
-something else.
+Anything a depthscale model cannot represent (RoPE scaling other than linear and llama3, biases,
+other architectures) and anything HF Llama cannot represent (AttnRes, parallel blocks, sliding
+windows) is refused with a `ConfigError` naming the field, rather than converted into a model that
+silently computes something else.
 """
 
 from __future__ import annotations
@@ -72,43 +72,101 @@ _HF_DEFAULTS: dict[str, Any] = {
 }
 
 
+# HF rope_type -> model.rope_scaling, and the HF keys of each scaling -> ModelConfig fields.
+_ROPE_KINDS = {"default": "none", "linear": "linear", "llama3": "llama3"}
+_ROPE_KEYS: dict[str, dict[str, str]] = {
+    "linear": {"factor": "rope_scaling_factor"},
+    "llama3": {
+        "factor": "rope_scaling_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_len",
+    },
+}
+
+
 # --------------------------------------------------------------------------------------------
 # Configs
 
 
-def _rope(hf_config: Mapping[str, Any]) -> tuple[float, str | None]:
-    """RoPE theta and scaling type, wherever this transformers version put them: 5.x nests both
-    in `rope_parameters`; 4.x has a top-level `rope_theta` and an optional `rope_scaling`."""
-    params = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf_config.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
-    kind = None
-    for source in (params, scaling):
-        kind = kind or source.get("rope_type") or source.get("type")
-    return float(theta), kind
+def _hf_value(hf_config: Mapping[str, Any], key: str) -> Any:
+    """hf_config[key], or HF LlamaConfig's default where the key is missing or null."""
+    value = hf_config.get(key)
+    return _HF_DEFAULTS[key] if value is None else value
+
+
+def _rope_parameters(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE dict transformers 5.x makes of a config.json, wherever the version that wrote it
+    put the values: a 4.x `rope_scaling` wins over 5.x `rope_parameters`, and keys it lacks come
+    from the top level (`rope_theta`; llama3's `original_max_position_embeddings`, which wins
+    when present there and otherwise defaults to `max_position_embeddings`)."""
+    params = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = _hf_value(hf_config, "rope_theta")
+    if params["rope_type"] == "llama3":
+        top_level = hf_config.get("original_max_position_embeddings")
+        if top_level is not None:
+            params["original_max_position_embeddings"] = top_level
+        elif params.get("original_max_position_embeddings") is None:
+            params["original_max_position_embeddings"] = _hf_value(
+                hf_config, "max_position_embeddings"
+            )
+    return params
+
+
+def _rope_number(params: Mapping[str, Any], key: str, kind: type[int] | type[float]) -> int | float:
+    """params[key] as `kind`; ints pass as floats (JSON writes 8.0 as 8), nothing else does."""
+    value, rope_type = params.get(key), params["rope_type"]
+    if value is None:
+        raise ConfigError(f"HF config rope_type={rope_type!r} needs RoPE parameter {key}; missing")
+    if isinstance(value, bool) or not isinstance(value, kind | int):
+        raise ConfigError(
+            f"HF config RoPE parameter {key}={value!r} (rope_type={rope_type!r}) must be "
+            f"{'an integer' if kind is int else 'a number'}"
+        )
+    return kind(value)
+
+
+def _rope_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelConfig RoPE fields of an HF config. Scaling types the model does not implement
+    (yarn, dynamic, longrope, ...) are refused, since their logits would differ, and so are
+    parameters transformers only warns about (a factor below 1, high_freq_factor not above
+    low_freq_factor), which give shrunk, infinite or NaN frequencies."""
+    params = _rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type not in _ROPE_KINDS:
+        raise ConfigError(
+            f"HF config uses RoPE scaling rope_type={rope_type!r}, which depthscale does not "
+            f"implement; allowed: none, {', '.join(map(repr, _ROPE_KINDS))}"
+        )
+    fields: dict[str, Any] = {"rope_scaling": _ROPE_KINDS[rope_type]}
+    for hf_key, field in {"rope_theta": "rope_theta", **_ROPE_KEYS.get(rope_type, {})}.items():
+        kind = int if field == "rope_original_max_len" else float
+        fields[field] = _rope_number(params, hf_key, kind)
+    try:
+        ModelConfig(**fields).check_rope()
+    except ConfigError as err:
+        raise ConfigError(f"HF config RoPE parameters {params}: {err}") from None
+    return fields
 
 
 def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     """The depthscale `ModelConfig` of an HF Llama `config.json` dict.
 
     Raises ConfigError (a ValueError) for anything the depthscale model would compute differently
-    (RoPE scaling, biases, a decoupled head_dim, another activation or architecture), because a
-    converted model that loads but gives other logits is worse than no conversion.
+    (RoPE scaling other than linear and llama3, biases, a decoupled head_dim, another activation
+    or architecture), because a converted model that loads but gives other logits is worse than
+    no conversion.
     """
 
     def get(key: str) -> Any:
-        value = hf_config.get(key)
-        return _HF_DEFAULTS[key] if value is None else value
+        return _hf_value(hf_config, key)
 
     model_type = hf_config.get("model_type")
     if model_type != "llama":
         raise ConfigError(f"HF config model_type={model_type!r} is not supported; allowed: 'llama'")
-    theta, rope_type = _rope(hf_config)
-    if rope_type not in (None, "default"):
-        raise ConfigError(
-            f"HF config uses RoPE scaling rope_type={rope_type!r}; depthscale implements plain "
-            "RoPE only (allowed: none or 'default')"
-        )
+    rope = _rope_fields(hf_config)
     for key in ("attention_bias", "mlp_bias"):
         if hf_config.get(key):
             raise ConfigError(f"HF config sets {key}=true; depthscale layers have no biases")
@@ -131,11 +189,11 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         n_kv_heads=hf_config.get("num_key_value_heads") or n_heads,
         ffn_dim=get("intermediate_size"),
         norm_eps=float(get("rms_norm_eps")),
-        rope_theta=theta,
         max_seq_len=get("max_position_embeddings"),
         tie_embeddings=bool(get("tie_word_embeddings")),
         init_std=float(get("initializer_range")),
         residual="standard",
+        **rope,
     )
 
 
@@ -158,12 +216,16 @@ def _check_exportable(cfg: ModelConfig) -> None:
 def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The HF Llama `config.json` dict of a depthscale `ModelConfig` (inverse of config_from_hf).
 
-    Writes RoPE theta both in 5.x form (`rope_parameters`) and 4.x form (`rope_theta`) so either
-    transformers version reads it. Token ids are null: the model does not know its tokenizer.
+    Writes RoPE both in 5.x form (`rope_parameters`) and 4.x form (`rope_theta`, `rope_scaling`)
+    so either transformers version reads it. Token ids are null: the model does not know its
+    tokenizer.
     """
     _check_exportable(cfg)
     if cfg.vocab_size <= 0:
         raise ConfigError("model.vocab_size must be resolved (> 0) before exporting")
+    rope_type = {kind: hf for hf, kind in _ROPE_KINDS.items()}[cfg.rope_scaling]
+    scaling: dict[str, Any] = {"rope_type": rope_type}
+    scaling |= {hf: getattr(cfg, field) for hf, field in _ROPE_KEYS.get(rope_type, {}).items()}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -178,7 +240,8 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": scaling | {"rope_theta": cfg.rope_theta},
+        "rope_scaling": scaling if cfg.rope_scaling != "none" else None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,

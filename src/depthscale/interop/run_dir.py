@@ -6,14 +6,17 @@ one too (a model-only checkpoint plus its tokenizer) and can be sampled or fine-
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-from depthscale.config import Config, load_config, to_toml
-from depthscale.data.tokenizer import Tokenizer, load_tokenizer
-from depthscale.errors import CheckpointError
+from depthscale.config import Config, ModelConfig, load_config, to_toml
+from depthscale.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from depthscale.errors import CheckpointError, ConfigError
 from depthscale.model.transformer import Transformer
-from depthscale.train.checkpoint import list_checkpoints, load_model, save_model
+from depthscale.train.checkpoint import load_model, newest_verified, save_model, verified
 
 
 def run_config(run: Path) -> Config:
@@ -23,13 +26,15 @@ def run_config(run: Path) -> Config:
     return load_config(file, ["--checkpoint.resume", "none"])
 
 
-def pick_checkpoint(run: Path, checkpoint: str | None) -> Path:
+def pick_checkpoint(run: Path, checkpoint: str | None, model: ModelConfig | None = None) -> Path:
+    """The given checkpoint, which must verify, or else the newest of the run's that verifies
+    (newer ones that fail are named in warnings); `model` is checked against each manifest."""
     if checkpoint:
-        return Path(checkpoint)
-    found = list_checkpoints(run / "checkpoints")
-    if not found:
-        raise CheckpointError(f"{run} has no complete checkpoint under {run / 'checkpoints'}")
-    return found[-1]
+        return verified(Path(checkpoint), model)
+    found = newest_verified(run / "checkpoints", model)
+    if found is None:
+        raise CheckpointError(f"{run} has no checkpoint under {run / 'checkpoints'}")
+    return found
 
 
 def load_run(run: Path, checkpoint: str | None = None) -> tuple[Transformer, Tokenizer | None]:
@@ -37,42 +42,83 @@ def load_run(run: Path, checkpoint: str | None = None) -> tuple[Transformer, Tok
     (None for a converted model that came without one)."""
     cfg = run_config(run)
     model = Transformer(cfg.model)
-    load_model(pick_checkpoint(run, checkpoint), model)
+    load_model(pick_checkpoint(run, checkpoint, cfg.model), model)
     model.eval()
     tokenizer = load_tokenizer(run / "tokenizer") if (run / "tokenizer").is_dir() else None
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def _staged_output(out: Path) -> Iterator[Path]:
+    """A temporary sibling of `out` to write a conversion into, renamed onto `out` when the block
+    succeeds and removed when it fails. `out` must be new or empty, checked before any work: a
+    conversion never overwrites an earlier one, mixes its files with one, or leaves half of itself
+    behind."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(
+            f"output {out} already exists and is not an empty directory; allowed: a new or "
+            "empty directory (conversion never overwrites)"
+        )
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            tmp.replace(out)  # an empty `out` is replaced; rename is atomic on one file system
+        except OSError as err:  # `out` was filled meanwhile
+            raise CheckpointError(f"cannot move the conversion into {out}: {err}") from err
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _hf_tokenizer(hf_dir: Path, vocab_size: int) -> HFTokenizer | None:
+    """The tokenizer.json beside an HF model, if there is one. Refused when it has ids the
+    model's embedding lacks: training and generation would index past it."""
+    file = hf_dir / "tokenizer.json"
+    if not file.is_file():
+        return None
+    tokenizer = HFTokenizer.from_file(file)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"{file} has token ids up to {tokenizer.vocab_size - 1}, but the model's vocab_size "
+            f"is {vocab_size}; allowed: a tokenizer whose ids are all < vocab_size (the one the "
+            "model was trained with)"
+        )
+    return tokenizer
+
+
 def hf_to_run(hf_dir: Path, out: Path) -> Path:
-    """Import a Hugging Face Llama directory as a depthscale run directory."""
+    """Import a Hugging Face Llama directory as a depthscale run directory `out` (new or empty):
+    a config.toml that trains as it is (data.seq_len fits the model's context; paths absolute),
+    the model's tokenizer/ if it came with one, and a model-only checkpoints/step_00000000."""
     from depthscale.interop.hf_llama import load_hf_checkpoint
 
-    if list_checkpoints(out / "checkpoints"):
-        raise CheckpointError(f"{out} already holds checkpoints; choose an empty output directory")
-    model = load_hf_checkpoint(hf_dir)
-    cfg = Config(model=model.cfg)
-    cfg.train.run_dir = str(out)
-    tokenizer_json = hf_dir / "tokenizer.json"
-    if tokenizer_json.is_file():
-        cfg.data.tokenizer = str(tokenizer_json)
-        (out / "tokenizer").mkdir(parents=True, exist_ok=True)
-        from depthscale.data.tokenizer import HFTokenizer
-
-        HFTokenizer.from_file(tokenizer_json).save(out / "tokenizer")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(cfg))
-    target = out / "checkpoints" / "step_00000000"
-    save_model(target, model, {"step": 0, "tokens_seen": 0, "source": str(hf_dir)})
+    with _staged_output(out) as tmp:
+        model = load_hf_checkpoint(hf_dir)
+        tokenizer = _hf_tokenizer(hf_dir, model.cfg.vocab_size)
+        cfg = Config(model=model.cfg)
+        cfg.train.run_dir = str(out.resolve())
+        cfg.data.seq_len = min(cfg.data.seq_len, cfg.model.max_seq_len)
+        if tokenizer is not None:
+            cfg.data.tokenizer = str(out.resolve() / "tokenizer")
+            tokenizer.save(tmp / "tokenizer")
+        (tmp / "config.toml").write_text(to_toml(cfg.validate()))
+        target = tmp / "checkpoints" / "step_00000000"
+        save_model(target, model, {"step": 0, "tokens_seen": 0, "source": str(hf_dir)})
     return out
 
 
 def run_to_hf(run: Path, out: Path, checkpoint: str | None = None) -> Path:
-    """Export a run's model (standard residual only) as a Hugging Face Llama directory."""
+    """Export a run's model (standard residual only) as a Hugging Face Llama directory `out` (new
+    or empty), with the run's tokenizer.json when it has one."""
     from depthscale.interop.hf_llama import save_hf_checkpoint
 
-    model, _ = load_run(run, checkpoint)
-    save_hf_checkpoint(model, out)
-    tokenizer_json = run / "tokenizer" / "tokenizer.json"
-    if tokenizer_json.is_file():
-        shutil.copy(tokenizer_json, out / "tokenizer.json")
+    with _staged_output(out) as tmp:
+        model, _ = load_run(run, checkpoint)
+        save_hf_checkpoint(model, tmp)
+        tokenizer_json = run / "tokenizer" / "tokenizer.json"
+        if tokenizer_json.is_file():
+            shutil.copy(tokenizer_json, tmp / "tokenizer.json")
     return out

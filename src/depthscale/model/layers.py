@@ -1,4 +1,5 @@
-"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention (full or sliding window), SwiGLU.
+"""Transformer building blocks: RMSNorm, RoPE (plain, or linear / Llama 3 scaled), grouped-query
+attention (full or sliding window), SwiGLU.
 
 Conventions follow Hugging Face Llama (rotate-half RoPE, fp32 RMSNorm statistics) so checkpoints map
 one-to-one. Shapes use `view(B, T, -1, head_dim)` so tensor parallelism can shard heads without the
@@ -7,14 +8,16 @@ module knowing its local head count.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from depthscale.config import ModelConfig
+from depthscale.config import ModelConfig, RopeScalingKind
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +32,59 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [max_len, head_dim] in fp32 (rotate-half layout: frequencies repeated twice)."""
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: the `model.rope_scaling*` fields (see ModelConfig)."""
+
+    kind: RopeScalingKind = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> RopeScaling:
+        return cls(
+            cfg.rope_scaling,
+            cfg.rope_scaling_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_max_len,
+        )
+
+
+def _llama3_scaled(inv_freq: Tensor, s: RopeScaling) -> Tensor:
+    """Llama 3.1 scaling: wavelengths above original_max_len / low_freq_factor are divided by the
+    factor, those below original_max_len / high_freq_factor kept, the band between blended.
+    Written op for op as transformers' `_compute_llama3_parameters`, so the fp32 result is
+    bit-identical to it (and to Meta's `apply_scaling`)."""
+    low_freq_wavelen = s.original_max_len / s.low_freq_factor
+    high_freq_wavelen = s.original_max_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()) -> Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32: theta^(-2i/head_dim), then scaled."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    return inv_freq
+
+
+def rope_tables(
+    head_dim: int, max_len: int, theta: float, scaling: RopeScaling = RopeScaling()
+) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [max_len, head_dim] in fp32 (rotate-half layout: frequencies repeated twice)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()

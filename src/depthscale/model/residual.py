@@ -69,6 +69,13 @@ class InterBlock:
         return next((i for i, m in enumerate(self.members) if m is member), None)
 
 
+# FSDP2 hooks backward through the tensors inside a unit's inputs and outputs (DepthStates). torch
+# >= 2.13 walks dataclasses itself; torch 2.11 sees only pytree nodes, and without these a block
+# unit's parameters are not all-gathered again before its backward.
+torch.export.register_dataclass(DepthState)
+torch.export.register_dataclass(InterBlock)
+
+
 def block_assignment(cfg: ModelConfig) -> list[int]:
     """Block index of every sublayer. Block AttnRes with block size S: consecutive groups of S, the
     last may be shorter; with N blocks: S = L // N and leftover sublayers join the last block."""

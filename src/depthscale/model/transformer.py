@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from depthscale.config import ModelConfig
-from depthscale.model.layers import Attention, KVCache, RMSNorm, SwiGLU, rope_tables
+from depthscale.model.layers import (
+    Attention,
+    KVCache,
+    RMSNorm,
+    RopeScaling,
+    SwiGLU,
+    rope_tables,
+)
 from depthscale.model.residual import (
     AttnResidual,
     DepthState,
@@ -82,7 +89,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, RopeScaling.of(cfg))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.link_depth_groups()
@@ -107,7 +114,8 @@ class Transformer(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.ones_(p)
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cfg = self.cfg
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, RopeScaling.of(cfg))
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

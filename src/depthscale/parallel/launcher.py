@@ -2,13 +2,32 @@
 
 Equivalent to `torchrun --standalone --nproc-per-node N -m depthscale.train ARGS`. The standalone
 rendezvous picks a free port, so concurrent jobs on one host never collide on 29500.
+
+Failures are reported once. Each worker writes the message of the error that ended it into a
+per-launch directory (`DEPTHSCALE_ERROR_DIR`) instead of printing it, because every rank often hits
+the same bad input; when the group fails, the launcher prints the root cause once: an error naming
+bad input first, then any other error, and only if nothing else explains the failure a rank that lost
+its peers. torch's own elastic logs and its `ChildFailedError` report are kept quiet.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from torch.distributed.run import get_args_parser, run
+ERROR_DIR_ENV = "DEPTHSCALE_ERROR_DIR"
+
+# Kinds of worker failure, most telling first: bad input names its cause; a bug has a traceback;
+# a rank that lost a peer only echoes another rank's failure.
+INPUT, BUG, PEER_LOST = "input", "bug", "peer_lost"
+_PRIORITY = {INPUT: 0, BUG: 1, PEER_LOST: 2}
 
 
 def is_worker() -> bool:
@@ -16,8 +35,103 @@ def is_worker() -> bool:
     return "LOCAL_RANK" in os.environ or "RANK" in os.environ
 
 
-def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> None:
-    """Run `python -m depthscale.train TRAIN_ARGS` on `nproc` local workers; raises if any fails."""
+@dataclass(frozen=True)
+class WorkerError:
+    rank: int
+    kind: str
+    message: str
+    time: float
+
+
+def record_worker_error(rank: int, kind: str, message: str) -> bool:
+    """Called by a failing worker: hand its message to the launcher. False when no depthscale
+    launcher is listening (plain torchrun), in which case the worker prints it itself."""
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if not directory:
+        return False
+    record = {"rank": rank, "kind": kind, "message": message, "time": time.time()}
+    try:
+        tmp = Path(directory) / f"rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.rename(tmp.with_suffix(""))
+    except OSError:
+        return False
+    return True
+
+
+def read_worker_errors(directory: Path) -> list[WorkerError]:
+    errors = []
+    for file in sorted(directory.glob("rank*.json")):
+        try:
+            errors.append(WorkerError(**json.loads(file.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return errors
+
+
+def root_cause(errors: list[WorkerError]) -> WorkerError | None:
+    """The error that explains the failure: the most telling kind, then the earliest."""
+    if not errors:
+        return None
+    return min(errors, key=lambda e: (_PRIORITY.get(e.kind, 1), e.time, e.rank))
+
+
+_PEER_LOST_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """A collective or point-to-point failed because another rank exited: a consequence of that
+    rank's failure, not a cause of its own."""
+    text = str(err).lower()
+    return any(sign in text for sign in _PEER_LOST_SIGNS)
+
+
+def _quiet_elastic_logs() -> None:
+    """The agent logs every worker's exit and a banner about OMP_NUM_THREADS; we report failures
+    ourselves, once, and set the thread count. Its module loggers set their own levels."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+class _FirstStopSignal:
+    """SIGINT / SIGTERM handler for the launcher: the first raises the agent's SignalException,
+    upon which the agent forwards the signal to the workers and waits for them to save and exit;
+    later ones (a second Ctrl-C, a scheduler repeating SIGTERM, `timeout` forwarding its own) are
+    ignored, since torch's handler would raise again inside that shutdown and abandon the workers
+    mid-save. The agent still kills workers that outlive its shutdown timeout."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, exception_type: type) -> None:
+        self.exception_type = exception_type
+        self.received: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            return
+        self.received = signum
+        sig = signal.Signals(signum)
+        raise self.exception_type(f"launcher got {sig.name}", sigval=sig)
+
+    def install(self) -> dict[int, object]:
+        # Leave these signals to us: the agent registers its own handler for whatever this
+        # variable names when it starts the workers.
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+        return {sig: signal.signal(sig, self) for sig in self.SIGNALS}
+
+
+def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
+    """Run `python -m depthscale.train TRAIN_ARGS` on `nproc` local workers; returns the exit code
+    (0 when every worker succeeded) after printing a failing worker's message once."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    _quiet_elastic_logs()
+    previous = _FirstStopSignal(SignalException).install()
+    # torchrun would set 1 thread per worker (with a warning); share the cores instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     argv = [
         "--standalone",
         f"--nproc-per-node={nproc}",
@@ -26,4 +140,38 @@ def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> None:
         "depthscale.train",
         *train_args,
     ]
-    run(get_args_parser().parse_args(argv))
+    with tempfile.TemporaryDirectory(prefix="depthscale-errors-") as directory:
+        os.environ[ERROR_DIR_ENV] = directory
+        try:
+            run(get_args_parser().parse_args(argv))
+            return 0
+        except ChildFailedError as failed:
+            return _report_failure(failed, Path(directory))
+        except SignalException as stop:
+            return _report_signal(stop.sigval)
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _report_failure(failed, directory: Path) -> int:
+    cause = root_cause(read_worker_errors(directory))
+    if cause is not None:
+        print(cause.message, file=sys.stderr, flush=True)
+        return 2 if cause.kind == INPUT else 1
+    # No worker recorded an error: it was killed (OOM killer, SIGKILL) or died inside native code.
+    rank, failure = min(failed.failures.items())
+    how = (
+        f"was killed by {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exited with code {failure.exitcode}"
+    )
+    print(f"depthscale: worker rank {rank} {how} without an error message", file=sys.stderr)
+    return 1
+
+
+def _report_signal(sig: int) -> int:
+    # The agent forwarded the signal and waited for the workers: rank 0 has already said where the
+    # run stopped and where it resumes; exit as a process killed by that signal would.
+    return 128 + int(sig)

@@ -32,6 +32,30 @@ def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
         )
 
 
+def check_layout(cfg: Config) -> None:
+    """Every rule a worker would enforce for the layout in `cfg`, from the config alone, so the
+    launching process reports a bad layout once, before any worker starts (pure: no process group)."""
+    p = cfg.parallel
+    dims = ParallelDims.from_config(p)
+    check_supported(dims, p.pp_virtual)
+    if dims.tp > 1:
+        from depthscale.parallel.tensor_parallel import check_seq_len, check_tp_divides
+
+        check_tp_divides(cfg.model, dims.tp)
+        local = cfg.data.seq_len
+        if dims.cp > 1:  # zigzag pads the sequence to a multiple of 2·cp, then shards it
+            local = -(-local // (2 * dims.cp)) * 2
+        check_seq_len(local, dims.tp, p.tp_overlap_chunks)
+    if dims.pp > 1 and p.pp_virtual > 1 and cfg.grad_accum_steps % dims.pp:
+        raise ConfigError(
+            f"interleaved 1F1B (parallel.pp_virtual={p.pp_virtual}) needs the micro-batches per "
+            f"step divisible by parallel.pp={dims.pp}, but train.batch_size={cfg.train.batch_size} "
+            f"/ (data-parallel ranks {cfg.dp_degree} × micro-batch size {cfg.micro_batch_size}) = "
+            f"{cfg.grad_accum_steps}; allowed: a batch size or train.micro_batch_size giving a "
+            f"multiple of {dims.pp} micro-batches"
+        )
+
+
 def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
     """Which slice of the global batch this rank trains on: ranks differing only in tp (or cp) share one."""
     if mesh is None:

@@ -66,12 +66,20 @@ comm_counter = CommCounter()
 
 # --------------------------------------------------------------------------------- raw collectives
 
+# torch 2.13 renamed the flat-tensor collectives all_gather_into_tensor / reduce_scatter_tensor to
+# all_gather_single / reduce_scatter_single (the old names warn there); torch 2.11 has only the old
+# names. The name is looked up on `dist` at each call, so a patched collective is still seen.
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
 
 def all_gather_blocks(x: Tensor, group: Group, async_op: bool = False):
     """x [*s] on every rank → [tp, *s] stacked in rank order (and the Work when async)."""
     x = x.contiguous()
     out = x.new_empty((dist.get_world_size(group), *x.shape))
-    work = dist.all_gather_single(out.view(-1), x.view(-1), group=group, async_op=async_op)
+    work = getattr(dist, ALL_GATHER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
     comm_counter.record("all_gather")
     return out, work
 
@@ -80,7 +88,7 @@ def reduce_scatter_blocks(x: Tensor, group: Group, async_op: bool = False):
     """x [tp, *s] → [*s] on rank r: the sum over ranks of block r (and the Work when async)."""
     x = x.contiguous()
     out = x.new_empty(x.shape[1:])
-    work = dist.reduce_scatter_single(out.view(-1), x.view(-1), group=group, async_op=async_op)
+    work = getattr(dist, REDUCE_SCATTER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
     comm_counter.record("reduce_scatter")
     return out, work
 

@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,11 @@ from torch import Tensor
 from depthscale.config import Config, ConfigError, to_toml
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.data.prefetch import Prefetcher
+from depthscale.errors import TrainingError
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.mesh import ParallelDims, init_distributed
-from depthscale.parallel.parallelize import check_supported, dp_rank_and_size, parallelize
+from depthscale.parallel.parallelize import check_layout, dp_rank_and_size, parallelize
 from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.runtime import PipelineRuntime
 from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
@@ -36,11 +38,13 @@ from depthscale.parallel.pipeline.stage import (
     sync_tied_grads,
     tied_embedding_group,
 )
-from depthscale.train.checkpoint import Checkpointer, CheckpointError
+from depthscale.train.checkpoint import Checkpointer, CheckpointError, is_model_only
+from depthscale.train.faults import maybe_inject_fault
 from depthscale.train.host import keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
+from depthscale.train.stop import StopSignals
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,7 +85,7 @@ class Trainer:
         self.dims = ParallelDims.from_config(cfg.parallel)
         self.env = init_distributed(self.device.type)
         self.dims.validate(self.env.world_size)
-        check_supported(self.dims, cfg.parallel.pp_virtual)
+        check_layout(cfg)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", self.env.local_rank)
         self.mesh = self.dims.build_mesh(self.device.type) if self.env.world_size > 1 else None
@@ -91,10 +95,9 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         seed_everything(cfg.train.seed)
         self.run_dir = cfg.run_path
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint, cfg.model)
+        # the newest checkpoint that verifies, of this model (see train/checkpoint.py)
         resume_from = self.checkpointer.resolve_resume()
-        if resume_from is not None:
-            _check_same_model(self.run_dir, cfg)
 
         self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
         resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
@@ -115,13 +118,20 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.step = 0
         self.tokens_seen = 0
+        self.signals: StopSignals | None = None
+        self.stop_agreed = False
+        self.stopped_by: signal.Signals | None = None
+        """The signal that ended `fit` early (agreed by all ranks), or None."""
 
+        if resume_from is not None:
+            _check_same_tokenizer(self.run_dir, self.data.tokenizer)
+            self._restore(resume_from)
+        # Written last, once everything above has been checked: a refused or failed start leaves an
+        # existing run directory as it was, and creates none.
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             self.data.tokenizer.save(self.run_dir / "tokenizer")
-        if resume_from is not None:
-            self._restore(resume_from)
         self.batches = Prefetcher(self.data.train, self.dp_rank, self.dp_size)
 
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -143,7 +153,8 @@ class Trainer:
         state = self.checkpointer.load(path, self.model, self.optimizer)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
-        self.data.train.load_state_dict(state["data"])
+        if not is_model_only(state):
+            self.data.train.load_state_dict(state["data"])
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
@@ -179,6 +190,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch, in `grad_accum_steps` micro-batches."""
         cfg = self.cfg
+        maybe_inject_fault(self.env.rank, self.step + 1)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         set_lr(self.optimizer, lr)
         inputs, labels = self.batches.next_batch()
@@ -209,7 +221,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        metrics = {"loss": self._mean_over_ranks(total), "lr": lr, "grad_norm": grad_norm}
+        loss, self.stop_agreed = self._mean_and_stop(total)
+        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
         if self.offload is not None:  # this rank's bytes moved to host memory during the step
             metrics["offloaded_mb"] = self.offload.bytes / 1e6
             self.offload.reset()
@@ -238,14 +251,21 @@ class Trainer:
         return total
 
     def _mean_over_ranks(self, value: Tensor) -> float:
-        """Each dp rank's loss is the mean over its own tokens (ranks hold equal token counts), and tp
+        return self._mean_and_stop(value)[0]
+
+    def _mean_and_stop(self, value: Tensor) -> tuple[float, bool]:
+        """(global mean loss, whether any rank received a stop signal), in one reduction.
+
+        Each dp rank's loss is the mean over its own tokens (ranks hold equal token counts), and tp
         ranks (and pp ranks, after `_pipeline_loss`) repeat it, so the global mean is the mean over
-        all ranks."""
-        if self.env.world_size > 1:
-            value = value.clone()
-            dist.all_reduce(value)
-            value /= self.env.world_size
-        return value.item()
+        all ranks. The stop flag rides along so that every rank stops after the same step."""
+        stop = self.signals is not None and self.signals.received is not None
+        if self.env.world_size == 1:
+            return value.item(), stop
+        packed = torch.stack([value.detach().float(), value.new_tensor(float(stop))])
+        dist.all_reduce(packed)
+        mean, stops = packed.tolist()
+        return mean / self.env.world_size, stops > 0
 
     def _global_params(self) -> int:
         """The whole model's parameter count, whatever the layout: sharded (DTensor) parameters
@@ -297,10 +317,15 @@ class Trainer:
 
     def fit(self, stop_at: int | None = None) -> list[dict[str, float]]:
         """Train to `train.steps`; returns the per-step metrics of this invocation. `stop_at` ends the
-        loop early without a final checkpoint, as a crash would (used to test resumption)."""
+        loop early without a final checkpoint, as a crash would (used to test resumption).
+        SIGINT / SIGTERM end it after the current step, with a checkpoint (`stopped_by` is then
+        the signal)."""
         try:
-            return self._fit(stop_at)
+            with StopSignals(second_sigint_interrupts=self.env.world_size == 1) as signals:
+                self.signals = signals
+                return self._fit(stop_at)
         finally:
+            self.signals = None
             self.batches.close()
 
     def _fit(self, stop_at: int | None) -> list[dict[str, float]]:
@@ -317,6 +342,7 @@ class Trainer:
             + (f", resumed at step {self.step}" if self.step else "")
         )
         bar = _progress(cfg, self.step)
+        saved_at = None
         with _metrics_logger(self.run_dir, cfg, self.env.is_main) as logger:
             self.throughput.reset()
             while self.step < cfg.train.steps:
@@ -329,10 +355,13 @@ class Trainer:
                 metrics |= self.throughput.rate()
                 history.append(metrics)
                 if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"loss is {metrics['loss']} at step {self.step}")
+                    self._stop_on_non_finite(metrics["loss"], bar)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(self.step, metrics)
                     _write(bar, _format(self.step, cfg.train.steps, metrics))
+                if self.stop_agreed:
+                    self._stop_on_signal(saved_at, bar)
+                    return history
                 if cfg.train.eval_every and (
                     self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps
                 ):
@@ -346,6 +375,7 @@ class Trainer:
                     and self.step != cfg.train.steps
                 ):
                     self.save_checkpoint()
+                    saved_at = self.step
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(
@@ -360,6 +390,39 @@ class Trainer:
             f"{self.checkpointer.latest()}"
         )
         return history
+
+    def _stop_on_signal(self, saved_at: int | None, bar) -> None:
+        """Every rank agreed to stop after this step: save (unless this step just was), then say
+        where the run resumes."""
+        if bar is not None:
+            bar.close()
+        received = self.signals.received if self.signals else None
+        name = received.name if received is not None else "a signal on another rank"
+        if self.cfg.checkpoint.on_signal and saved_at != self.step:
+            self.save_checkpoint()
+        self.checkpointer.wait()
+        latest = self.checkpointer.latest()
+        where = (
+            f"checkpoint {latest}; run the same command to resume"
+            if latest is not None
+            else "no checkpoint saved (checkpoint.on_signal=false)"
+        )
+        _print(f"depthscale: stopped by {name} after step {self.step}; {where}")
+        self.stopped_by = received or signal.SIGTERM
+
+    def _stop_on_non_finite(self, loss: float, bar) -> None:
+        """A NaN/Inf loss: stop before anything is saved from this step, keeping the last
+        checkpoint as it was."""
+        if bar is not None:
+            bar.close()
+        self.checkpointer.wait()
+        latest = self.checkpointer.latest()
+        raise TrainingError(
+            f"the loss is {loss} at step {self.step} (lr {lr_at(self.step - 1, self.cfg.optim, self.cfg.train.steps):.3g}); "
+            "nothing was saved from this step"
+            + (f"; the newest checkpoint is {latest}" if latest is not None else "")
+            + ". Lower optim.lr, raise optim.warmup_steps or keep train.grad_clip > 0"
+        )
 
 
 @dataclass
@@ -380,12 +443,7 @@ class _Pipeline:
 def _build_pipeline(cfg: Config, mesh, stages: list) -> _Pipeline:
     """Runtimes for the training schedule and a forward-only pass (evaluation) on the `pp` group."""
     pp, virtual = cfg.parallel.pp, cfg.parallel.pp_virtual
-    accum = cfg.grad_accum_steps
-    if virtual > 1 and accum % pp:
-        raise ConfigError(
-            f"interleaved 1F1B needs the micro-batches per step (train.batch_size / "
-            f"train.micro_batch_size = {accum}) divisible by parallel.pp={pp}"
-        )
+    accum = cfg.grad_accum_steps  # a multiple of pp under interleaving (check_layout)
     group = mesh["pp"].get_group()
     rank = mesh.get_local_rank("pp")
     layers = split_layers(cfg.model.n_layers, pp * virtual)
@@ -419,30 +477,19 @@ class _NullLogger:
         pass
 
 
-def _check_same_model(run_dir: Path, cfg: Config) -> None:
-    """Resuming with a different model shape would fail deep inside DCP; say which keys differ."""
-    saved_file = run_dir / "config.toml"
-    if not saved_file.is_file():
-        return
-    from depthscale.config import load_config
+def _check_same_tokenizer(run_dir: Path, tokenizer) -> None:
+    """The checkpoints were trained on the run's saved tokenizer; another one would decode garbage."""
+    from depthscale.data.tokenizer import load_tokenizer
 
-    saved = load_config(saved_file, []).model
-    current = cfg.model
-    diffs = [
-        f"model.{k}: checkpoint has {getattr(saved, k)!r}, config has {getattr(current, k)!r}"
-        for k in vars(current)
-        if k != "vocab_size" and getattr(saved, k) != getattr(current, k)
-    ]
-    if current.vocab_size and saved.vocab_size != current.vocab_size:
-        diffs.append(
-            f"model.vocab_size: checkpoint has {saved.vocab_size}, config has {current.vocab_size}"
-        )
-    if diffs:
+    saved_dir = run_dir / "tokenizer"
+    if not saved_dir.is_dir():
+        return
+    saved = load_tokenizer(saved_dir)
+    if saved.fingerprint != tokenizer.fingerprint:
         raise CheckpointError(
-            f"cannot resume {run_dir}: the model differs from the checkpoint's ("
-            + "; ".join(diffs)
-            + "); use a new --train.name or --checkpoint.resume none "
-            "in a fresh run directory"
+            f"cannot resume {run_dir}: its checkpoints were trained with the tokenizer in "
+            f"{saved_dir} ({saved.name}), but data.tokenizer gives another one ({tokenizer.name}); "
+            "allowed: the run's own tokenizer (or start a new run with a new --train.name)"
         )
 
 

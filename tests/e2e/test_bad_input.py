@@ -1,0 +1,511 @@
+"""Bad input, one case per row, through the real command line: each gets one clear error naming what
+is wrong (exit code 2), or works where the input was valid, and no run directory or checkpoint is
+damaged by any of them.
+
+Cases that fail before any process group or worker starts run `depthscale.cli.main` in this process
+(the same code path as the console script, minus interpreter start-up); cases that need a process
+boundary (several workers, signals, a hang) run the console entry point in a subprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from depthscale.cli import main
+from depthscale.data.sources import write_bin
+
+CONFIG = str(Path("configs/tiny.toml").resolve())
+TINY = [
+    "--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "2",
+    "--data.seq_len", "32", "--data.max_bytes", "100000", "--train.batch_size", "4",
+    "--optim.warmup_steps", "0", "--train.eval_every", "0", "--logging.log_every", "1",
+    "--logging.progress", "false", "--logging.tensorboard", "false",
+    "--logging.peak_tflops", "1",
+]  # fmt: skip
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240):
+    return subprocess.run(
+        [sys.executable, "-m", "depthscale.cli", *args],
+        cwd=cwd,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under root with its content hash: 'nothing already written is lost'."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    """Exit code 2 and one error line (warnings naming skipped checkpoints may precede it)."""
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line]
+    lines = [
+        line for line in lines if not line.startswith(("depthscale: warning", "depthscale: note"))
+    ]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+# --------------------------------------------------------------------- config, refused up front
+
+FILE = "{file}"  # replaced by a regular file in tmp_path
+CONFIG_CASES = [
+    (["--logging.log_every", "0"], "logging.log_every=0 must be >= 1"),
+    (["--model.norm_eps", "-1"], "model.norm_eps=-1.0 must be > 0"),
+    (["--model.rope_theta", "-5"], "model.rope_theta=-5.0"),
+    (["--model.init_std", "0"], "model.init_std=0.0 must be > 0"),
+    (["--model.attnres_eps", "0"], "model.attnres_eps"),
+    (["--model.multiple_of", "0"], "model.multiple_of=0 must be >= 1"),
+    (["--model.attnres_n_blocks", "0"], "model.attnres_n_blocks=0"),
+    (["--optim.eps", "0"], "optim.eps=0.0 must be > 0"),
+    (["--optim.lr", "nan"], "optim.lr=nan is not allowed; allowed: a finite number"),
+    (["--optim.lr", "inf"], "optim.lr=inf"),
+    (["--train.grad_clip", "nan"], "train.grad_clip=nan"),
+    (["--train.seed", "-1"], "train.seed=-1 must be in [0, 4294967296)"),
+    (["--train.eval_batches", "0", "--train.eval_every", "5"], "train.eval_batches=0"),
+    (["--train.name", " "], "train.name is empty"),
+    (["--train.run_dir", "runs/{nope}"], "train.run_dir='runs/{nope}' is not a valid path"),
+    (["--train.run_dir", FILE + "/run"], "cannot be created because"),
+    (["--train.run_dir", FILE], "is a file; allowed: a directory path"),
+    (["--data.cache_dir", FILE + "/cache"], "data.cache_dir"),
+    (["--data.tokenizer", "bpe", "--data.bpe_vocab_size", "100"], "data.bpe_vocab_size=100"),
+    (["--data.bin_dtype", "int8"], "data.bin_dtype: 'int8' is not allowed"),
+    (["--model.dim", "abc"], "model.dim: expected an int"),
+    (["--model.nope", "1"], "unknown key in [model] 'nope'"),
+    (["--model.n_heads", "3"], "model.n_heads=3 must divide model.dim=32"),
+    (["--data.seq_len", "8192"], "data.seq_len=8192 exceeds model.max_seq_len"),
+    (["--optim.warmup_steps", "500"], "optim.warmup_steps=500 exceeds train.steps"),
+    (["--checkpoint.resume", "/no/such/step"], "checkpoint.resume='/no/such/step' does not exist"),
+    # layouts a worker would refuse, caught once in the launching process
+    (["--nproc", "3", "--parallel.tp", "3"], "model.n_heads=2 is not divisible by tp=3"),
+    (
+        [
+            "--nproc",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_virtual",
+            "2",
+            "--train.batch_size",
+            "3",
+        ],
+        "interleaved 1F1B (parallel.pp_virtual=2) needs the micro-batches",
+    ),  # fmt: skip
+    (["--nproc", "2"], "but --nproc is 2"),
+    (["--parallel.tp", "2"], "add --nproc 2"),
+    (["--parallel.pp_virtual", "2"], "parallel.pp_virtual=2 needs parallel.pp > 1"),
+    (["--nproc", "2", "--parallel.tp", "2", "--data.seq_len", "33"], "seq_len=33"),
+    (["--data.path", "/no/such/corpus.txt"], "data.path='/no/such/corpus.txt' does not exist"),
+]
+
+
+@pytest.mark.parametrize("args, message", CONFIG_CASES, ids=[" ".join(a) for a, _ in CONFIG_CASES])
+def test_bad_config_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
+    (tmp_path / "file").write_text("a regular file\n")
+    args = [a.replace(FILE, str(tmp_path / "file")) for a in args]
+    run_dir = tmp_path / "run"
+    code, _, err = run_main(
+        capsys, "train", "-c", CONFIG, *TINY, "--train.run_dir", str(run_dir), *args
+    )
+    assert_one_line_error(code, err, message)
+    assert not run_dir.exists()
+    assert (tmp_path / "file").read_text() == "a regular file\n"
+
+
+def test_bad_config_files(tmp_path, capsys):
+    code, _, err = run_main(capsys, "train", "-c", str(tmp_path / "missing.toml"))
+    assert_one_line_error(code, err, "missing.toml' does not exist")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\ndim = 3\n")
+    code, _, err = run_main(capsys, "train", "-c", str(bad))
+    assert_one_line_error(code, err, "is not valid TOML")
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def test_bin_of_another_dtype_is_refused(tmp_path, capsys):
+    ids = np.random.default_rng(0).integers(1, 256, 4000)
+    ids.astype(np.uint32).tofile(tmp_path / "wide.bin")  # no sidecar, read as uint16 below
+    run_dir = tmp_path / "run"
+    common = ("train", "-c", CONFIG, *TINY, "--train.run_dir", str(run_dir), "--train.steps", "1")
+    code, _, err = run_main(
+        capsys, *common, "--data.path", str(tmp_path / "wide.bin"), "--data.bin_dtype", "uint16"
+    )
+    assert_one_line_error(code, err, "looks like uint32")
+    code, _, err = run_main(capsys, *common, "--data.path", str(tmp_path / "wide.bin"))
+    assert_one_line_error(code, err, "no sidecar wide.bin.json")
+    write_bin(tmp_path / "ok.bin", ids, 258)
+    code, _, err = run_main(
+        capsys, *common, "--data.path", str(tmp_path / "ok.bin"), "--data.bin_dtype", "uint32"
+    )
+    assert_one_line_error(code, err, "says ok.bin holds uint16")
+    assert not run_dir.exists()
+
+
+# ------------------------------------------------------------------ generate and trace numbers
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    """A 2-step run with checkpoints at steps 1 and 2."""
+    root = tmp_path_factory.mktemp("bad-input")
+    proc = cli(
+        "train", "-c", CONFIG, *TINY, "--train.steps", "2", "--checkpoint.every", "1",
+        "--checkpoint.keep", "0", "--train.run_dir", str(root / "run"), cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return root / "run"
+
+
+GENERATE_CASES = [
+    (["--temperature", "-1"], "--temperature: '-1' is not allowed; allowed: a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature: 'nan' is not allowed"),
+    (["--top-k", "-1"], "--top-k: '-1' is not allowed"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: '0' is not allowed; allowed: an integer >= 1"),
+    (["--seed", "-3"], "--seed: '-3' is not allowed"),
+    (["--prompt", "x" * 5000], "the prompt is 5001 tokens"),
+]
+
+
+@pytest.mark.parametrize("args, message", GENERATE_CASES, ids=[a[0] for a, _ in GENERATE_CASES])
+def test_generate_validates_its_numbers(small_run, capsys, args, message):
+    before = tree_digest(small_run)
+    code, err = run_args(capsys, "generate", "--run", str(small_run), "--prompt", "def", *args)
+    assert_clear_error(code, err, message)
+    assert tree_digest(small_run) == before
+
+
+TRACE_CASES = [
+    (["schedule", "--pp", "0"], "--pp: '0' is not allowed"),
+    (["schedule", "--virtual", "0"], "--virtual: '0' is not allowed"),
+    (["schedule", "--microbatches", "-2"], "--microbatches: '-2' is not allowed"),
+    (["depth", "--batch", "0"], "--batch: '0' is not allowed"),
+]
+
+
+@pytest.mark.parametrize("args, message", TRACE_CASES, ids=[" ".join(a) for a, _ in TRACE_CASES])
+def test_trace_validates_its_numbers(small_run, capsys, args, message):
+    code, err = run_args(capsys, "trace", *args, "--run", str(small_run))
+    assert_clear_error(code, err, message)
+
+
+def run_args(capsys, *argv: str) -> tuple[int, str]:
+    """main(), with argparse's own errors (SystemExit 2 after a usage line) taken as exit codes."""
+    try:
+        code = main(list(argv))
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+def assert_clear_error(code: int, err: str, *fragments: str) -> None:
+    """Exit code 2, no traceback, the message; argparse adds its usage line before it."""
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("usage:")]
+    lines = [line for line in lines if not line.startswith(" ")]  # wrapped usage lines
+    assert len(lines) == 1, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_trace_schedule_that_cannot_exist(tmp_path, capsys):
+    code, _, err = run_main(
+        capsys, "trace", "schedule", "--pp", "2", "--virtual", "2", "--microbatches", "3",
+        "--out", str(tmp_path / "s.png"),
+    )  # fmt: skip
+    assert_one_line_error(code, err, "microbatches (3) divisible by the pipeline ranks (2)")
+    assert not (tmp_path / "s.png").exists()
+
+
+# ------------------------------------------------------------- resume must not damage the run
+
+
+def test_resume_with_another_tokenizer_leaves_the_run_alone(small_run, tmp_path, capsys):
+    from depthscale.data.tokenizer import train_bpe
+
+    other = tmp_path / "other.json"
+    train_bpe(["some text to learn merges from " * 20], 300).tok.save(str(other))
+    before = tree_digest(small_run)
+    code, _, err = run_main(
+        capsys, "train", "-c", str(small_run / "config.toml"), "--train.steps", "3",
+        "--data.tokenizer", str(other),
+    )  # fmt: skip
+    assert_one_line_error(code, err, "trained with the tokenizer in")
+    assert tree_digest(small_run) == before
+
+
+def test_resume_with_another_model_and_no_config_toml(small_run, tmp_path, capsys):
+    """config.toml gone and another model.dim: refused from the checkpoint's own record, and no
+    config.toml claiming the other dim is written beside the checkpoints."""
+    run = tmp_path / "copy"
+    _copy_tree(small_run, run)
+    cfg_text = (run / "config.toml").read_text()
+    (run / "config.toml").unlink()
+    before = tree_digest(run)
+    code, _, err = run_main(
+        capsys, "train", "-c", CONFIG, *TINY, "--train.run_dir", str(run), "--model.dim", "64",
+        "--train.steps", "3",
+    )  # fmt: skip
+    assert_one_line_error(code, err, "model.dim: checkpoint has 32, config has 64")
+    assert tree_digest(run) == before
+    # the right command still works
+    (run / "config.toml").write_text(cfg_text)
+    code, _, err = run_main(capsys, "train", "-c", str(run / "config.toml"), "--train.steps", "3")
+    assert code == 0, err
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """A copy of a run directory (or checkpoint) that trains into itself, not into the original."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = dst / "config.toml"
+    if config.is_file():
+        config.write_text(config.read_text().replace(f'"{src}"', f'"{dst}"'))
+
+
+# -------------------------------------------------------------------------- a NaN loss
+
+
+def test_nan_loss_names_the_step_and_keeps_the_checkpoint(small_run, tmp_path, capsys):
+    run = tmp_path / "copy"
+    _copy_tree(small_run, run)
+    before = tree_digest(run / "checkpoints")
+    code, _, err = run_main(
+        capsys, "train", "-c", str(run / "config.toml"), "--train.steps", "30",
+        "--optim.lr", "1e6", "--train.grad_clip", "0",
+    )  # fmt: skip
+    assert_one_line_error(code, err, "the loss is nan at step", "nothing was saved from this step")
+    after = tree_digest(run / "checkpoints")
+    assert {k: after.get(k) for k in before} == before  # earlier checkpoints untouched
+    nan_step = int(err.split("at step ")[1].split()[0])
+    assert not any(name.startswith(f"step_{nan_step:08d}") for name in after)
+
+
+# ------------------------------------------------------------ several processes, signals, hangs
+
+
+@pytest.mark.dist
+def test_one_failing_rank_ends_every_rank_at_once(tmp_path):
+    """Rank 1 raises while rank 0 waits in the step's collective: the launcher reports rank 1's
+    error once and every process is gone within seconds (gloo's timeout is 30 minutes)."""
+    start = time.monotonic()
+    proc = cli(
+        "train", "-c", CONFIG, *TINY, "--nproc", "2", "--parallel.dp_shard", "2",
+        "--train.steps", "50", "--train.run_dir", str(tmp_path / "run"), cwd=tmp_path,
+        env={"DEPTHSCALE_INJECT_FAULT": "1:2"}, timeout=120,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("InjectedFault: injected fault on rank 1 at step 2") == 1, proc.stderr
+    assert proc.stderr.count("depthscale: rank 1 failed") == 1
+    assert "lost a peer" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert elapsed < 90, elapsed  # start-up on a loaded box, then seconds; never the PG timeout
+
+
+@pytest.mark.dist
+def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    args = [
+        "train", "-c", CONFIG, *TINY, "--nproc", "2", "--parallel.dp_shard", "2",
+        "--train.steps", "100000", "--checkpoint.every", "0", "--train.run_dir", str(run),
+    ]  # fmt: skip
+    proc = _start(args, tmp_path)
+    _wait_for_step(proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err
+    stop_lines = [line for line in out.splitlines() if "stopped by SIGTERM" in line]
+    assert len(stop_lines) == 1, out
+    step = int(stop_lines[0].split("after step ")[1].split(";")[0])
+    assert (run / "checkpoints" / f"step_{step:08d}").is_dir()
+    assert "run the same command to resume" in stop_lines[0]
+
+
+def test_ctrl_c_saves_where_it_stopped_and_resume_continues(tmp_path):
+    run = tmp_path / "run"
+    args = [
+        "train", "-c", CONFIG, *TINY, "--train.steps", "100000", "--checkpoint.every", "0",
+        "--train.run_dir", str(run),
+    ]  # fmt: skip
+    proc = _start(args, tmp_path)
+    _wait_for_step(proc, 1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    line = next(line for line in out.splitlines() if "stopped by SIGINT" in line)
+    step = int(line.split("after step ")[1].split(";")[0])
+    state = json.loads(
+        (run / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text()
+    )
+    assert state["step"] == step
+    again = cli(
+        "train", "-c", str(run / "config.toml"), "--train.steps", str(step + 1), cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"resumed at step {step}" in again.stdout
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "depthscale.cli", *args],
+        cwd=cwd,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 180) -> None:
+    """Read stdout until the line for `step` (logging every step) has been printed."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith(f"step {step:>6}/"):
+            return
+    proc.kill()
+    raise AssertionError(f"training never reached step {step}: {proc.stderr.read()}")
+
+
+# ------------------------------------------------------------------- damaged checkpoints
+
+
+def _flip_a_byte(step: Path) -> Path:
+    shard = next(step.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def _truncate_shard(step: Path) -> Path:
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:50])
+    return shard
+
+
+def _remove(name: str):
+    def damage(step: Path) -> Path | None:
+        (step / name).unlink()
+        return None
+
+    return damage
+
+
+def _garbage(name: str):
+    def damage(step: Path) -> Path:
+        (step / name).write_text("{not json")
+        return step / name
+
+    return damage
+
+
+DAMAGE = {
+    "flipped shard byte": (_flip_a_byte, "SHA-256"),
+    "truncated shard": (_truncate_shard, "bytes"),
+    "no trainer state": (_remove("trainer_state.json"), "trainer_state.json"),
+    "no DCP metadata": (_remove(".metadata"), ".metadata"),
+    "no rng file": (_remove("rng_rank0.pt"), "rng_rank0.pt"),
+    "garbage trainer state": (_garbage("trainer_state.json"), "trainer_state.json"),
+    "garbage manifest": (_garbage("manifest.json"), "manifest.json"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_newest_checkpoint_is_named_and_the_previous_one_used(
+    small_run, tmp_path, capsys, kind
+):
+    run = tmp_path / "copy"
+    _copy_tree(small_run, run)
+    damage, reason = DAMAGE[kind]
+    newest = run / "checkpoints" / "step_00000002"
+    damaged = damage(newest)
+    kept = damaged.read_bytes() if damaged is not None else None
+    code, out, err = run_main(
+        capsys, "train", "-c", str(run / "config.toml"), "--train.steps", "3",
+        "--checkpoint.keep", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "resumed at step 1" in out
+    warning = next(line for line in err.splitlines() if "step_00000002" in line)
+    assert warning.startswith("depthscale: warning") and reason in warning, err
+    # retention never deleted the damaged checkpoint to make room: its bytes are still there
+    if kept is not None:
+        assert any(p.is_file() and p.read_bytes() == kept for p in (run / "checkpoints").rglob("*"))
+    assert (run / "checkpoints" / "step_00000003" / "manifest.json").is_file()
+
+
+def test_damaged_newest_checkpoint_for_generate_trace_convert(small_run, tmp_path, capsys):
+    run = tmp_path / "copy"
+    _copy_tree(small_run, run)
+    _flip_a_byte(run / "checkpoints" / "step_00000002")
+    _copy_tree(run / "checkpoints" / "step_00000001", run / "checkpoints" / "step_best")
+    (run / "checkpoints" / "step_00000003.tmp").mkdir()  # an interrupted save
+    before = tree_digest(run)
+    code, out, err = run_main(
+        capsys, "generate", "--run", str(run), "--prompt", "def", "--max-new-tokens", "4"
+    )
+    assert code == 0, err
+    assert "step_00000002" in err and "step_best" in err
+    code, _, err = run_main(
+        capsys, "convert", "ds-to-hf", "--run", str(run), "--out", str(tmp_path / "hf")
+    )
+    assert code == 0, err
+    code, _, err = run_main(
+        capsys, "generate", "--run", str(run), "--prompt", "def",
+        "--checkpoint", str(run / "checkpoints" / "step_00000002"),
+    )  # fmt: skip
+    assert_one_line_error(code, err, "step_00000002 cannot be used")
+    assert tree_digest(run) == before
+
+
+@pytest.mark.dist
+def test_truncated_rng_file_of_one_rank_falls_back_without_a_hang(tmp_path):
+    run = tmp_path / "run"
+    common = [
+        "train", "-c", CONFIG, *TINY, "--nproc", "2", "--parallel.dp_shard", "2",
+        "--checkpoint.every", "1", "--checkpoint.keep", "0", "--train.run_dir", str(run),
+    ]  # fmt: skip
+    first = cli(*common, "--train.steps", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    rng = run / "checkpoints" / "step_00000002" / "rng_rank1.pt"
+    rng.write_bytes(rng.read_bytes()[:50])
+    again = cli(*common, "--train.steps", "4", cwd=tmp_path, timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert "resumed at step 1" in again.stdout
+    assert again.stderr.count("step_00000002") >= 1 and "rng_rank1.pt" in again.stderr

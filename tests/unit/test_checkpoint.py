@@ -1,0 +1,328 @@
+"""Checkpoint integrity: every kind of damage is named and skipped, retention counts only verified
+checkpoints, and entries that are not ours are ignored. Real files, one process, tiny models."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from depthscale.config import CheckpointConfig, Config, ModelConfig, to_toml
+from depthscale.errors import CheckpointError
+from depthscale.interop.run_dir import load_run
+from depthscale.model.transformer import Transformer
+from depthscale.train import checkpoint as ckpt
+from depthscale.train.checkpoint import (
+    Checkpointer,
+    list_checkpoints,
+    load_model,
+    newest_verified,
+    save_model,
+    verified,
+    verify,
+)
+
+ARCH = ModelConfig(dim=32)
+
+
+class Run:
+    """A tiny model and optimizer that change at every step, saved through one Checkpointer."""
+
+    def __init__(self, root, keep=0, resume="auto", arch=ARCH):
+        torch.manual_seed(0)
+        self.model = nn.Linear(4, 3)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.ckpt = Checkpointer(root, CheckpointConfig(keep=keep, resume=resume), arch)
+        self.weights: dict[int, torch.Tensor] = {}
+
+    def save(self, *steps):
+        for step in steps:
+            self.model(torch.randn(2, 4)).sum().backward()
+            self.optimizer.step()
+            self.ckpt.save(step, self.model, self.optimizer, {"step": step})
+            self.weights[step] = self.model.weight.detach().clone()
+        return self
+
+    def load(self, path):
+        state = self.ckpt.load(path, self.model, self.optimizer)
+        return state["step"], self.model.weight.detach().clone()
+
+
+def step_dir(root, step):
+    return root / f"step_{step:08d}"
+
+
+def warnings_in(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("depthscale: warning:")]
+
+
+def flip_byte(file):
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def save_as_another_model(path):
+    Run(path.parent, arch=ModelConfig(dim=64)).save(3)
+
+
+def copy_of_step_2(path):
+    shutil.rmtree(path)
+    shutil.copytree(step_dir(path.parent, 2), path)
+
+
+DAMAGE = {
+    "flipped shard": (lambda p: flip_byte(p / "__0_0.distcp"), r"__0_0\.distcp is corrupt"),
+    "truncated shard": (
+        lambda p: truncate(p / "__0_0.distcp"),
+        r"__0_0\.distcp has \d+ bytes, its manifest says \d+",
+    ),
+    "no .metadata": (lambda p: (p / ".metadata").unlink(), r"\.metadata is missing"),
+    "no trainer state": (
+        lambda p: (p / "trainer_state.json").unlink(),
+        r"trainer_state\.json is missing",
+    ),
+    "garbage trainer state": (
+        lambda p: (p / "trainer_state.json").write_text("{garbage"),
+        r"trainer_state\.json has 8 bytes",
+    ),
+    "no rng file": (lambda p: (p / "rng_rank0.pt").unlink(), r"rng_rank0\.pt is missing"),
+    "truncated rng file": (lambda p: truncate(p / "rng_rank0.pt"), r"rng_rank0\.pt has \d+ bytes"),
+    "no manifest (older depthscale)": (
+        lambda p: (p / "manifest.json").unlink(),
+        r"no manifest\.json \(an unfinished save, or written by a depthscale without manifests\)",
+    ),
+    "garbage manifest": (
+        lambda p: (p / "manifest.json").write_text("{garbage"),
+        r"manifest\.json is not valid JSON",
+    ),
+    "malformed manifest": (
+        lambda p: (p / "manifest.json").write_text("[]"),
+        r"manifest\.json is malformed",
+    ),
+    "another model's": (
+        save_as_another_model,
+        r"another model's checkpoint \(model\.dim: checkpoint has 64, config has 32\)",
+    ),
+    "a copy under another step's name": (
+        copy_of_step_2,
+        r"its manifest is for step 2, not step 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_newest_is_named_and_the_newest_verified_loads(tmp_path, capsys, kind):
+    damage, reason = DAMAGE[kind]
+    saved = Run(tmp_path).save(1, 2, 3)
+    assert verify(step_dir(tmp_path, 3), ARCH) is None
+    damage(step_dir(tmp_path, 3))
+    assert verify(step_dir(tmp_path, 3), ARCH) is not None
+    capsys.readouterr()
+
+    resumed = Run(tmp_path)
+    chosen = resumed.ckpt.resolve_resume()
+    assert chosen == step_dir(tmp_path, 2)
+    [warning] = warnings_in(capsys.readouterr().err)
+    assert f"skipping checkpoint {step_dir(tmp_path, 3)}: " in warning
+    assert re.search(reason, warning), warning
+    step, weights = resumed.load(chosen)
+    assert step == 2 and torch.equal(weights, saved.weights[2])
+
+    named = Run(tmp_path, resume=str(step_dir(tmp_path, 3)))
+    with pytest.raises(CheckpointError, match=reason):
+        named.ckpt.resolve_resume()
+    assert step_dir(tmp_path, 3).exists()  # left in place for inspection
+
+
+def test_a_saved_checkpoint_verifies_and_its_manifest_lists_every_file(tmp_path):
+    Run(tmp_path).save(5)
+    path = step_dir(tmp_path, 5)
+    assert verify(path, ARCH) is None
+    manifest = json.loads((path / "manifest.json").read_text())
+    on_disk = {p.name for p in path.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    assert {".metadata", "trainer_state.json", "rng_rank0.pt", "__0_0.distcp"} <= on_disk
+    assert manifest["step"] == 5 and manifest["rng_ranks"] == 1
+    assert manifest["model"]["dim"] == 32
+    assert list(tmp_path.iterdir()) == [path]  # no .tmp, .part or .old left behind
+
+
+def test_vocab_size_not_yet_resolved_matches_any(tmp_path):
+    Run(tmp_path, arch=ModelConfig(dim=32, vocab_size=320)).save(1)
+    assert verify(step_dir(tmp_path, 1), ModelConfig(dim=32, vocab_size=0)) is None
+    assert "vocab_size" in verify(step_dir(tmp_path, 1), ModelConfig(dim=32, vocab_size=64))
+
+
+def test_all_damaged_is_an_error_not_a_fresh_start(tmp_path, capsys):
+    Run(tmp_path).save(1, 2)
+    for step in (1, 2):
+        (step_dir(tmp_path, step) / "manifest.json").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"none of the 2 checkpoints .* step_00000002: no manifest"
+    ):
+        Run(tmp_path).ckpt.resolve_resume()
+    assert len(warnings_in(capsys.readouterr().err)) == 2
+
+
+def test_empty_root_starts_fresh(tmp_path):
+    assert Run(tmp_path / "none").ckpt.resolve_resume() is None
+
+
+def test_entries_that_are_not_ours_are_ignored_with_a_note(tmp_path, capsys):
+    Run(tmp_path, keep=1).save(1, 2)
+    shutil.copytree(step_dir(tmp_path, 2), tmp_path / "step_best")
+    (tmp_path / "foo").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    capsys.readouterr()
+
+    assert newest_verified(tmp_path, ARCH) == step_dir(tmp_path, 2)
+    err = capsys.readouterr().err
+    for name in ("step_best", "foo", "notes.txt"):
+        assert f"depthscale: note: ignoring {tmp_path / name}: not a checkpoint" in err
+    assert not warnings_in(err)
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 2)]
+    # named explicitly, a user's copy is as good as the original
+    assert verified(tmp_path / "step_best", ARCH) == tmp_path / "step_best"
+
+    Run(tmp_path, keep=1).save(3)  # retention never touches them
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "step_00000003",
+        "step_best",
+        "foo",
+        "notes.txt",
+    }
+
+
+def test_tmp_leftover_is_ignored_then_cleaned_before_that_step_is_saved(tmp_path, capsys):
+    Run(tmp_path).save(1, 2)
+    leftover = step_dir(tmp_path, 3).with_name("step_00000003.tmp")
+    shutil.copytree(step_dir(tmp_path, 2), leftover)  # even a complete-looking one
+    (leftover / "junk").write_text("x")
+    capsys.readouterr()
+
+    assert "unfinished save" in verify(leftover, ARCH)
+    assert Run(tmp_path).ckpt.resolve_resume() == step_dir(tmp_path, 2)
+    assert f"note: ignoring {leftover}: an unfinished save" in capsys.readouterr().err
+
+    Run(tmp_path).save(3)
+    assert not leftover.exists()
+    assert not (step_dir(tmp_path, 3) / "junk").exists()
+    assert verify(step_dir(tmp_path, 3), ARCH) is None
+
+
+def test_retention_counts_only_verified_checkpoints(tmp_path, capsys):
+    run = Run(tmp_path, keep=2).save(1, 2)
+    # newer than anything verified: another run's damaged leftovers
+    Run(tmp_path).save(5, 6)
+    flip_byte(step_dir(tmp_path, 5) / "__0_0.distcp")
+    (step_dir(tmp_path, 6) / "manifest.json").unlink()
+    capsys.readouterr()
+
+    run.save(3)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # counting the damaged ones would have kept 6 and 5 and deleted every verified checkpoint
+    assert names == ["step_00000002", "step_00000003", "step_00000005", "step_00000006"]
+    warned = warnings_in(capsys.readouterr().err)
+    assert len(warned) == 2
+    assert all("not counted toward checkpoint.keep" in w for w in warned)
+    assert any(str(step_dir(tmp_path, 5)) in w and "corrupt" in w for w in warned)
+
+    run.save(4)  # each damaged checkpoint is named once per run
+    assert not warnings_in(capsys.readouterr().err)
+    assert not step_dir(tmp_path, 2).exists() and step_dir(tmp_path, 5).exists()
+
+
+def test_keep_one_keeps_the_newest_verified(tmp_path):
+    Run(tmp_path, keep=1).save(1, 2, 3)
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 3)]
+
+
+def test_resave_replaces_a_verified_step_only_when_complete(tmp_path, monkeypatch):
+    Run(tmp_path).save(1, 2)
+    before = (step_dir(tmp_path, 2) / "__0_0.distcp").read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_write_manifest", crash)
+    with pytest.raises(OSError, match="disk full"):
+        Run(tmp_path).save(2)
+    assert verify(step_dir(tmp_path, 2), ARCH) is None
+    assert (step_dir(tmp_path, 2) / "__0_0.distcp").read_bytes() == before
+
+    monkeypatch.undo()
+    again = Run(tmp_path, keep=1).save(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]  # .tmp and 1 gone
+    assert Run(tmp_path).load(step_dir(tmp_path, 2))[1].equal(again.weights[2])
+
+
+def test_resave_over_a_damaged_step_keeps_it_aside(tmp_path, capsys):
+    Run(tmp_path).save(1, 2)
+    truncate(step_dir(tmp_path, 2) / "__0_0.distcp")
+    capsys.readouterr()
+    Run(tmp_path).save(2)
+    aside = tmp_path / "step_00000002.old"
+    assert aside.is_dir() and verify(step_dir(tmp_path, 2), ARCH) is None
+    [warning] = warnings_in(capsys.readouterr().err)
+    assert f"as {aside}: __0_0.distcp has" in warning
+
+
+def test_failed_dcp_save_is_a_checkpoint_error_and_prunes_nothing(tmp_path, monkeypatch):
+    Run(tmp_path, keep=1).save(1)
+
+    def fail(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(ckpt.dcp, "save", fail)
+    with pytest.raises(CheckpointError, match="cannot save checkpoint .*no space left"):
+        Run(tmp_path, keep=1).save(2)
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 1)]
+
+
+def test_dcp_load_failures_name_the_path_and_the_cause(tmp_path):
+    """DCP raises CheckpointException, a BaseException; it reaches the user as a CheckpointError."""
+    Run(tmp_path).save(1)
+    path = step_dir(tmp_path, 1)
+    with pytest.raises(
+        CheckpointError, match=rf"cannot load checkpoint {path}: rank 0: .*Size mismatch"
+    ):
+        load_model(path, nn.Linear(4, 5))
+    truncate(path / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=rf"cannot load checkpoint {path}: rank 0: "):
+        load_model(path, nn.Linear(4, 3))
+
+
+def test_truncated_rng_file_is_a_checkpoint_error_on_load(tmp_path):
+    run = Run(tmp_path).save(1)
+    truncate(step_dir(tmp_path, 1) / "rng_rank0.pt")
+    with pytest.raises(CheckpointError, match="rng_rank0.pt"):
+        run.load(step_dir(tmp_path, 1))
+
+
+def test_model_only_checkpoints_verify_and_load_runs_picks_the_newest_verified(tmp_path, capsys):
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(Config(model=cfg)))
+    torch.manual_seed(0)
+    models = [Transformer(cfg), Transformer(cfg)]
+    for step, model in enumerate(models):
+        save_model(step_dir(run / "checkpoints", step), model, {"step": step})
+    assert verify(step_dir(run / "checkpoints", 1), cfg) is None
+    flip_byte(step_dir(run / "checkpoints", 1) / "__0_0.distcp")
+
+    loaded, _ = load_run(run)
+    expected = models[0].state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
+    assert "skipping checkpoint" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="__0_0.distcp is corrupt"):
+        load_run(run, str(step_dir(run / "checkpoints", 1)))
+    with pytest.raises(CheckpointError, match="another model's checkpoint"):
+        verified(step_dir(run / "checkpoints", 0), ModelConfig(vocab_size=64, dim=64))
