@@ -1,4 +1,4 @@
-"""fp32 test tolerances derived from the computation, not guessed (docs: shared/research/hardening.md §6).
+"""fp32 test tolerances derived from the computation, not guessed.
 
 Two fp32 evaluations of one sum s = Σ x_i (n terms) that add in different orders each stay within
 γ_k·Σ|x_i| of s, with γ_k = k·u/(1 − k·u), u = 2^-24, k = n for a sequential sum (Higham 1993; k ≈

@@ -49,7 +49,6 @@ def _attention_bound(T: int, H: int, Hkv: int) -> float:
     return fp32_sum_bound(_attention_terms(T, H, Hkv))
 
 
-
 def _inputs(T, H, Hkv, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, T, HD, generator=g)

@@ -4,7 +4,7 @@ Parity protocol ("start parity runs from one seed checkpoint"): every rank build
 model from one seed (bit-identical init), deep-copies it and parallelizes the copy. Both train on one
 fixed global batch of 4 sequences; dp rank r of k takes rows [r·4/k, (r+1)·4/k), the reference takes
 all 4. Compared every step: the global loss (mean over dp ranks), full gradients, the clipped global
-gradient norm; at the end, the parameters.
+gradient norm and, after the optimizer step, the parameters.
 
 Tolerances (fp32, tests/tolerances.py): only reduction orders differ (per-slice means averaged by a
 collective vs one mean over the batch, gradient reduce-scatters / all-reduces, the sharded norm), so
@@ -14,7 +14,7 @@ parameters per tensor relative to the tensor's largest entry, the clipped global
 norm (plus its own cascade sum). AdamW parameters: `AdamWBound`, elementwise — Adam divides by
 sqrt(v), so on a gradient that is itself below its rounding noise a full lr-sized step can flip; the
 interval bound allows exactly that and stays tight on every other entry. Seen: loss 1e-7, gradients
-and SGD parameters ≤ 2e-6 of their largest entry, bound ~3e-4; AdamW ≤ 1e-3 of the elementwise bound.
+and SGD parameters ≤ 1e-6 of their largest entry, bound ~3e-4; AdamW ≤ 1e-2 of its elementwise bound.
 - bf16 MixedPrecisionPolicy vs fp32: loss within 1e-2 (seen 2e-4 over 3 steps): bf16 rounds the
   compute inputs to 2^-9 relative; not an fp32 tolerance.
 """

@@ -4,7 +4,7 @@ fp32 tolerances (tests/tolerances.py): where the pipeline changes a summation or
 batched per stage, cached blocks' gradient deposits, micro-batch accumulation) the difference to one
 process is a rounding difference of the model's forward + backward over the MICRO micro-batches:
 `fp32_model_bound`, applied to each gradient tensor relative to its largest entry and to the loss.
-Seen: ≤ 1e-6 of the tensor's largest entry (AttnRes queries), loss equal; the bound is ~1e-3.
+Seen: ≤ 1.5e-6 of the tensor's largest entry (AttnRes queries), loss equal; the bound is 3e-4 to 1e-3.
 Elsewhere the order is the single process's own, and the results are compared bit for bit.
 """
 
@@ -175,7 +175,7 @@ def test_bitwise_equal_to_single_process(dist_pool, world):
 def test_documented_exceptions_differ_only_by_rounding(dist_pool):
     """Cached blocks' gradient deposits (V > 1) and phase-1 batches split by a stage cut add the same
     terms in another order: differences stay at fp32 rounding level (seen ≤ 1e-6 of a tensor's
-    largest entry, not 0: the order does differ)."""
+    largest entry, not 0: the order does differ; bound 1e-3)."""
     for residual, virtual, cache, read in ROUNDING:
         bound = fp32_model_bound(_cfg(residual, 8, read), SEQ, MICRO)
         for _, worst in dist_pool(2).run(_exactness, residual, 8, virtual, "1f1b", cache, read):

@@ -175,7 +175,9 @@ def test_tp_matches_single_process(dist_pool, case, dtype):
     ("case", "chunks"), [("block", 2), ("block-parallel-gqa", 4), ("standard-gqa", 4)]
 )
 def test_chunked_overlap_matches_single_process(dist_pool, case, chunks):
-    _check(dist_pool(TP).run(_parity, CASES[case], chunks, torch.float64), CASES[case], torch.float64)
+    _check(
+        dist_pool(TP).run(_parity, CASES[case], chunks, torch.float64), CASES[case], torch.float64
+    )
 
 
 def _chunked_vs_unchunked(cfg_kw: dict, chunks: int) -> dict:
@@ -193,7 +195,6 @@ def _chunked_vs_unchunked(cfg_kw: dict, chunks: int) -> dict:
     pb = dict(b.named_parameters())
     grad = max(_rel(_local(pb[n].grad), _local(p.grad)) for n, p in a.named_parameters())
     return {"logits": _rel(lb, la), "grad": grad, "counts": counts}
-
 
 
 @pytest.mark.parametrize("chunks", [2, 4])
@@ -323,7 +324,9 @@ def _dcp_roundtrip(path: str) -> dict:
     dcp.load(sd, checkpoint_id=f"{path}/tp")
     plain.load_state_dict(sd)
     saved_tp = [_full(p.detach()) for p in tpm.parameters()]
-    tp_to_plain = [n for (n, p), q in zip(plain.named_parameters(), saved_tp) if not torch.equal(p, q)]
+    tp_to_plain = [
+        n for (n, p), q in zip(plain.named_parameters(), saved_tp) if not torch.equal(p, q)
+    ]
 
     dcp.save(ref.state_dict(), checkpoint_id=f"{path}/plain")
     other = Transformer(cfg)

@@ -40,7 +40,7 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240):
+def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 900):
     return subprocess.run(
         [sys.executable, "-m", "depthscale.cli", *args],
         cwd=cwd,
@@ -322,14 +322,15 @@ def test_one_failing_rank_ends_every_rank_at_once(tmp_path):
     proc = cli(
         "train", "-c", CONFIG, *TINY, "--nproc", "2", "--parallel.dp_shard", "2",
         "--train.steps", "50", "--train.run_dir", str(tmp_path / "run"), cwd=tmp_path,
-        env={"DEPTHSCALE_INJECT_FAULT": "1:2"}, timeout=120,
+        env={"DEPTHSCALE_INJECT_FAULT": "1:2"},
     )  # fmt: skip
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("InjectedFault: injected fault on rank 1 at step 2") == 1, proc.stderr
     assert proc.stderr.count("depthscale: rank 1 failed") == 1
     assert "lost a peer" not in proc.stderr and "ChildFailedError" not in proc.stderr
-    assert elapsed < 90, elapsed  # start-up on a loaded box, then seconds; never the PG timeout
+    # start-up takes seconds to a minute or two on a loaded box; a hang would be gloo's 30 minutes
+    assert elapsed < 600, elapsed
 
 
 @pytest.mark.dist
@@ -342,7 +343,7 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path):
     proc = _start(args, tmp_path)
     _wait_for_step(proc, 2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err, err
     stop_lines = [line for line in out.splitlines() if "stopped by SIGTERM" in line]
@@ -361,7 +362,7 @@ def test_ctrl_c_saves_where_it_stopped_and_resume_continues(tmp_path):
     proc = _start(args, tmp_path)
     _wait_for_step(proc, 1)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     line = next(line for line in out.splitlines() if "stopped by SIGINT" in line)
@@ -388,7 +389,7 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     )
 
 
-def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 180) -> None:
+def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 600) -> None:
     """Read stdout until the line for `step` (logging every step) has been printed."""
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
@@ -505,7 +506,7 @@ def test_truncated_rng_file_of_one_rank_falls_back_without_a_hang(tmp_path):
     assert first.returncode == 0, first.stderr
     rng = run / "checkpoints" / "step_00000002" / "rng_rank1.pt"
     rng.write_bytes(rng.read_bytes()[:50])
-    again = cli(*common, "--train.steps", "4", cwd=tmp_path, timeout=180)
+    again = cli(*common, "--train.steps", "4", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "resumed at step 1" in again.stdout
     assert again.stderr.count("step_00000002") >= 1 and "rng_rank1.pt" in again.stderr

@@ -14,15 +14,8 @@ from depthscale.errors import CheckpointError
 from depthscale.interop.run_dir import load_run
 from depthscale.model.transformer import Transformer
 from depthscale.train import checkpoint as ckpt
-from depthscale.train.checkpoint import (
-    Checkpointer,
-    list_checkpoints,
-    load_model,
-    newest_verified,
-    save_model,
-    verified,
-    verify,
-)
+from depthscale.train.checkpoint import Checkpointer, load_model, save_model
+from depthscale.train.manifest import list_checkpoints, newest_verified, verified, verify
 
 ARCH = ModelConfig(dim=32)
 
@@ -251,7 +244,7 @@ def test_resave_replaces_a_verified_step_only_when_complete(tmp_path, monkeypatc
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "_write_manifest", crash)
+    monkeypatch.setattr(ckpt, "write_manifest", crash)
     with pytest.raises(OSError, match="disk full"):
         Run(tmp_path).save(2)
     assert verify(step_dir(tmp_path, 2), ARCH) is None

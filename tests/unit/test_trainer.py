@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 
-from tolerances import AdamWBound, check, fp32_model_bound, fp32_sum_bound, scaled_err
-
 from depthscale.config import load_config
 from depthscale.errors import CheckpointError, ConfigError
-from depthscale.train.checkpoint import list_checkpoints
+from depthscale.train.manifest import list_checkpoints
 from depthscale.train.trainer import Trainer
+from tolerances import AdamWBound, check, fp32_model_bound, fp32_sum_bound, scaled_err
 
 
 def make_cfg(tmp_path, *overrides):

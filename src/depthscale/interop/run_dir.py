@@ -16,7 +16,8 @@ from depthscale.config import Config, ModelConfig, load_config, to_toml
 from depthscale.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from depthscale.errors import CheckpointError, ConfigError
 from depthscale.model.transformer import Transformer
-from depthscale.train.checkpoint import load_model, newest_verified, save_model, verified
+from depthscale.train.checkpoint import load_model, save_model
+from depthscale.train.manifest import newest_verified, verified
 
 
 def run_config(run: Path) -> Config:

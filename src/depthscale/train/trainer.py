@@ -24,7 +24,7 @@ from torch import Tensor
 from depthscale.config import Config, ConfigError, to_toml
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.data.prefetch import Prefetcher
-from depthscale.errors import TrainingError
+from depthscale.errors import CheckpointError, TrainingError
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.mesh import ParallelDims, init_distributed
@@ -38,7 +38,7 @@ from depthscale.parallel.pipeline.stage import (
     sync_tied_grads,
     tied_embedding_group,
 )
-from depthscale.train.checkpoint import Checkpointer, CheckpointError, is_model_only
+from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.faults import maybe_inject_fault
 from depthscale.train.host import keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
@@ -96,7 +96,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self.run_dir = cfg.run_path
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint, cfg.model)
-        # the newest checkpoint that verifies, of this model (see train/checkpoint.py)
+        # the newest checkpoint that verifies, of this model (see train/manifest.py)
         resume_from = self.checkpointer.resolve_resume()
 
         self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
