@@ -47,7 +47,6 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             f"parallel layout needs {cfg.world_size} processes; add --nproc {cfg.world_size} "
             "(or start the workers with torchrun)"
         )
-    check_layout(cfg)
     from depthscale.parallel.mesh import destroy_distributed
     from depthscale.train.trainer import Trainer
 

@@ -148,7 +148,9 @@ def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
         except ChildFailedError as failed:
             return _report_failure(failed, Path(directory))
         except SignalException as stop:
-            return _report_signal(stop.sigval)
+            # The agent forwarded the signal and waited for the workers: rank 0 has said where the
+            # run stopped and resumes; exit as a process stopped by that signal would.
+            return 128 + int(stop.sigval)
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
             for sig, handler in previous.items():
@@ -169,9 +171,3 @@ def _report_failure(failed, directory: Path) -> int:
     )
     print(f"depthscale: worker rank {rank} {how} without an error message", file=sys.stderr)
     return 1
-
-
-def _report_signal(sig: int) -> int:
-    # The agent forwarded the signal and waited for the workers: rank 0 has already said where the
-    # run stopped and where it resumes; exit as a process killed by that signal would.
-    return 128 + int(sig)

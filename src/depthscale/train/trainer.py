@@ -355,7 +355,7 @@ class Trainer:
                 metrics |= self.throughput.rate()
                 history.append(metrics)
                 if not math.isfinite(metrics["loss"]):
-                    self._stop_on_non_finite(metrics["loss"], bar)
+                    self._stop_on_non_finite(metrics, bar)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(self.step, metrics)
                     _write(bar, _format(self.step, cfg.train.steps, metrics))
@@ -410,7 +410,7 @@ class Trainer:
         _print(f"depthscale: stopped by {name} after step {self.step}; {where}")
         self.stopped_by = received or signal.SIGTERM
 
-    def _stop_on_non_finite(self, loss: float, bar) -> None:
+    def _stop_on_non_finite(self, metrics: dict[str, float], bar) -> None:
         """A NaN/Inf loss: stop before anything is saved from this step, keeping the last
         checkpoint as it was."""
         if bar is not None:
@@ -418,7 +418,7 @@ class Trainer:
         self.checkpointer.wait()
         latest = self.checkpointer.latest()
         raise TrainingError(
-            f"the loss is {loss} at step {self.step} (lr {lr_at(self.step - 1, self.cfg.optim, self.cfg.train.steps):.3g}); "
+            f"the loss is {metrics['loss']} at step {self.step} (lr {metrics['lr']:.3g}); "
             "nothing was saved from this step"
             + (f"; the newest checkpoint is {latest}" if latest is not None else "")
             + ". Lower optim.lr, raise optim.warmup_steps or keep train.grad_clip > 0"
