@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -45,3 +46,33 @@ def interleaved_times(
             sync()
             samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+class SentBuffers:
+    """Peak bytes of tensors handed to `torch.distributed.isend` and still alive, observed from
+    outside the library (`install` wraps `isend`), so that any revision of depthscale — whatever
+    its own counters — is measured the same way. The set only grows at a send, so the peak is
+    sampled exactly there. Covers `batch_isend_irecv` too (it calls `isend` per send)."""
+
+    def __init__(self) -> None:
+        self._live: list[tuple[weakref.ref, int]] = []
+        self.peak = 0
+
+    def install(self) -> SentBuffers:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        real = c10d.isend
+
+        def isend(tensor, *args, **kwargs):
+            self._live = [(ref, n) for ref, n in self._live if ref() is not None]
+            self._live.append((weakref.ref(tensor), tensor.numel() * tensor.element_size()))
+            self.peak = max(self.peak, sum(n for _, n in self._live))
+            return real(tensor, *args, **kwargs)
+
+        # batch_isend_irecv and P2POp compare ops with c10d.isend: patch both names alike
+        dist.isend = c10d.isend = isend
+        return self
+
+    def reset(self) -> None:
+        self._live, self.peak = [], 0

@@ -4,7 +4,9 @@
 
 Spawns `pp` gloo workers and prints one JSON object: P2P bytes per step with and without the
 cross-stage cache (and the paper's Eq. 7/8 block counts), the measured bubble ratio (idle / compute,
-per rank) against the theoretical (P−1)/(V·M), and the step time of block AttnRes relative to the
+per rank) against the theoretical (P−1)/(V·M), the most bytes handed to `isend` and still alive
+at once on a rank (`peak_sent_bytes_alive`, measured from outside the library: `_common.SentBuffers`),
+and the step time of block AttnRes relative to the
 standard residual under the same layout (paper: < 4 % with PP). On CPU the ranks share cores, so
 times are relative only.
 """
@@ -12,6 +14,7 @@ times are relative only.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import socket
@@ -23,7 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_info  # noqa: E402
+from _common import SentBuffers, device_info  # noqa: E402
 
 
 def _worker(rank: int, args, port: int, out) -> None:
@@ -66,20 +69,26 @@ def _worker(rank: int, args, port: int, out) -> None:
         dc = DepthCache(
             cfg, split_layers(args.layers, args.pp * args.virtual), args.pp, enabled=cache
         )
-        actions = interleaved_1f1b(args.pp, args.virtual, m)[rank]
+        schedule = interleaved_1f1b(args.pp, args.virtual, m)
+        if "actions" in inspect.signature(PipelineRuntime).parameters:  # revisions before #13
+            schedule = schedule[rank]
         runtimes[(residual, cache)] = (
-            PipelineRuntime(stages, actions, dist.group.WORLD, dc),
+            PipelineRuntime(stages, schedule, dist.group.WORLD, dc),
             model,
             dc,
         )
     samples = {k: [] for k in runtimes}
+    sent_alive = SentBuffers().install()
+    peak_alive = dict.fromkeys(runtimes, 0)
     for r in range(args.rounds + 1):
         for key, (rt, model, _) in runtimes.items():
             dist.barrier()
+            sent_alive.reset()
             loss, stats = rt.step(
                 tokens, labels, (mb, args.seq, args.dim), torch.float32, torch.device("cpu")
             )
             model.zero_grad(set_to_none=True)
+            peak_alive[key] = max(peak_alive[key], sent_alive.peak)
             if r:  # round 0 is warm-up
                 samples[key].append(stats)
     for key, stats in samples.items():
@@ -89,9 +98,12 @@ def _worker(rank: int, args, port: int, out) -> None:
         dist.all_reduce(sent)
         bubble = torch.tensor([statistics.median(s.bubble_ratio for s in stats)])
         dist.all_reduce(bubble)
+        alive = torch.tensor([float(peak_alive[key])])
+        dist.all_reduce(alive, op=dist.ReduceOp.MAX)
         results[f"{key[0]}_cache_{key[1]}"] = {
             "step_s": step.item(),
             "bytes_per_step": int(sent.item()),
+            "peak_sent_bytes_alive": int(alive.item()),
             "bubble_ratio_mean_over_ranks": bubble.item() / args.pp,
             "blocks_per_hop": runtimes[key][2].blocks_per_hop(),
         }

@@ -12,6 +12,9 @@ Spawns `cp` gloo workers per setting (one thread each) and prints ONE JSON objec
 * `step_s`: one attention layer forward+backward (causal), slowest rank, median over rounds, for
   `zigzag` and `contiguous` side by side; `busy_s_per_rank`: ring time minus time blocked in waits
   (shows the causal imbalance of contiguous sharding); `blocks_computed_per_rank`.
+* `peak_sent_kv_blocks_alive`: the most bytes handed to `isend` and still alive at once during
+  one forward+backward (zigzag), in local K/V blocks (`_common.SentBuffers`, measured from outside
+  the library so any revision compares); `peak_sent_bytes_alive_per_rank` in bytes.
 * `comm`: time blocked in `wait()` as a share of ring time (`exposed_fraction`), and the share of
   communication hidden behind compute, `hidden_fraction = 1 - blocked / comm_alone`, where
   `comm_alone` is the same ring run with the block math replaced by no-ops (pure transfer time).
@@ -34,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_info  # noqa: E402
+from _common import SentBuffers, device_info  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
@@ -111,6 +114,11 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
 
     out: dict = {"rank": rank}
     x, cos, sin, pos = inputs("zigzag")
+    sent = SentBuffers().install()
+    step("zigzag")
+    out["peak_sent_bytes_alive"] = sent.peak
+    hkv, local = cfg.n_kv_heads, args.seq // cp
+    out["kv_block_bytes"] = 2 * args.batch * hkv * local * cfg.head_dim * 4  # K and V, fp32
     out["peak_rss_delta"] = _peak_rss_delta(lambda: step("zigzag"))
     out["activation_bytes"] = saved_activation_bytes(lambda: attn(x, cos, sin, pos), params)
     if cp == 1:
@@ -195,6 +203,10 @@ def _summary(cp: int, ranks: list[dict], rounds: int) -> dict:
             "hidden_fraction": round(max(0.0, 1 - wait_s / alone), 3) if cp > 1 and alone else None,
         }
     out = {
+        "peak_sent_bytes_alive_per_rank": [r["peak_sent_bytes_alive"] for r in ranks],
+        "peak_sent_kv_blocks_alive": round(
+            max(r["peak_sent_bytes_alive"] / r["kv_block_bytes"] for r in ranks), 3
+        ),
         "activation_bytes_per_rank": [r["activation_bytes"] for r in ranks],
         "peak_rss_delta_bytes_per_rank": [r["peak_rss_delta"] for r in ranks],
         "step_s": {m: round(step[m], 4) for m in modes},

@@ -188,7 +188,7 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
     micro = rows.stop - rows.start
     cache = DepthCache(cfg, split_layers(cfg.n_layers, pp * virtual), pp, enabled=True)
     runtime = PipelineRuntime(
-        stages, interleaved_1f1b(pp, virtual, micro)[pp_rank], pp_group, cache
+        stages, interleaved_1f1b(pp, virtual, micro), pp_group, cache
     )
     tied_group = tied_embedding_group(cfg, mesh)
     g = torch.Generator().manual_seed(1)

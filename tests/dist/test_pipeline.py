@@ -85,8 +85,9 @@ def _pipeline_parity(
     model = Transformer(cfg)
     stages = build_stages(model, rank, world, virtual)
     depth_cache = DepthCache(cfg, split_layers(n_layers, world * virtual), world, enabled=cache)
-    actions = build_schedule(schedule, world, virtual, MICRO)[rank]
-    runtime = PipelineRuntime(stages, actions, dist.group.WORLD, depth_cache)
+    runtime = PipelineRuntime(
+        stages, build_schedule(schedule, world, virtual, MICRO), dist.group.WORLD, depth_cache
+    )
     apply_recompute(model, recompute)
     if offload is not None:
         runtime.forward_context = lambda: offload_activations(offload)

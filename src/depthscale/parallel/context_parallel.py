@@ -73,7 +73,8 @@ from torch.distributed.tensor import DTensor
 
 from depthscale.model.layers import attention_mask
 from depthscale.model.transformer import Transformer
-from depthscale.parallel.cp_comm import CommStats, Ring
+from depthscale.parallel import p2p
+from depthscale.parallel.cp_comm import CommStats, Ring, dkv_label, home_label, kv_label
 
 ShardMode = Literal["zigzag", "contiguous"]
 
@@ -352,6 +353,8 @@ class _Plan:
     carry: list[list[Tensor]]
     hops: list[int]
     _tiles: dict[int, list[_Tile]] = field(default_factory=dict)
+    _payloads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    _selections: dict[int, _Index] = field(default_factory=dict)
 
     @classmethod
     def build(cls, positions: Tensor, span: _Span, kv_tile: int, group: ProcessGroup) -> _Plan:
@@ -391,16 +394,22 @@ class _Plan:
 
     def payload(self, j: int, hop: int) -> Tensor:
         """Indices into block j of the keys present on `hop` (all of them at the owner)."""
-        if hop == 0:
-            return torch.arange(self.pos[j].numel())
-        return self.carry[j][hop].nonzero().flatten()
+        if (j, hop) not in self._payloads:
+            self._payloads[(j, hop)] = (
+                torch.arange(self.pos[j].numel())
+                if hop == 0
+                else self.carry[j][hop].nonzero().flatten()
+            )
+        return self._payloads[(j, hop)]
 
     def forward_selection(self, step: int) -> _Index:
         """Which entries of the payload held at `step` travel on to hop step + 1."""
-        j = self.owner(step)
-        here = self.payload(j, step)
-        keep = self.carry[j][step + 1][here].nonzero().flatten()
-        return _Index(keep, here.numel(), self.device)
+        if step not in self._selections:
+            j = self.owner(step)
+            here = self.payload(j, step)
+            keep = self.carry[j][step + 1][here].nonzero().flatten()
+            self._selections[step] = _Index(keep, here.numel(), self.device)
+        return self._selections[step]
 
     def tiles(self, step: int) -> list[_Tile]:
         """The work at `step` (empty: the whole held block is masked for every local query).
@@ -487,8 +496,6 @@ def _merge(out: Tensor, lse: Tensor, rows: _Index, out_b: Tensor, lse_b: Tensor)
 
 # --------------------------------------------------------------------------- the ring
 
-_KV, _DKV, _HOME = 0, 1, 2  # message kinds; tag = kind * cp + step
-
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
@@ -503,24 +510,17 @@ class _RingAttention(torch.autograd.Function):
             lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
             held = torch.stack([k, v])  # [2, B, Hkv, T, d]: the block this rank holds, as sent
             for step in range(n):
-                pending = ring.shift(
-                    plan.forward_selection(step).take(held, 3) if plan.sends(step) else None,
-                    plan.incoming(step + 1, B, Hkv, d),
-                    k.dtype,
+                incoming = plan.incoming(step + 1, B, Hkv, d)
+                batch = ring.post(
+                    _kv_send(plan, ring, held, step),
+                    _kv_recv(plan, ring, incoming, step, k.dtype),
                     q.device,
-                    tag=_KV * n + step + 1,
                 )
                 tiles = plan.tiles(step) if held is not None else []
                 stats.blocks_computed += bool(tiles)
                 stats.blocks_skipped += not tiles
-                for tile in tiles:
-                    kv = tile.cols.take(held, 3).float()
-                    out_t, lse_t = _attend(
-                        tile.rows.take(qg, 3), kv[0], kv[1], plan.mask(tile), scale
-                    )
-                    _merge(out, lse, tile.rows, out_t, lse_t)
-                held = pending.wait() if pending is not None else None
-            ring.wait_sends()
+                _forward_tiles(plan, tiles, held, qg, out, lse, scale)
+                held = _next_block(batch, plan, step)
         y = out.flatten(1, 2).to(q.dtype)
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.plan, ctx.group, ctx.stats = plan, group, stats
@@ -530,6 +530,12 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """The forward's rotation again, plus the fp32 dK/dV travelling with each block.
+
+        One group per step, posted by every rank in the same order: the K/V of the next hop (as in
+        forward), the dK/dV the previous step added to its block — to the next holder or, from the
+        block's last holder, home to its owner — and the receives of the same messages. A final
+        group after the last step sends the last dK/dV home."""
         t_start = time.perf_counter()
         q, k, v, y, lse = ctx.saved_tensors
         plan, stats = ctx.plan, ctx.stats
@@ -542,27 +548,30 @@ class _RingAttention(torch.autograd.Function):
             delta = (do * y.unflatten(1, (Hkv, H // Hkv)).float()).sum(-1)
             dq = torch.zeros_like(qg)
             dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-            home = None  # dK/dV of this rank's block computed by the others, sent back at the end
-            if plan.hops[rank] >= 1:
-                last = (rank + plan.hops[rank]) % n
-                shape = (2, B, Hkv, plan.payload(rank, 1).numel(), d)
-                home = ring.recv(shape, torch.float32, q.device, last, tag=_HOME * n)
-            held, dkv_in = torch.stack([k, v]), None
-            for step in range(n):
+            home = None  # the group receiving this block's dK/dV computed by the others
+            held = torch.stack([k, v])
+            passing: list[p2p.Send] = []  # the dK/dV the previous step computed, to go on
+            for step in range(n + 1):
+                sends, recvs = [], []  # K/V first, then dK/dV, on both ends of every pair
+                if step < n:
+                    sends += _kv_send(plan, ring, held, step)
+                    recvs += _kv_recv(plan, ring, plan.incoming(step + 1, B, Hkv, d), step, k.dtype)
+                sends += passing
                 j = plan.owner(step)
-                pending = ring.shift(
-                    plan.forward_selection(step).take(held, 3) if plan.sends(step) else None,
-                    plan.incoming(step + 1, B, Hkv, d),
-                    k.dtype,
-                    q.device,
-                    tag=_KV * n + step + 1,
-                )
-                dkv_next = None
-                if pending is not None and step + 1 >= 2:  # and its dK/dV so far
-                    shape = (2, B, Hkv, plan.payload(plan.owner(step + 1), 1).numel(), d)
-                    dkv_next = ring.recv_prev(
-                        shape, torch.float32, q.device, tag=_DKV * n + step + 1
-                    )
+                if 2 <= step < n and plan.holds(step):  # the earlier holders' share of block j
+                    shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
+                    recvs.append(p2p.Recv(shape, torch.float32, ring.prev, dkv_label(j, step)))
+                if plan.hops[rank] >= 1 and step == plan.hops[rank] + 1:
+                    last = (rank + plan.hops[rank]) % n
+                    shape = (2, B, Hkv, plan.payload(rank, 1).numel(), d)
+                    recvs.append(p2p.Recv(shape, torch.float32, last, home_label(rank)))
+                group = ring.post(sends, recvs, q.device)
+                if plan.hops[rank] >= 1 and step == plan.hops[rank] + 1:
+                    home = group
+                if step == n:
+                    if group is not None:
+                        group.wait_sends()
+                    break
                 tiles = plan.tiles(step) if held is not None else []
                 stats.blocks_computed += bool(tiles)
                 stats.blocks_skipped += not tiles
@@ -571,35 +580,76 @@ class _RingAttention(torch.autograd.Function):
                 elif held is not None:  # this rank's share of the remote block's dK/dV
                     shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
                     dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
-                for tile in tiles:
-                    kv, rows = tile.cols.take(held, 3).float(), tile.rows
-                    dq_t, dk_t, dv_t = _attend_backward(
-                        rows.take(qg, 3),
-                        kv[0],
-                        kv[1],
-                        rows.take(do, 3),
-                        rows.take(lse, 3),
-                        rows.take(delta, 3),
-                        plan.mask(tile),
-                        scale,
-                    )
-                    rows.add(dq, dq_t, 3)
-                    tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]), 3)
+                _backward_tiles(plan, tiles, held, (qg, do, lse, delta), dq, dkv, scale)
+                passing = []
                 if step > 0 and held is not None:  # add the earlier holders' share, pass it on
-                    if dkv_in is not None:
-                        dkv += dkv_in.wait()
+                    if step >= 2:
+                        dkv += group.recv(dkv_label(j, step))
                     if plan.sends(step):
-                        ring.send_next(dkv, tag=_DKV * n + step + 1)
+                        passing = [p2p.Send(dkv, ring.next, dkv_label(j, step + 1))]
                     else:  # the last holder: straight back to the owner
-                        ring.send(dkv, j, tag=_HOME * n)
-                held = pending.wait() if pending is not None else None
-                dkv_in = dkv_next
+                        passing = [p2p.Send(dkv, j, home_label(j))]
+                held = _next_block(group, plan, step)
             if home is not None:
-                _Index(plan.payload(rank, 1), T, q.device).add(dkv_own, home.wait(), 3)
-            ring.wait_sends()
+                home_dkv = home.recv(home_label(rank))
+                _Index(plan.payload(rank, 1), T, q.device).add(dkv_own, home_dkv, 3)
         stats.ring_s += time.perf_counter() - t_start
         dk, dv = dkv_own.to(k.dtype).unbind(0)
         return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None
+
+
+def _forward_tiles(plan: _Plan, tiles, held, qg, out, lse, scale: float) -> None:
+    """Attend the local queries to the held block, tile by tile, merged into (out, lse)."""
+    for tile in tiles:
+        kv = tile.cols.take(held, 3).float()
+        out_t, lse_t = _attend(tile.rows.take(qg, 3), kv[0], kv[1], plan.mask(tile), scale)
+        _merge(out, lse, tile.rows, out_t, lse_t)
+
+
+def _backward_tiles(plan: _Plan, tiles, held, saved, dq, dkv, scale: float) -> None:
+    """The held block's share of dQ (into `dq`) and of its own dK/dV (into `dkv`)."""
+    qg, do, lse, delta = saved
+    for tile in tiles:
+        kv, rows = tile.cols.take(held, 3).float(), tile.rows
+        dq_t, dk_t, dv_t = _attend_backward(
+            rows.take(qg, 3),
+            kv[0],
+            kv[1],
+            rows.take(do, 3),
+            rows.take(lse, 3),
+            rows.take(delta, 3),
+            plan.mask(tile),
+            scale,
+        )
+        rows.add(dq, dq_t, 3)
+        tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]), 3)
+
+
+def _kv_send(plan: _Plan, ring: Ring, held: Tensor | None, step: int) -> list[p2p.Send]:
+    """The held block's keys that travel on to hop step + 1 (none if nobody further needs them)."""
+    if not plan.sends(step):
+        return []
+    block = plan.forward_selection(step).take(held, 3)
+    return [p2p.Send(block, ring.next, kv_label(plan.owner(step), step + 1))]
+
+
+def _kv_recv(
+    plan: _Plan, ring: Ring, shape: tuple[int, ...] | None, step: int, dtype: torch.dtype
+) -> list[p2p.Recv]:
+    if shape is None:
+        return []
+    return [p2p.Recv(shape, dtype, ring.prev, kv_label(plan.owner(step + 1), step + 1))]
+
+
+def _next_block(batch: p2p.Batch | None, plan: _Plan, step: int) -> Tensor | None:
+    """The block for step + 1, received, once the held block's send has gone (double buffering)."""
+    if batch is None:
+        return None
+    block = None
+    if plan.incoming(step + 1, 1, 1, 1) is not None:
+        block = batch.recv(kv_label(plan.owner(step + 1), step + 1))
+    batch.wait_sends()
+    return block
 
 
 def ring_attention(

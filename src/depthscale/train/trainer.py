@@ -12,7 +12,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -433,11 +433,18 @@ class _Pipeline:
     rank: int
     layers: list
     tied_group: dist.ProcessGroup | None
+    evaluations: dict[int, PipelineRuntime] = field(default_factory=dict)
 
     def evaluation(self, microbatches: int) -> PipelineRuntime:
         cfg_pp, virtual = self.train.cache.ranks, len(self.stages)
-        actions = forward_only(cfg_pp, virtual, microbatches)[self.rank]
-        return PipelineRuntime(self.stages, actions, self.group, self.train.cache)
+        if microbatches not in self.evaluations:  # building one simulates its schedule
+            self.evaluations[microbatches] = PipelineRuntime(
+                self.stages,
+                forward_only(cfg_pp, virtual, microbatches),
+                self.group,
+                self.train.cache,
+            )
+        return self.evaluations[microbatches]
 
 
 def _build_pipeline(cfg: Config, mesh, stages: list) -> _Pipeline:
@@ -448,7 +455,7 @@ def _build_pipeline(cfg: Config, mesh, stages: list) -> _Pipeline:
     rank = mesh.get_local_rank("pp")
     layers = split_layers(cfg.model.n_layers, pp * virtual)
     cache = DepthCache(cfg.model, layers, pp, enabled=True)
-    train = PipelineRuntime(stages, interleaved_1f1b(pp, virtual, accum)[rank], group, cache)
+    train = PipelineRuntime(stages, interleaved_1f1b(pp, virtual, accum), group, cache)
     tied_group = tied_embedding_group(cfg.model, mesh)
     return _Pipeline(train, group, stages, rank, layers, tied_group)
 

@@ -1,10 +1,13 @@
 """Executes a rank's pipeline actions with asynchronous point-to-point communication.
 
-MegaScale-style decoupling: a receive is posted as soon as it comes within `lookahead` actions and is
-waited on only when the compute that needs it starts; a send is fire-and-forget until the end of the
-step. A hop carries one tensor [n, micro_batch, seq, dim]: the partial sum and the depth-state blocks
-the receiver lacks, packed so each hop is a single message whose shape both sides compute from the
-stage cut (no shape handshake). The cross-stage cache decides which blocks a hop must carry.
+MegaScale-style decoupling: a receive is posted early and waited on only when the compute that needs
+it starts; a send never blocks the next compute, and its buffer is released as soon as the send has
+completed. When each message is posted comes from `p2p_plan`: every rank posts its sends and
+receives as groups, in one global order all ranks agree on, so the same code runs under NCCL (no
+tags, pairing by posting order) as under gloo. A hop carries one tensor [n, micro_batch, seq, dim]:
+the partial sum and the depth-state blocks the receiver lacks, packed so each hop is a single
+message whose shape both sides compute from the stage cut (no shape handshake). The cross-stage
+cache decides which blocks a hop must carry; a hop with nothing to carry is left out at both ends.
 """
 
 from __future__ import annotations
@@ -18,8 +21,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from depthscale.parallel import p2p
 from depthscale.parallel.pipeline.depth_cache import DepthCache
-from depthscale.parallel.pipeline.schedules import Action, Kind
+from depthscale.parallel.pipeline.p2p_plan import (
+    SENDS,
+    Post,
+    consumed_receive,
+    label,
+    rank_program,
+    upstream,
+)
+from depthscale.parallel.pipeline.schedules import Action, Kind, Schedule
 from depthscale.parallel.pipeline.stage import PipelineStage
 
 
@@ -33,9 +45,7 @@ class _Unit:
 
 
 @dataclass
-class StepStats:
-    bytes_sent: int = 0
-    messages: int = 0
+class StepStats(p2p.Traffic):
     per_hop_bytes: list[int] = field(default_factory=list)
     compute_s: float = 0.0  # time inside forward/backward compute
     step_s: float = 0.0  # wall time of the whole step on this rank
@@ -47,27 +57,36 @@ class StepStats:
 
 
 class PipelineRuntime:
+    """Runs this rank's part of `schedule` (all ranks' actions; this rank is its rank in `group`)."""
+
     def __init__(
         self,
         stages: list[PipelineStage],
-        actions: list[Action],
+        schedule: Schedule,
         group: dist.ProcessGroup,
         cache: DepthCache,
-        lookahead: int = 2,
     ) -> None:
         self.stages = {s.spec.stage: s for s in stages}
         if not self.stages:
             raise ValueError("a pipeline rank needs at least one stage")
-        self.actions = actions
         self.group = group
+        self.rank = dist.get_rank(group)
+        if len(schedule) != dist.get_world_size(group):
+            raise ValueError(
+                f"the schedule is for {len(schedule)} pipeline ranks but the group has "
+                f"{dist.get_world_size(group)}"
+            )
+        self.actions = schedule[self.rank]
         self.cache = cache
-        self.lookahead = lookahead
+        self.program = rank_program(schedule, self.rank, self._empty_hop)
+        self._messages = {(a.kind, a.microbatch, a.stage): a for a in self.actions}
         self.forward_context: Callable[[], contextlib.AbstractContextManager] | None = None
         """Entered around every training stage forward, e.g. `train.memory.offload_activations`
         to keep what a micro-batch saves for backward in host memory while it is in flight."""
 
-    def _global(self, pp_rank: int) -> int:
-        return dist.get_global_rank(self.group, pp_rank)
+    def _empty_hop(self, a: Action) -> bool:
+        """Both ends leave out a hop whose receiver already holds everything."""
+        return self.cache.hop_size(upstream(a), a.microbatch) == 0
 
     def step(
         self,
@@ -78,124 +97,139 @@ class PipelineRuntime:
         device: torch.device,
     ) -> tuple[Tensor | None, StepStats]:
         """Run all actions for one optimizer step; returns the summed loss on the last stage's rank."""
-        n_micro = len(micro_inputs) if micro_inputs is not None else len(micro_labels)
-        units: dict[tuple[int, int], _Unit] = {}
-        posted: dict[tuple, tuple[dist.Work, Tensor]] = {}
-        sends: list[tuple[dist.Work, Tensor]] = []
-        stats = StepStats()
-        total_loss: Tensor | None = None
         step_start = time.perf_counter()
-
-        def post(a: Action) -> None:
-            key = (a.kind, a.microbatch, a.stage)
-            if key in posted:
-                return
-            if a.kind == Kind.RECV_F:
-                n = self.cache.hop_size(a.stage - 1, a.microbatch)
+        run = _Step(self, micro_inputs, micro_labels, (*shape,), dtype, device)
+        last_backward = {a.stage: a for a in self.actions if a.kind == Kind.B}
+        for item in self.program:
+            if isinstance(item, Post):
+                run.post(item.actions)
+                continue
+            a = item.action
+            if a.kind == Kind.F:
+                run.forward(a)
             else:
-                n = self.cache.hop_size(a.stage, a.microbatch)
-            if n == 0:  # the receiver already holds everything: both ends skip this hop
-                posted[key] = (None, None)
-                return
-            buf = torch.empty((n, *shape), dtype=dtype, device=device)
-            work = dist.irecv(buf, src=self._global(a.peer), group=self.group, tag=_tag(a))
-            posted[key] = (work, buf)
-
-        def take(a: Action) -> Tensor:
-            work, buf = posted.pop((a.kind, a.microbatch, a.stage))
-            if work is not None:
-                work.wait()
-            return buf
-
-        pending_recv: dict[tuple, Action] = {}
-        grads_to_send: dict[tuple[int, int], Tensor] = {}
-        last_backward = {a.stage: i for i, a in enumerate(self.actions) if a.kind == Kind.B}
-        for idx, a in enumerate(self.actions):
-            for ahead in self.actions[idx : idx + self.lookahead + 1]:
-                if ahead.kind in (Kind.RECV_F, Kind.RECV_B):
-                    post(ahead)
-            if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                pending_recv[(a.kind, a.microbatch, a.stage)] = a
-            elif a.kind == Kind.F:
-                stage = self.stages[a.stage]
-                unit = _Unit()
-                if stage.spec.is_first:
-                    state_in = micro_inputs[a.microbatch]
-                    self.cache.start(a.microbatch)
-                else:
-                    recv_a = pending_recv.pop((Kind.RECV_F, a.microbatch, a.stage), None)
-                    unit.recv = take(recv_a) if recv_a is not None else None
-                    if unit.recv is not None:
-                        unit.recv.requires_grad_()
-                    state_in = self.cache.receive(a.stage, a.microbatch, unit.recv)
-                t0 = time.perf_counter()
-                with self._forward_context():
-                    out = stage(
-                        state_in, micro_labels[a.microbatch] if stage.spec.is_last else None
-                    )
-                if stage.spec.is_last:
-                    loss = out / n_micro
-                    unit.loss = loss
-                    total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
-                else:
-                    unit.outputs = self.cache.produced(a.stage, a.microbatch, out)
-                stats.compute_s += time.perf_counter() - t0
-                units[(a.microbatch, a.stage)] = unit
-            elif a.kind == Kind.SEND_F:
-                unit = units[(a.microbatch, a.stage)]
-                hop = self.cache.outgoing(a.stage, a.microbatch, unit.outputs)
-                if hop is None:
-                    stats.per_hop_bytes.append(0)
-                    continue
-                sends.append(
-                    (dist.isend(hop, dst=self._global(a.peer), group=self.group, tag=_tag(a)), hop)
-                )
-                stats.bytes_sent += hop.numel() * hop.element_size()
-                stats.messages += 1
-                stats.per_hop_bytes.append(hop.numel() * hop.element_size())
-            elif a.kind == Kind.B:
-                stage = self.stages[a.stage]
-                _defer_gradient_sync(stage, until_last=idx == last_backward[a.stage])
-                unit = units.pop((a.microbatch, a.stage))
-                if stage.spec.is_last:
-                    t0 = time.perf_counter()
-                    unit.loss.backward()
-                else:
-                    recv_a = pending_recv.pop((Kind.RECV_B, a.microbatch, a.stage), None)
-                    grad_hop = take(recv_a) if recv_a is not None else None
-                    tensors, grads = self.cache.backward_targets(
-                        a.stage, a.microbatch, unit.outputs, grad_hop
-                    )
-                    t0 = time.perf_counter()
-                    torch.autograd.backward(tensors, grads)
-                stats.compute_s += time.perf_counter() - t0
-                unit.outputs = []
-                if unit.recv is not None:
-                    grads_to_send[(a.microbatch, a.stage)] = self.cache.input_grads(unit.recv)
-                if a.stage == min(self.stages):  # the rank's last backward for this microbatch
-                    self.cache.finish(a.microbatch)
-            elif a.kind == Kind.SEND_B:
-                if (a.microbatch, a.stage) not in grads_to_send:
-                    continue  # an empty forward hop has an empty gradient hop
-                grad = grads_to_send.pop((a.microbatch, a.stage)).contiguous()
-                sends.append(
-                    (
-                        dist.isend(grad, dst=self._global(a.peer), group=self.group, tag=_tag(a)),
-                        grad,
-                    )
-                )
-                stats.bytes_sent += grad.numel() * grad.element_size()
-                stats.messages += 1
-        for work, _ in sends:
-            work.wait()
+                _defer_gradient_sync(self.stages[a.stage], until_last=a == last_backward[a.stage])
+                run.backward(a)
+            run.in_flight = [b for b in run.in_flight if not b.poll()]  # free what has been sent
+        for batch in run.in_flight:
+            batch.wait()
+        if run.receives or run.outbox:
+            unused = list(run.receives) + list(run.outbox)
+            raise RuntimeError(f"pipeline step ended with unused messages: {unused}")
         self.cache.clear()  # a forward-only pass leaves its microbatches behind
-        stats.step_s = time.perf_counter() - step_start
-        return total_loss, stats
+        run.stats.step_s = time.perf_counter() - step_start
+        return run.total_loss, run.stats
 
     def _forward_context(self) -> contextlib.AbstractContextManager:
         if self.forward_context is None or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         return self.forward_context()
+
+
+class _Step:
+    """One step's state on this rank: units in flight, messages produced, posted and sending."""
+
+    def __init__(self, rt: PipelineRuntime, inputs, labels, shape, dtype, device) -> None:
+        self.rt, self.inputs, self.labels = rt, inputs, labels
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.n_micro = len(inputs) if inputs is not None else len(labels)
+        self.units: dict[tuple[int, int], _Unit] = {}
+        self.outbox: dict[tuple, Tensor] = {}  # produced, not yet posted
+        self.receives: dict[tuple, p2p.Batch] = {}  # posted receives by (kind, microbatch, stage)
+        self.in_flight: list[p2p.Batch] = []  # groups whose sends are not known to be complete
+        self.order: dict[int, int] = {}  # posting position of every group (by id) this step
+        self.stats = StepStats()
+        self.total_loss: Tensor | None = None
+
+    def post(self, actions: tuple[Action, ...]) -> None:
+        sends, recvs = [], []
+        for a in actions:
+            if a.kind in SENDS:
+                sends.append(p2p.Send(self.outbox.pop(_key(a)), a.peer, label(a)))
+            else:
+                n = self.rt.cache.hop_size(upstream(a), a.microbatch)
+                recvs.append(p2p.Recv((n, *self.shape), self.dtype, a.peer, label(a)))
+        batch = p2p.post(self.rt.group, sends, recvs, self.device, self.stats)
+        self.order[id(batch)] = len(self.order)
+        self.receives.update({_key(a): batch for a in actions if a.kind not in SENDS})
+        if sends:
+            self.in_flight.append(batch)
+
+    def take(self, a: Action) -> Tensor | None:
+        """The receive compute `a` consumes, waited on; None if it has none."""
+        key = consumed_receive(a, self.rt._messages)
+        if key is None:
+            return None
+        recv = self.rt._messages[key]
+        if self.rt._empty_hop(recv):
+            return None
+        batch = self.receives.pop(key)
+        hop = batch.recv(label(recv))
+        # The peer posts in the global order too, so before sending this it had posted the
+        # receives of everything this rank sent it in earlier groups: those sends are complete
+        # or completing, and waiting for them frees their buffers without waiting on the peer.
+        for earlier in self.in_flight:
+            if self.order[id(earlier)] < self.order[id(batch)]:
+                earlier.wait_sends(recv.peer)
+        return hop
+
+    def produce(self, kind: Kind, a: Action, tensor: Tensor | None) -> None:
+        key = (kind, a.microbatch, a.stage)
+        if key in self.rt._messages and tensor is not None:
+            self.outbox[key] = tensor
+
+    def forward(self, a: Action) -> None:
+        rt, stats = self.rt, self.stats
+        stage = rt.stages[a.stage]
+        unit = _Unit()
+        if stage.spec.is_first:
+            state_in = self.inputs[a.microbatch]
+            rt.cache.start(a.microbatch)
+        else:
+            unit.recv = self.take(a)
+            if unit.recv is not None:
+                unit.recv.requires_grad_()
+            state_in = rt.cache.receive(a.stage, a.microbatch, unit.recv)
+        t0 = time.perf_counter()
+        with rt._forward_context():
+            out = stage(state_in, self.labels[a.microbatch] if stage.spec.is_last else None)
+        if stage.spec.is_last:
+            unit.loss = out / self.n_micro
+            loss = unit.loss.detach()
+            self.total_loss = loss if self.total_loss is None else self.total_loss + loss
+        else:
+            unit.outputs = rt.cache.produced(a.stage, a.microbatch, out)
+        stats.compute_s += time.perf_counter() - t0
+        self.units[(a.microbatch, a.stage)] = unit
+        if (Kind.SEND_F, a.microbatch, a.stage) in rt._messages:
+            hop = rt.cache.outgoing(a.stage, a.microbatch, unit.outputs)
+            stats.per_hop_bytes.append(0 if hop is None else hop.numel() * hop.element_size())
+            self.produce(Kind.SEND_F, a, hop)
+
+    def backward(self, a: Action) -> None:
+        rt = self.rt
+        stage = rt.stages[a.stage]
+        unit = self.units.pop((a.microbatch, a.stage))
+        if stage.spec.is_last:
+            t0 = time.perf_counter()
+            unit.loss.backward()
+        else:
+            tensors, grads = rt.cache.backward_targets(
+                a.stage, a.microbatch, unit.outputs, self.take(a)
+            )
+            t0 = time.perf_counter()
+            torch.autograd.backward(tensors, grads)
+        self.stats.compute_s += time.perf_counter() - t0
+        if unit.recv is not None:  # the gradient hop: handed over, so only the send holds it
+            grad = rt.cache.input_grads(unit.recv).contiguous()
+            unit.recv.grad = None
+            self.produce(Kind.SEND_B, a, grad)
+        if a.stage == min(rt.stages):  # the rank's last backward for this microbatch
+            rt.cache.finish(a.microbatch)
+
+
+def _key(a: Action) -> tuple:
+    return (a.kind, a.microbatch, a.stage)
 
 
 def _defer_gradient_sync(stage: PipelineStage, until_last: bool) -> None:
@@ -206,11 +240,3 @@ def _defer_gradient_sync(stage: PipelineStage, until_last: bool) -> None:
     sync = getattr(stage, "set_requires_gradient_sync", None)  # FSDPModule API
     if sync is not None:
         sync(until_last)
-
-
-def _tag(a: Action) -> int:
-    """Both ends name a hop by its upstream stage u (forward u -> u+1, gradients u+1 -> u), so
-    out-of-order messages between the same two ranks never mix."""
-    upstream = a.stage if a.kind in (Kind.SEND_F, Kind.RECV_B) else a.stage - 1
-    direction = 0 if a.kind in (Kind.SEND_F, Kind.RECV_F) else 1
-    return (a.microbatch * 4096 + upstream) * 2 + direction

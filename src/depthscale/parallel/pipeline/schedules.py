@@ -199,7 +199,11 @@ def simulate(
     schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, latency: float = 0.0
 ) -> Timeline:
     """Run the per-rank lists as a discrete-event simulation. Raises DeadlockError if every rank
-    waits on a message that is never sent, and ValueError if a dependency is violated."""
+    waits on a message that is never sent, and ValueError if a dependency is violated.
+
+    Messages are matched by what they carry, with sends that never block: this checks the
+    schedule's dependencies, not how NCCL would run its messages — `p2p_plan` orders those and
+    `nccl_rules.replay` checks them."""
     ranks = len(schedule)
     clock = [0.0] * ranks
     pc = [0] * ranks
