@@ -4,8 +4,9 @@
 
 The benchmark script is the working tree's; only the library it imports changes: the base revision
 is checked out into a temporary git worktree and put first on PYTHONPATH. Runs alternate base,
-head, base, head, … so drift on a shared machine hits both alike. Prints one JSON object: for every
-numeric leaf of the benchmark's JSON, the median over runs for base and head and head/base.
+head, head, base, … so drift on a shared machine, and going first, hit both alike. Prints one JSON object: for every
+numeric leaf of the benchmark's JSON, the median over runs for base and head, head/base, and the
+smallest and largest run of each (the noise to read the ratio against).
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def main() -> None:
         )
         try:
             samples: dict[str, list[dict[str, float]]] = {"base": [], "head": []}
-            for _ in range(args.runs):
-                samples["base"].append(_leaves(_run(script, tree / "src")))
-                samples["head"].append(_leaves(_run(script, ROOT / "src")))
+            for i in range(args.runs):  # base, head, head, base, …: drift and order cancel
+                for rev in ("base", "head") if i % 2 == 0 else ("head", "base"):
+                    src = tree / "src" if rev == "base" else ROOT / "src"
+                    samples[rev].append(_leaves(_run(script, src)))
         finally:
             subprocess.run(
                 ["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True
@@ -80,10 +82,19 @@ def main() -> None:
     rows = {}
     for key in med["head"]:
         base, head = med["base"].get(key), med["head"][key]
+        spread = {
+            rev: [
+                min(run[key] for run in runs if key in run),
+                max(run[key] for run in runs if key in run),
+            ]
+            for rev, runs in samples.items()
+            if all(key in run for run in runs)
+        }
         rows[key] = {
             "base": base,
             "head": head,
             "head/base": round(head / base, 3) if base else None,
+            "min_max": spread,
         }
     head_rev = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

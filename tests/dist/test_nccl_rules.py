@@ -74,7 +74,11 @@ def _pipeline_traces(configs):
             for s in rank_program(schedule, rank, runtime._empty_hop)
             if isinstance(s, Post)
         ]
-        posted = [[tuple(op[:3]) for op in e["ops"]] for e in events if "post" in e]
+        posted = [
+            [(kind, peer, name.split(": ", 1)[1]) for kind, peer, name, _ in e["ops"]]
+            for e in events
+            if "post" in e
+        ]
         out.append((events, posted == planned, stats.send_bytes_live))
     return out
 

@@ -1,7 +1,7 @@
 """When the pipeline posts its messages (`p2p_plan`): every rank's program, for every listed
 layout, schedule and cache setting, replays under NCCL's rules without a deadlock and with every
 message paired as intended — checked here without processes; tests/dist/test_nccl_rules.py shows
-the runtime issues exactly these programs."""
+the runtime posts exactly these groups, and replays what it really waits on."""
 
 import pytest
 

@@ -17,8 +17,8 @@ the fp32 LSE) and recomputes each block's probabilities from the saved LSE. dQ a
 each block's dK/dV accumulate in **fp32** while travelling with the block, and reach the owner once,
 so rounding does not grow with the ring size.
 
-What is skipped (causal masking, sliding windows, padding), with `positions` known on every rank (one
-small all-gather of int64 positions per call — never of K/V):
+What is skipped (causal masking, sliding windows, padding) is planned in `ring_plan.py`, with
+`positions` known on every rank (one small all-gather of int64 positions per call — never of K/V):
 
 * **compute**: a (local queries, K/V block) pair is skipped when no key of the block is visible to
   any local query (causal: every key is later; window: every key is `window` or more positions away;
@@ -60,7 +60,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -71,10 +71,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from depthscale.model.layers import attention_mask
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
-from depthscale.parallel.cp_comm import CommStats, Ring, dkv_label, home_label, kv_label
+from depthscale.parallel.cp_comm import CommStats, Ring
+from depthscale.parallel.ring_plan import Index, RingPlan, Span
 
 ShardMode = Literal["zigzag", "contiguous"]
 
@@ -213,7 +213,7 @@ def cp_all_reduce_grads(model: torch.nn.Module, cp_group: ProcessGroup) -> None:
         offset += g.numel()
 
 
-# --------------------------------------------------------------------------- ring plan
+# --------------------------------------------------------------------------- ring statistics
 
 
 @dataclass
@@ -236,223 +236,6 @@ class RingStats(CommStats):
     def exposed_comm_fraction(self) -> float:
         """Share of ring time spent blocked in waits (0 = communication fully hidden)."""
         return self.wait_s / self.ring_s if self.ring_s else 0.0
-
-
-class _Index:
-    """A sorted subset of indices along one dim: a `narrow` view when contiguous, else gathered."""
-
-    def __init__(self, idx: Tensor, length: int, device: torch.device) -> None:
-        self.count = idx.numel()
-        self.full = self.count == length
-        lo = int(idx[0]) if self.count else 0
-        self.span = (lo, self.count) if self.count and int(idx[-1]) - lo + 1 == self.count else None
-        self.cpu_idx = idx
-        self.idx = None if self.span is not None else idx.to(device)
-
-    def take(self, x: Tensor, dim: int) -> Tensor:
-        if self.full:
-            return x
-        if self.span is not None:
-            return x.narrow(dim, *self.span)
-        return x.index_select(dim, self.idx)
-
-    def put(self, acc: Tensor, value: Tensor, dim: int) -> None:
-        if self.span is not None:
-            acc.narrow(dim, *self.span).copy_(value)
-        else:
-            acc.index_copy_(dim, self.idx, value)
-
-    def add(self, acc: Tensor, value: Tensor, dim: int) -> None:
-        if self.span is not None:
-            acc.narrow(dim, *self.span).add_(value)
-        else:
-            acc.index_add_(dim, self.idx, value)
-
-
-@dataclass(frozen=True)
-class _Span:
-    """Which keys a query sees, as bounds on the position offset q - k (None: unbounded).
-
-    causal: 0 <= q - k (< window); bidirectional: |q - k| < window, or every key. Keys at or past
-    `seq_len` (padding) are seen by no query."""
-
-    lo: int | None
-    hi: int | None
-    seq_len: int | None
-
-    @classmethod
-    def of(cls, window: int, causal: bool, seq_len: int | None) -> _Span:
-        hi = window - 1 if window > 0 else None
-        lo = 0 if causal else (None if hi is None else -hi)
-        return cls(lo, hi, seq_len)
-
-    def keys_seen(self, q_sorted: Tensor, k_pos: Tensor) -> Tensor:
-        """bool[Tk]: keys visible to at least one query (some q in [k + lo, k + hi]); queries sorted."""
-        n = q_sorted.numel()
-        if self.lo is None:
-            first = torch.zeros_like(k_pos)
-        else:
-            first = torch.searchsorted(q_sorted, k_pos + self.lo)  # first query at k + lo or later
-        seen = first < n
-        if self.hi is not None and n:
-            seen &= q_sorted[first.clamp(max=n - 1)] <= k_pos + self.hi
-        if self.seq_len is not None:
-            seen &= k_pos < self.seq_len
-        return seen
-
-    def rows_seeing(self, k_sorted: Tensor, q_pos: Tensor) -> Tensor:
-        """bool[Tq]: queries that see at least one key (some k in [q - hi, q - lo]); keys sorted and
-        all real (never padding)."""
-        n = k_sorted.numel()
-        if self.hi is None:
-            first = torch.zeros_like(q_pos)
-        else:
-            first = torch.searchsorted(k_sorted, q_pos - self.hi)  # first key at q - hi or later
-        sees = first < n
-        if self.lo is not None and n:
-            sees &= k_sorted[first.clamp(max=n - 1)] <= q_pos - self.lo
-        return sees
-
-    def all_visible(self, q_pos: Tensor, k_pos: Tensor) -> bool:
-        """Every (query, key) pair is visible (no mask needed); keys all real."""
-        return (self.lo is None or bool(q_pos.min() - k_pos.max() >= self.lo)) and (
-            self.hi is None or bool(q_pos.max() - k_pos.min() <= self.hi)
-        )
-
-
-@dataclass
-class _Tile:
-    """One piece of work at a ring step: some of this rank's query rows × a run of held keys."""
-
-    rows: _Index
-    """Local query rows that see at least one key of the tile."""
-    cols: _Index
-    """The tile's keys, as entries of the payload held at this step."""
-    grad_cols: _Index
-    """Where those keys' dK/dV go: the block itself at step 0, else the travelling hop-1 buffer."""
-    q_pos: Tensor
-    k_pos: Tensor
-    dense: bool
-    """Every (row, key) pair is visible: no mask is built."""
-
-
-@dataclass
-class _Plan:
-    """Who sends which keys at which step, and what each rank computes; identical on every rank
-    (built from all ranks' positions).
-
-    `carry[j][t]` (t >= 1): bool over block j's keys that hop t carries — keys some rank t or more
-    hops downstream of j still needs. `hops[j]`: the last hop block j makes (0: it never leaves)."""
-
-    rank: int
-    size: int
-    span: _Span
-    kv_tile: int
-    device: torch.device
-    pos: list[Tensor]
-    carry: list[list[Tensor]]
-    hops: list[int]
-    _tiles: dict[int, list[_Tile]] = field(default_factory=dict)
-    _payloads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
-    _selections: dict[int, _Index] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, positions: Tensor, span: _Span, kv_tile: int, group: ProcessGroup) -> _Plan:
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        gathered = [torch.empty_like(positions) for _ in range(size)]
-        dist.all_gather(gathered, positions.contiguous(), group=group)
-        pos = [p.cpu() for p in gathered]
-        sorted_pos = [p.sort().values for p in pos]
-        carry, hops = [], []
-        for j in range(size):
-            need = [span.keys_seen(sorted_pos[(j + t) % size], pos[j]) for t in range(size)]
-            need[0] = torch.zeros_like(need[0])
-            c = [need[-1]]
-            for t in range(size - 2, -1, -1):  # suffix OR: needed at this hop or further
-                c.append(c[-1] | need[t])
-            c.reverse()
-            carry.append(c)
-            hops.append(max((t for t in range(1, size) if need[t].any()), default=0))
-        return cls(rank, size, span, kv_tile, positions.device, pos, carry, hops)
-
-    def owner(self, step: int) -> int:
-        """The block this rank holds at `step`."""
-        return (self.rank - step) % self.size
-
-    def holds(self, step: int) -> bool:
-        return step == 0 or self.hops[self.owner(step)] >= step
-
-    def incoming(self, step: int, B: int, Hkv: int, d: int) -> tuple[int, ...] | None:
-        """Shape of the [2, B, Hkv, keys, d] K/V payload arriving for `step`, None if none does."""
-        if not 0 < step < self.size or not self.holds(step):
-            return None
-        return (2, B, Hkv, self.payload(self.owner(step), step).numel(), d)
-
-    def sends(self, step: int) -> bool:
-        """Whether this rank forwards its held block after `step` (hop step + 1)."""
-        return step + 1 < self.size and self.hops[self.owner(step)] >= step + 1
-
-    def payload(self, j: int, hop: int) -> Tensor:
-        """Indices into block j of the keys present on `hop` (all of them at the owner)."""
-        if (j, hop) not in self._payloads:
-            self._payloads[(j, hop)] = (
-                torch.arange(self.pos[j].numel())
-                if hop == 0
-                else self.carry[j][hop].nonzero().flatten()
-            )
-        return self._payloads[(j, hop)]
-
-    def forward_selection(self, step: int) -> _Index:
-        """Which entries of the payload held at `step` travel on to hop step + 1."""
-        if step not in self._selections:
-            j = self.owner(step)
-            here = self.payload(j, step)
-            keep = self.carry[j][step + 1][here].nonzero().flatten()
-            self._selections[step] = _Index(keep, here.numel(), self.device)
-        return self._selections[step]
-
-    def tiles(self, step: int) -> list[_Tile]:
-        """The work at `step` (empty: the whole held block is masked for every local query).
-
-        Only keys seen by some local query are used, cut into runs of consecutive positions of at
-        most `kv_tile` keys; each run takes only the query rows that see it. Zigzag's two chunks are
-        two runs, so its masked chunk pairs are skipped exactly; long runs bound the score memory."""
-        if step in self._tiles:
-            return self._tiles[step]
-        j = self.owner(step)
-        here = self.payload(j, step)
-        q_pos, k_pos = self.pos[self.rank], self.pos[j][here]
-        cols = self.span.keys_seen(q_pos.sort().values, k_pos).nonzero().flatten()
-        kp = k_pos[cols]
-        breaks = ((cols[1:] != cols[:-1] + 1) | (kp[1:] != kp[:-1] + 1)).nonzero().flatten() + 1
-        bounds = [0, *breaks.tolist(), cols.numel()]
-        grad_base = here if step == 0 else self.payload(j, 1)
-        tiles = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            for a in range(lo, hi, self.kv_tile):
-                c = cols[a : min(hi, a + self.kv_tile)]
-                tile_pos = kp[a : a + c.numel()]  # consecutive, so already sorted
-                row_mask = self.span.rows_seeing(tile_pos, q_pos)
-                rows_pos = q_pos[row_mask]
-                dense = self.span.all_visible(rows_pos, tile_pos)
-                tiles.append(
-                    _Tile(
-                        _Index(row_mask.nonzero().flatten(), q_pos.numel(), self.device),
-                        _Index(c, here.numel(), self.device),
-                        _Index(torch.searchsorted(grad_base, here[c]), -1, self.device),
-                        rows_pos.to(self.device),
-                        tile_pos.to(self.device),
-                        dense,
-                    )
-                )
-        self._tiles[step] = tiles
-        return tiles
-
-    def mask(self, tile: _Tile) -> Tensor | None:
-        if tile.dense:
-            return None
-        window = 0 if self.span.hi is None else self.span.hi + 1
-        return attention_mask(tile.q_pos, tile.k_pos, window, causal=self.span.lo == 0)
 
 
 # --------------------------------------------------------------------------- block math (fp32)
@@ -483,7 +266,7 @@ def _attend_backward(q, k, v, do, lse, delta, mask, scale: float):
     return dq, dk, dv
 
 
-def _merge(out: Tensor, lse: Tensor, rows: _Index, out_b: Tensor, lse_b: Tensor) -> None:
+def _merge(out: Tensor, lse: Tensor, rows: Index, out_b: Tensor, lse_b: Tensor) -> None:
     """Online-softmax merge of a block result into the running (out, lse) rows, in place.
 
     out ← out − σ(lse_b − lse)·(out − out_b); lse ← log(e^lse + e^lse_b). Rows not yet seen have
@@ -499,9 +282,9 @@ def _merge(out: Tensor, lse: Tensor, rows: _Index, out_b: Tensor, lse_b: Tensor)
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: _Plan, group: ProcessGroup, stats: RingStats):
+    def forward(ctx, q, k, v, plan: RingPlan, group: ProcessGroup, stats: RingStats):
         t_start = time.perf_counter()
-        ring = Ring(group, stats)
+        ring = Ring(group, stats, f"call {plan.call} forward")
         n, (B, H, _, d), Hkv = plan.size, q.shape, k.shape[1]
         scale = 1.0 / math.sqrt(d)
         with torch.autocast(q.device.type, enabled=False):
@@ -520,7 +303,7 @@ class _RingAttention(torch.autograd.Function):
                 stats.blocks_computed += bool(tiles)
                 stats.blocks_skipped += not tiles
                 _forward_tiles(plan, tiles, held, qg, out, lse, scale)
-                held = _next_block(batch, plan, step)
+                held = _next_block(batch, plan, ring, step)
         y = out.flatten(1, 2).to(q.dtype)
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.plan, ctx.group, ctx.stats = plan, group, stats
@@ -539,7 +322,7 @@ class _RingAttention(torch.autograd.Function):
         t_start = time.perf_counter()
         q, k, v, y, lse = ctx.saved_tensors
         plan, stats = ctx.plan, ctx.stats
-        ring = Ring(ctx.group, stats)
+        ring = Ring(ctx.group, stats, f"call {plan.call} backward")
         n, rank, (B, H, T, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
         scale = 1.0 / math.sqrt(d)
         with torch.autocast(q.device.type, enabled=False):
@@ -560,11 +343,11 @@ class _RingAttention(torch.autograd.Function):
                 j = plan.owner(step)
                 if 2 <= step < n and plan.holds(step):  # the earlier holders' share of block j
                     shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
-                    recvs.append(p2p.Recv(shape, torch.float32, ring.prev, dkv_label(j, step)))
+                    recvs.append(p2p.Recv(shape, torch.float32, ring.prev, ring.dkv_label(j, step)))
                 if plan.hops[rank] >= 1 and step == plan.hops[rank] + 1:
                     last = (rank + plan.hops[rank]) % n
                     shape = (2, B, Hkv, plan.payload(rank, 1).numel(), d)
-                    recvs.append(p2p.Recv(shape, torch.float32, last, home_label(rank)))
+                    recvs.append(p2p.Recv(shape, torch.float32, last, ring.home_label(rank)))
                 group = ring.post(sends, recvs, q.device)
                 if plan.hops[rank] >= 1 and step == plan.hops[rank] + 1:
                     home = group
@@ -584,21 +367,21 @@ class _RingAttention(torch.autograd.Function):
                 passing = []
                 if step > 0 and held is not None:  # add the earlier holders' share, pass it on
                     if step >= 2:
-                        dkv += group.recv(dkv_label(j, step))
+                        dkv += group.recv(ring.dkv_label(j, step))
                     if plan.sends(step):
-                        passing = [p2p.Send(dkv, ring.next, dkv_label(j, step + 1))]
+                        passing = [p2p.Send(dkv, ring.next, ring.dkv_label(j, step + 1))]
                     else:  # the last holder: straight back to the owner
-                        passing = [p2p.Send(dkv, j, home_label(j))]
-                held = _next_block(group, plan, step)
+                        passing = [p2p.Send(dkv, j, ring.home_label(j))]
+                held = _next_block(group, plan, ring, step)
             if home is not None:
-                home_dkv = home.recv(home_label(rank))
-                _Index(plan.payload(rank, 1), T, q.device).add(dkv_own, home_dkv, 3)
+                home_dkv = home.recv(ring.home_label(rank))
+                Index(plan.payload(rank, 1), T, q.device).add(dkv_own, home_dkv, 3)
         stats.ring_s += time.perf_counter() - t_start
         dk, dv = dkv_own.to(k.dtype).unbind(0)
         return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None
 
 
-def _forward_tiles(plan: _Plan, tiles, held, qg, out, lse, scale: float) -> None:
+def _forward_tiles(plan: RingPlan, tiles, held, qg, out, lse, scale: float) -> None:
     """Attend the local queries to the held block, tile by tile, merged into (out, lse)."""
     for tile in tiles:
         kv = tile.cols.take(held, 3).float()
@@ -606,7 +389,7 @@ def _forward_tiles(plan: _Plan, tiles, held, qg, out, lse, scale: float) -> None
         _merge(out, lse, tile.rows, out_t, lse_t)
 
 
-def _backward_tiles(plan: _Plan, tiles, held, saved, dq, dkv, scale: float) -> None:
+def _backward_tiles(plan: RingPlan, tiles, held, saved, dq, dkv, scale: float) -> None:
     """The held block's share of dQ (into `dq`) and of its own dK/dV (into `dkv`)."""
     qg, do, lse, delta = saved
     for tile in tiles:
@@ -625,29 +408,29 @@ def _backward_tiles(plan: _Plan, tiles, held, saved, dq, dkv, scale: float) -> N
         tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]), 3)
 
 
-def _kv_send(plan: _Plan, ring: Ring, held: Tensor | None, step: int) -> list[p2p.Send]:
+def _kv_send(plan: RingPlan, ring: Ring, held: Tensor | None, step: int) -> list[p2p.Send]:
     """The held block's keys that travel on to hop step + 1 (none if nobody further needs them)."""
     if not plan.sends(step):
         return []
     block = plan.forward_selection(step).take(held, 3)
-    return [p2p.Send(block, ring.next, kv_label(plan.owner(step), step + 1))]
+    return [p2p.Send(block, ring.next, ring.kv_label(plan.owner(step), step + 1))]
 
 
 def _kv_recv(
-    plan: _Plan, ring: Ring, shape: tuple[int, ...] | None, step: int, dtype: torch.dtype
+    plan: RingPlan, ring: Ring, shape: tuple[int, ...] | None, step: int, dtype: torch.dtype
 ) -> list[p2p.Recv]:
     if shape is None:
         return []
-    return [p2p.Recv(shape, dtype, ring.prev, kv_label(plan.owner(step + 1), step + 1))]
+    return [p2p.Recv(shape, dtype, ring.prev, ring.kv_label(plan.owner(step + 1), step + 1))]
 
 
-def _next_block(batch: p2p.Batch | None, plan: _Plan, step: int) -> Tensor | None:
+def _next_block(batch: p2p.Batch | None, plan: RingPlan, ring: Ring, step: int) -> Tensor | None:
     """The block for step + 1, received, once the held block's send has gone (double buffering)."""
     if batch is None:
         return None
     block = None
     if plan.incoming(step + 1, 1, 1, 1) is not None:
-        block = batch.recv(kv_label(plan.owner(step + 1), step + 1))
+        block = batch.recv(ring.kv_label(plan.owner(step + 1), step + 1))
     batch.wait_sends()
     return block
 
@@ -690,7 +473,7 @@ def ring_attention(
             f"positions {tuple(q_pos.shape)} must be 1-D with one entry per local token "
             f"(q has {q.shape[2]}, k has {k.shape[2]})"
         )
-    plan = _Plan.build(q_pos, _Span.of(window, causal, seq_len), kv_tile, group)
+    plan = RingPlan.build(q_pos, Span.of(window, causal, seq_len), kv_tile, group)
     return _RingAttention.apply(q, k, v, plan, group, stats if stats is not None else RingStats())
 
 

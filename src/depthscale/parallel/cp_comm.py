@@ -7,17 +7,17 @@ compute, and the group is waited on when the next block is needed — which also
 buffer: double buffering, the block in use and the block arriving are the only two alive.
 
 Messages carry no tags: NCCL pairs sends and receives between two ranks in posting order, so every
-rank posts its groups in the same global order — by ring step, and within a step first the groups
-posted before the compute, then those posted after it — and each message's `label` names it (block,
-hop, kind) for `p2p.recording` and `nccl_rules.replay`. Every message is one contiguous buffer
-(callers pack K and V together).
+rank posts one group per ring step, all in step order, and inside a group the K/V before the dK/dV
+before the dK/dV going home — the same order at both ends of every pair. Backward sends the dK/dV a
+step computed in the next step's group (and the last ones in a final group after the ring). Each
+message's `label` names it (call, direction, block, hop, kind) for `p2p.recording` and
+`nccl_rules.replay`. Every message is one contiguous buffer (callers pack K and V together).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from depthscale.parallel import p2p
@@ -26,22 +26,14 @@ CommStats = p2p.Traffic
 """Counters of a ring: bytes and messages sent, seconds blocked, live send bytes and their peak."""
 
 
-def kv_label(block: int, hop: int) -> str:
-    return f"kv{block} hop{hop}"
-
-
-def dkv_label(block: int, hop: int) -> str:
-    return f"dkv{block} hop{hop}"
-
-
-def home_label(block: int) -> str:
-    return f"home{block}"
-
-
 class Ring:
     """Send-to-next / receive-from-previous over `group` (ranks are group-local throughout)."""
 
-    def __init__(self, group: ProcessGroup, stats: CommStats | None = None) -> None:
+    def __init__(
+        self, group: ProcessGroup, stats: CommStats | None = None, name: str = "ring"
+    ) -> None:
+        self.name = name
+        """Prefix of this ring's message labels, e.g. "call 7 backward": the same on every rank."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -57,8 +49,11 @@ class Ring:
             return None
         return p2p.post(self.group, sends, recvs, device, self.stats)
 
-    def to(self, peer: int, tensor: Tensor, label: str) -> p2p.Send:
-        return p2p.Send(tensor, peer, label)
+    def kv_label(self, block: int, hop: int) -> str:
+        return f"{self.name}: kv{block} hop{hop}"
 
-    def from_prev(self, shape: tuple[int, ...], dtype: torch.dtype, label: str) -> p2p.Recv:
-        return p2p.Recv(shape, dtype, self.prev, label)
+    def dkv_label(self, block: int, hop: int) -> str:
+        return f"{self.name}: dkv{block} hop{hop}"
+
+    def home_label(self, block: int) -> str:
+        return f"{self.name}: home{block}"

@@ -99,7 +99,13 @@ def init_distributed(device_type: str) -> DistEnv:
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"depthscale/attempt{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size)
+    # NCCL: bind the group to this rank's GPU, so communicators are created eagerly (and subgroups
+    # split from them) instead of lazily by whichever operation comes first — a group's first
+    # batched P2P call would otherwise need every rank of the group (batch_isend_irecv's contract)
+    device_id = torch.device("cuda", env.local_rank) if device_type == "cuda" else None
+    dist.init_process_group(
+        backend, store=store, rank=env.rank, world_size=env.world_size, device_id=device_id
+    )
     return env
 
 

@@ -64,7 +64,7 @@ class Batch:
     returns one per operation, and a caller waits only for what it needs (the replay in
     `nccl_rules` treats every wait as a wait for the group, as NCCL would). Gloo reports a send
     complete only once it has been waited on, so `poll` frees nothing there: callers wait for sends
-    at points where they know the receive is posted (see the pipeline runtime)."""
+    where they know the receive is posted (see the pipeline runtime) or at the end of their step."""
 
     def __init__(
         self,
@@ -74,7 +74,9 @@ class Batch:
         traffic: Traffic,
         trace_id: int | None,
     ) -> None:
-        per_op = len(works) == len(sends) + len(recvs)  # posting order: sends, then receives
+        # one work per operation (gloo), in posting order: sends, then receives; else one for the
+        # whole group (NCCL's coalesced work) — what batch_isend_irecv returns today
+        per_op = len(works) == len(sends) + len(recvs)
         self._works = list(works)  # not yet waited on (a work holds its tensor alive)
         self._recvs, self._traffic, self._trace_id = recvs, traffic, trace_id
         self._sends = [
@@ -82,6 +84,8 @@ class Batch:
             for i, (t, peer) in enumerate(sends)
         ]
         self._recv_works = dict(zip(recvs, works[len(sends) :])) if per_op else None
+        self.position = 0
+        """Where the caller placed this group in its posting order (set by the caller)."""
         traffic.send_bytes_live += sum(s.nbytes for s in self._sends)
         traffic.peak_send_bytes_live = max(traffic.peak_send_bytes_live, traffic.send_bytes_live)
 
@@ -113,11 +117,13 @@ class Batch:
 
     def _block(self, works: list) -> None:
         """Wait for `works`, each at most once (gloo's send/receive works hang if waited twice)."""
+        pending = [w for w in works if any(w is p for p in self._works)]
+        if not pending:
+            return
         t0 = time.perf_counter()
-        for work in works:
-            if any(work is w for w in self._works):
-                work.wait()
-                self._works = [w for w in self._works if w is not work]
+        for work in pending:
+            work.wait()
+        self._works = [w for w in self._works if not any(w is p for p in pending)]
         self._traffic.wait_s += time.perf_counter() - t0
         if _trace is not None and self._trace_id is not None:
             _trace.append({"wait": self._trace_id})

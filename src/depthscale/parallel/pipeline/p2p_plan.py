@@ -117,15 +117,17 @@ def consumed_receive(a: Action, rank_actions: Container[tuple]) -> tuple | None:
 def program_trace(
     schedule: Schedule, skip: Callable[[Action], bool] = lambda a: False, nbytes: int = 1
 ) -> list[list[dict]]:
-    """The P2P events the runtime would issue, per rank, for `nccl_rules.replay` (no processes):
-    each Post as a group, each consumed receive waited on before its compute, every group waited
-    on at the end of the step."""
+    """The P2P events the runtime issues, per rank, for `nccl_rules.replay` (no processes): each
+    Post as a group; each consumed receive waited on before its compute, followed by waits on the
+    earlier groups that sent to the same peer (the runtime frees those sends there); every group
+    waited on at the end of the step. Waits count as waits for the whole group, as on NCCL."""
     traces = []
     orders = message_order(schedule)
     for rank in range(len(schedule)):
         events: list[dict] = []
         posted: dict[tuple, int] = {}
-        keys = {(a.kind, a.microbatch, a.stage) for a in schedule[rank]}
+        sends_to: dict[int, set[int]] = {}  # group -> peers it sends to, not yet waited for
+        keys = {(a.kind, a.microbatch, a.stage): a for a in schedule[rank]}
         group = list(range(len(schedule)))
         for step in rank_program(schedule, rank, skip, orders[rank]):
             if isinstance(step, Post):
@@ -136,12 +138,20 @@ def program_trace(
                 ]
                 events.append({"post": gid, "ops": ops, "group": group, "batched": True})
                 posted.update({(a.kind, a.microbatch, a.stage): gid for a in step.actions})
+                peers = {a.peer for a in step.actions if a.kind in SENDS}
+                if peers:
+                    sends_to[gid] = peers
             else:
                 recv = consumed_receive(step.action, keys)
                 if recv is not None and not skip(Action(recv[0], recv[1], recv[2])):
                     if recv not in posted:
                         raise AssertionError(f"rank {rank}: {step.action} runs before its receive")
-                    events.append({"wait": posted[recv]})
+                    gid, peer = posted[recv], keys[recv].peer
+                    events.append({"wait": gid})
+                    for earlier, peers in sends_to.items():
+                        if earlier < gid and peer in peers:
+                            events.append({"wait": earlier})
+                            peers.discard(peer)
         events += [{"wait": e["post"]} for e in list(events) if "post" in e]
         traces.append(events)
     return traces

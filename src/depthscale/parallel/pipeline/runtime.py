@@ -1,8 +1,10 @@
 """Executes a rank's pipeline actions with asynchronous point-to-point communication.
 
 MegaScale-style decoupling: a receive is posted early and waited on only when the compute that needs
-it starts; a send never blocks the next compute, and its buffer is released as soon as the send has
-completed. When each message is posted comes from `p2p_plan`: every rank posts its sends and
+it starts; a send does not hold up the compute after it. A sent buffer is freed once the send is
+known complete: polled after every compute (NCCL reports completion) or, since gloo reports it only
+to a wait, when a later message from the same peer proves the receive was posted there — at the
+latest at the end of the step. When each message is posted comes from `p2p_plan`: every rank posts its sends and
 receives as groups, in one global order all ranks agree on, so the same code runs under NCCL (no
 tags, pairing by posting order) as under gloo. A hop carries one tensor [n, micro_batch, seq, dim]:
 the partial sum and the depth-state blocks the receiver lacks, packed so each hop is a single
@@ -80,6 +82,7 @@ class PipelineRuntime:
         self.cache = cache
         self.program = rank_program(schedule, self.rank, self._empty_hop)
         self._messages = {(a.kind, a.microbatch, a.stage): a for a in self.actions}
+        self.steps = 0  # steps run: names this step's messages (every rank runs the same steps)
         self.forward_context: Callable[[], contextlib.AbstractContextManager] | None = None
         """Entered around every training stage forward, e.g. `train.memory.offload_activations`
         to keep what a micro-batch saves for backward in host memory while it is in flight."""
@@ -118,6 +121,7 @@ class PipelineRuntime:
             raise RuntimeError(f"pipeline step ended with unused messages: {unused}")
         self.cache.clear()  # a forward-only pass leaves its microbatches behind
         run.stats.step_s = time.perf_counter() - step_start
+        self.steps += 1
         return run.total_loss, run.stats
 
     def _forward_context(self) -> contextlib.AbstractContextManager:
@@ -137,7 +141,7 @@ class _Step:
         self.outbox: dict[tuple, Tensor] = {}  # produced, not yet posted
         self.receives: dict[tuple, p2p.Batch] = {}  # posted receives by (kind, microbatch, stage)
         self.in_flight: list[p2p.Batch] = []  # groups whose sends are not known to be complete
-        self.order: dict[int, int] = {}  # posting position of every group (by id) this step
+        self.posted = 0  # groups posted so far this step
         self.stats = StepStats()
         self.total_loss: Tensor | None = None
 
@@ -145,15 +149,20 @@ class _Step:
         sends, recvs = [], []
         for a in actions:
             if a.kind in SENDS:
-                sends.append(p2p.Send(self.outbox.pop(_key(a)), a.peer, label(a)))
+                sends.append(p2p.Send(self.outbox.pop(_key(a)), a.peer, self.label(a)))
             else:
                 n = self.rt.cache.hop_size(upstream(a), a.microbatch)
-                recvs.append(p2p.Recv((n, *self.shape), self.dtype, a.peer, label(a)))
+                recvs.append(p2p.Recv((n, *self.shape), self.dtype, a.peer, self.label(a)))
         batch = p2p.post(self.rt.group, sends, recvs, self.device, self.stats)
-        self.order[id(batch)] = len(self.order)
+        batch.position = self.posted  # groups are runs of the global order: earlier = lower
+        self.posted += 1
         self.receives.update({_key(a): batch for a in actions if a.kind not in SENDS})
         if sends:
             self.in_flight.append(batch)
+
+    def label(self, a: Action) -> str:
+        """The message's name at both ends, unique within the run: "step 12: F3 0>1"."""
+        return f"step {self.rt.steps}: {label(a)}"
 
     def take(self, a: Action) -> Tensor | None:
         """The receive compute `a` consumes, waited on; None if it has none."""
@@ -164,12 +173,12 @@ class _Step:
         if self.rt._empty_hop(recv):
             return None
         batch = self.receives.pop(key)
-        hop = batch.recv(label(recv))
+        hop = batch.recv(self.label(recv))
         # The peer posts in the global order too, so before sending this it had posted the
         # receives of everything this rank sent it in earlier groups: those sends are complete
         # or completing, and waiting for them frees their buffers without waiting on the peer.
         for earlier in self.in_flight:
-            if self.order[id(earlier)] < self.order[id(batch)]:
+            if earlier.position < batch.position:
                 earlier.wait_sends(recv.peer)
         return hop
 

@@ -1,0 +1,244 @@
+"""The plan of a ring-attention call: who sends which keys at which step, and what each rank
+computes — identical on every rank, built from all ranks' token positions (one small all-gather).
+
+`Span` says which keys a query sees (causal or bidirectional, sliding window, padding). `RingPlan`
+derives from it, per block, which keys travel how many hops (`carry`, `hops`: a block nobody further
+needs is never sent, the ring stops early) and, per step, the tiles of work — runs of consecutive
+visible keys with only the query rows that see them. `Index` selects along one dim, as a `narrow`
+view when the selection is contiguous.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from depthscale.model.layers import attention_mask
+
+_CALLS = itertools.count()
+"""Ring-attention calls made by this process; every rank of a cp group makes the same ones."""
+
+
+class Index:
+    """A sorted subset of indices along one dim: a `narrow` view when contiguous, else gathered."""
+
+    def __init__(self, idx: Tensor, length: int, device: torch.device) -> None:
+        self.count = idx.numel()
+        self.full = self.count == length
+        lo = int(idx[0]) if self.count else 0
+        self.span = (lo, self.count) if self.count and int(idx[-1]) - lo + 1 == self.count else None
+        self.cpu_idx = idx
+        self.idx = None if self.span is not None else idx.to(device)
+
+    def take(self, x: Tensor, dim: int) -> Tensor:
+        if self.full:
+            return x
+        if self.span is not None:
+            return x.narrow(dim, *self.span)
+        return x.index_select(dim, self.idx)
+
+    def put(self, acc: Tensor, value: Tensor, dim: int) -> None:
+        if self.span is not None:
+            acc.narrow(dim, *self.span).copy_(value)
+        else:
+            acc.index_copy_(dim, self.idx, value)
+
+    def add(self, acc: Tensor, value: Tensor, dim: int) -> None:
+        if self.span is not None:
+            acc.narrow(dim, *self.span).add_(value)
+        else:
+            acc.index_add_(dim, self.idx, value)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Which keys a query sees, as bounds on the position offset q - k (None: unbounded).
+
+    causal: 0 <= q - k (< window); bidirectional: |q - k| < window, or every key. Keys at or past
+    `seq_len` (padding) are seen by no query."""
+
+    lo: int | None
+    hi: int | None
+    seq_len: int | None
+
+    @classmethod
+    def of(cls, window: int, causal: bool, seq_len: int | None) -> Span:
+        hi = window - 1 if window > 0 else None
+        lo = 0 if causal else (None if hi is None else -hi)
+        return cls(lo, hi, seq_len)
+
+    def keys_seen(self, q_sorted: Tensor, k_pos: Tensor) -> Tensor:
+        """bool[Tk]: keys visible to at least one query (some q in [k + lo, k + hi]); queries sorted."""
+        n = q_sorted.numel()
+        if self.lo is None:
+            first = torch.zeros_like(k_pos)
+        else:
+            first = torch.searchsorted(q_sorted, k_pos + self.lo)  # first query at k + lo or later
+        seen = first < n
+        if self.hi is not None and n:
+            seen &= q_sorted[first.clamp(max=n - 1)] <= k_pos + self.hi
+        if self.seq_len is not None:
+            seen &= k_pos < self.seq_len
+        return seen
+
+    def rows_seeing(self, k_sorted: Tensor, q_pos: Tensor) -> Tensor:
+        """bool[Tq]: queries that see at least one key (some k in [q - hi, q - lo]); keys sorted and
+        all real (never padding)."""
+        n = k_sorted.numel()
+        if self.hi is None:
+            first = torch.zeros_like(q_pos)
+        else:
+            first = torch.searchsorted(k_sorted, q_pos - self.hi)  # first key at q - hi or later
+        sees = first < n
+        if self.lo is not None and n:
+            sees &= k_sorted[first.clamp(max=n - 1)] <= q_pos - self.lo
+        return sees
+
+    def all_visible(self, q_pos: Tensor, k_pos: Tensor) -> bool:
+        """Every (query, key) pair is visible (no mask needed); keys all real."""
+        return (self.lo is None or bool(q_pos.min() - k_pos.max() >= self.lo)) and (
+            self.hi is None or bool(q_pos.max() - k_pos.min() <= self.hi)
+        )
+
+
+@dataclass
+class Tile:
+    """One piece of work at a ring step: some of this rank's query rows × a run of held keys."""
+
+    rows: Index
+    """Local query rows that see at least one key of the tile."""
+    cols: Index
+    """The tile's keys, as entries of the payload held at this step."""
+    grad_cols: Index
+    """Where those keys' dK/dV go: the block itself at step 0, else the travelling hop-1 buffer."""
+    q_pos: Tensor
+    k_pos: Tensor
+    dense: bool
+    """Every (row, key) pair is visible: no mask is built."""
+
+
+@dataclass
+class RingPlan:
+    """Who sends which keys at which step, and what each rank computes; identical on every rank
+    (built from all ranks' positions).
+
+    `carry[j][t]` (t >= 1): bool over block j's keys that hop t carries — keys some rank t or more
+    hops downstream of j still needs. `hops[j]`: the last hop block j makes (0: it never leaves)."""
+
+    rank: int
+    size: int
+    span: Span
+    kv_tile: int
+    device: torch.device
+    pos: list[Tensor]
+    carry: list[list[Tensor]]
+    hops: list[int]
+    call: int = 0
+    """Which ring-attention call this is (every rank makes the same calls): labels messages."""
+    _tiles: dict[int, list[Tile]] = field(default_factory=dict)
+    _payloads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    _selections: dict[int, Index] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, positions: Tensor, span: Span, kv_tile: int, group: ProcessGroup) -> RingPlan:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        gathered = [torch.empty_like(positions) for _ in range(size)]
+        dist.all_gather(gathered, positions.contiguous(), group=group)
+        pos = [p.cpu() for p in gathered]
+        sorted_pos = [p.sort().values for p in pos]
+        carry, hops = [], []
+        for j in range(size):
+            need = [span.keys_seen(sorted_pos[(j + t) % size], pos[j]) for t in range(size)]
+            need[0] = torch.zeros_like(need[0])
+            c = [need[-1]]
+            for t in range(size - 2, -1, -1):  # suffix OR: needed at this hop or further
+                c.append(c[-1] | need[t])
+            c.reverse()
+            carry.append(c)
+            hops.append(max((t for t in range(1, size) if need[t].any()), default=0))
+        call = next(_CALLS)
+        return cls(rank, size, span, kv_tile, positions.device, pos, carry, hops, call)
+
+    def owner(self, step: int) -> int:
+        """The block this rank holds at `step`."""
+        return (self.rank - step) % self.size
+
+    def holds(self, step: int) -> bool:
+        return step == 0 or self.hops[self.owner(step)] >= step
+
+    def incoming(self, step: int, B: int, Hkv: int, d: int) -> tuple[int, ...] | None:
+        """Shape of the [2, B, Hkv, keys, d] K/V payload arriving for `step`, None if none does."""
+        if not 0 < step < self.size or not self.holds(step):
+            return None
+        return (2, B, Hkv, self.payload(self.owner(step), step).numel(), d)
+
+    def sends(self, step: int) -> bool:
+        """Whether this rank forwards its held block after `step` (hop step + 1)."""
+        return step + 1 < self.size and self.hops[self.owner(step)] >= step + 1
+
+    def payload(self, j: int, hop: int) -> Tensor:
+        """Indices into block j of the keys present on `hop` (all of them at the owner)."""
+        if (j, hop) not in self._payloads:
+            self._payloads[(j, hop)] = (
+                torch.arange(self.pos[j].numel())
+                if hop == 0
+                else self.carry[j][hop].nonzero().flatten()
+            )
+        return self._payloads[(j, hop)]
+
+    def forward_selection(self, step: int) -> Index:
+        """Which entries of the payload held at `step` travel on to hop step + 1."""
+        if step not in self._selections:
+            j = self.owner(step)
+            here = self.payload(j, step)
+            keep = self.carry[j][step + 1][here].nonzero().flatten()
+            self._selections[step] = Index(keep, here.numel(), self.device)
+        return self._selections[step]
+
+    def tiles(self, step: int) -> list[Tile]:
+        """The work at `step` (empty: the whole held block is masked for every local query).
+
+        Only keys seen by some local query are used, cut into runs of consecutive positions of at
+        most `kv_tile` keys; each run takes only the query rows that see it. Zigzag's two chunks are
+        two runs, so its masked chunk pairs are skipped exactly; long runs bound the score memory."""
+        if step in self._tiles:
+            return self._tiles[step]
+        j = self.owner(step)
+        here = self.payload(j, step)
+        q_pos, k_pos = self.pos[self.rank], self.pos[j][here]
+        cols = self.span.keys_seen(q_pos.sort().values, k_pos).nonzero().flatten()
+        kp = k_pos[cols]
+        breaks = ((cols[1:] != cols[:-1] + 1) | (kp[1:] != kp[:-1] + 1)).nonzero().flatten() + 1
+        bounds = [0, *breaks.tolist(), cols.numel()]
+        grad_base = here if step == 0 else self.payload(j, 1)
+        tiles = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            for a in range(lo, hi, self.kv_tile):
+                c = cols[a : min(hi, a + self.kv_tile)]
+                tile_pos = kp[a : a + c.numel()]  # consecutive, so already sorted
+                row_mask = self.span.rows_seeing(tile_pos, q_pos)
+                rows_pos = q_pos[row_mask]
+                dense = self.span.all_visible(rows_pos, tile_pos)
+                tiles.append(
+                    Tile(
+                        Index(row_mask.nonzero().flatten(), q_pos.numel(), self.device),
+                        Index(c, here.numel(), self.device),
+                        Index(torch.searchsorted(grad_base, here[c]), -1, self.device),
+                        rows_pos.to(self.device),
+                        tile_pos.to(self.device),
+                        dense,
+                    )
+                )
+        self._tiles[step] = tiles
+        return tiles
+
+    def mask(self, tile: Tile) -> Tensor | None:
+        if tile.dense:
+            return None
+        window = 0 if self.span.hi is None else self.span.hi + 1
+        return attention_mask(tile.q_pos, tile.k_pos, window, causal=self.span.lo == 0)
