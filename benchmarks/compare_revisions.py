@@ -4,9 +4,9 @@
 
 The benchmark script is the working tree's; only the library it imports changes: the base revision
 is checked out into a temporary git worktree and put first on PYTHONPATH. Runs alternate base,
-head, head, base, … so drift on a shared machine, and going first, hit both alike. Prints one JSON object: for every
-numeric leaf of the benchmark's JSON, the median over runs for base and head, head/base, and the
-smallest and largest run of each (the noise to read the ratio against).
+head, head, base, … so drift on a shared machine, and going first, hit both alike. Prints one JSON
+object: for every numeric leaf of the benchmark's JSON, the median over runs for base and head,
+head/base, and the smallest and largest run of each (the noise to read the ratio against).
 """
 
 from __future__ import annotations
