@@ -332,6 +332,8 @@ class _RingAttention(torch.autograd.Function):
             dq = torch.zeros_like(qg)
             dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
             home = None  # the group receiving this block's dK/dV computed by the others
+            # its last holder sends them in the group after its last step with the block
+            home_step = plan.hops[rank] + 1 if plan.hops[rank] >= 1 else None
             held = torch.stack([k, v])
             passing: list[p2p.Send] = []  # the dK/dV the previous step computed, to go on
             for step in range(n + 1):
@@ -341,15 +343,15 @@ class _RingAttention(torch.autograd.Function):
                     recvs += _kv_recv(plan, ring, plan.incoming(step + 1, B, Hkv, d), step, k.dtype)
                 sends += passing
                 j = plan.owner(step)
-                if 2 <= step < n and plan.holds(step):  # the earlier holders' share of block j
+                if step >= 2 and plan.arrives(step):  # the earlier holders' share of block j
                     shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
                     recvs.append(p2p.Recv(shape, torch.float32, ring.prev, ring.dkv_label(j, step)))
-                if plan.hops[rank] >= 1 and step == plan.hops[rank] + 1:
+                if step == home_step:
                     last = (rank + plan.hops[rank]) % n
                     shape = (2, B, Hkv, plan.payload(rank, 1).numel(), d)
                     recvs.append(p2p.Recv(shape, torch.float32, last, ring.home_label(rank)))
                 group = ring.post(sends, recvs, q.device)
-                if plan.hops[rank] >= 1 and step == plan.hops[rank] + 1:
+                if step == home_step:
                     home = group
                 if step == n:
                     if group is not None:
@@ -429,7 +431,7 @@ def _next_block(batch: p2p.Batch | None, plan: RingPlan, ring: Ring, step: int) 
     if batch is None:
         return None
     block = None
-    if plan.incoming(step + 1, 1, 1, 1) is not None:
+    if plan.arrives(step + 1):
         block = batch.recv(ring.kv_label(plan.owner(step + 1), step + 1))
     batch.wait_sends()
     return block

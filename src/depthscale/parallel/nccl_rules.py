@@ -89,16 +89,14 @@ def replay(traces: list[list[dict]]) -> Report:
     def post(rank: int, event: dict) -> None:
         group = tuple(event.get("group", ()))
         batched = event.get("batched", True)
-        for kind, peer, label, nbytes in event["ops"]:
-            stream = (
-                ("group", group) if batched else ("pair", group, min(rank, peer), max(rank, peer))
-            )
-            unit = units.get((rank, event["post"]))
-            if unit is None or unit.stream != stream:
-                if unit is not None:
-                    raise ValueError(f"rank {rank}: unbatched post {event['post']} has several ops")
-                unit = units[(rank, event["post"])] = _Unit(rank, event["post"], stream)
-                streams[(rank, stream)].append(unit)
+        ops = event["ops"]
+        if not batched and len(ops) != 1:
+            raise ValueError(f"rank {rank}: unbatched post {event['post']} has {len(ops)} ops")
+        stream = ("group", group) if batched else ("pair", group, *sorted((rank, ops[0][1])))
+        unit = units[(rank, event["post"])] = _Unit(rank, event["post"], stream)
+        if ops:  # an empty group is done at once
+            streams[(rank, stream)].append(unit)
+        for kind, peer, label, nbytes in ops:
             op = _Op(kind, rank, peer, label, nbytes, unit)
             unit.ops.append(op)
             comm = (group, batched)
@@ -108,8 +106,6 @@ def replay(traces: list[list[dict]]) -> Report:
             k = len(mine[(comm, src, dst)]) - 1
             if k < len(theirs[(comm, src, dst)]):
                 _pair(op, theirs[(comm, src, dst)][k], report)
-        if not event["ops"]:
-            units[(rank, event["post"])] = _Unit(rank, event["post"], ("empty",))
 
     def advance_hosts() -> bool:
         moved = False
@@ -130,7 +126,7 @@ def replay(traces: list[list[dict]]) -> Report:
 
     def run_streams() -> bool:
         moved = False
-        for (_, _), queue in list(streams.items()):
+        for queue in list(streams.values()):
             while queue:
                 head = queue[0]
                 for op in head.ops:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,11 +89,6 @@ class Batch:
         """Where the caller placed this group in its posting order (set by the caller)."""
         traffic.send_bytes_live += sum(s.nbytes for s in self._sends)
         traffic.peak_send_bytes_live = max(traffic.peak_send_bytes_live, traffic.send_bytes_live)
-
-    @property
-    def sending(self) -> bool:
-        """Some send buffer is still held."""
-        return bool(self._sends)
 
     def recv(self, label: str) -> Tensor:
         works = list(self._works) if self._recv_works is None else [self._recv_works.pop(label)]
@@ -209,7 +205,7 @@ def _record_post(
             "recv",
             dist.get_global_rank(group, r.peer),
             r.label,
-            _numel(r.shape) * torch.empty((), dtype=r.dtype).element_size(),
+            math.prod(r.shape) * r.dtype.itemsize,
         ]
         for r in recvs
     ]
@@ -217,13 +213,6 @@ def _record_post(
         {"post": gid, "ops": ops, "group": dist.get_process_group_ranks(group), "batched": True}
     )
     return gid
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 __all__ = ["Batch", "Recv", "Send", "Traffic", "post", "recording"]

@@ -171,9 +171,13 @@ class RingPlan:
     def holds(self, step: int) -> bool:
         return step == 0 or self.hops[self.owner(step)] >= step
 
+    def arrives(self, step: int) -> bool:
+        """Whether a block arrives over the ring for `step`."""
+        return 0 < step < self.size and self.holds(step)
+
     def incoming(self, step: int, B: int, Hkv: int, d: int) -> tuple[int, ...] | None:
         """Shape of the [2, B, Hkv, keys, d] K/V payload arriving for `step`, None if none does."""
-        if not 0 < step < self.size or not self.holds(step):
+        if not self.arrives(step):
             return None
         return (2, B, Hkv, self.payload(self.owner(step), step).numel(), d)
 

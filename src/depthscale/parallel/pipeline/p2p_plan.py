@@ -17,7 +17,7 @@ as soon as the rank's earlier sends are out. `nccl_rules.replay` checks the resu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from depthscale.parallel.pipeline.schedules import Action, Kind, Layout, Schedule, simulate
@@ -108,10 +108,12 @@ def rank_program(
     return program
 
 
-def consumed_receive(a: Action, rank_actions: Container[tuple]) -> tuple | None:
-    """The receive (kind, microbatch, stage) a compute consumes, if the schedule has one."""
-    key = (Kind.RECV_F if a.kind == Kind.F else Kind.RECV_B, a.microbatch, a.stage)
-    return key if key in rank_actions else None
+def consumed_receive(a: Action, rank_actions: Mapping[tuple, Action]) -> Action | None:
+    """The receive a compute consumes, if the schedule has one (`rank_actions`: the rank's
+    actions by (kind, microbatch, stage))."""
+    return rank_actions.get(
+        (Kind.RECV_F if a.kind == Kind.F else Kind.RECV_B, a.microbatch, a.stage)
+    )
 
 
 def program_trace(
@@ -143,10 +145,11 @@ def program_trace(
                     sends_to[gid] = peers
             else:
                 recv = consumed_receive(step.action, keys)
-                if recv is not None and not skip(Action(recv[0], recv[1], recv[2])):
-                    if recv not in posted:
+                if recv is not None and not skip(recv):
+                    key = (recv.kind, recv.microbatch, recv.stage)
+                    if key not in posted:
                         raise AssertionError(f"rank {rank}: {step.action} runs before its receive")
-                    gid, peer = posted[recv], keys[recv].peer
+                    gid, peer = posted[key], recv.peer
                     events.append({"wait": gid})
                     for earlier, peers in sends_to.items():
                         if earlier < gid and peer in peers:

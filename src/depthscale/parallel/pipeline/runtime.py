@@ -4,9 +4,9 @@ MegaScale-style decoupling: a receive is posted early and waited on only when th
 it starts; a send does not hold up the compute after it. A sent buffer is freed once the send is
 known complete: polled after every compute (NCCL reports completion) or, since gloo reports it only
 to a wait, when a later message from the same peer proves the receive was posted there — at the
-latest at the end of the step. When each message is posted comes from `p2p_plan`: every rank posts its sends and
-receives as groups, in one global order all ranks agree on, so the same code runs under NCCL (no
-tags, pairing by posting order) as under gloo. A hop carries one tensor [n, micro_batch, seq, dim]:
+latest at the end of the step. When each message is posted comes from `p2p_plan`: every rank posts
+its sends and receives as groups, in one global order all ranks agree on, so the same code runs
+under NCCL (no tags, pairing by posting order) as under gloo. A hop carries one tensor [n, micro_batch, seq, dim]:
 the partial sum and the depth-state blocks the receiver lacks, packed so each hop is a single
 message whose shape both sides compute from the stage cut (no shape handshake). The cross-stage
 cache decides which blocks a hop must carry; a hop with nothing to carry is left out at both ends.
@@ -166,13 +166,10 @@ class _Step:
 
     def take(self, a: Action) -> Tensor | None:
         """The receive compute `a` consumes, waited on; None if it has none."""
-        key = consumed_receive(a, self.rt._messages)
-        if key is None:
+        recv = consumed_receive(a, self.rt._messages)
+        if recv is None or self.rt._empty_hop(recv):
             return None
-        recv = self.rt._messages[key]
-        if self.rt._empty_hop(recv):
-            return None
-        batch = self.receives.pop(key)
+        batch = self.receives.pop(_key(recv))
         hop = batch.recv(self.label(recv))
         # The peer posts in the global order too, so before sending this it had posted the
         # receives of everything this rank sent it in earlier groups: those sends are complete
