@@ -34,6 +34,7 @@ def _config(residual: str, chunks: int, n_layers: int = 2) -> Config:
     m.n_layers = n_layers
     m.residual, m.attnres_n_blocks = residual, 2
     cfg.parallel.tp_overlap_chunks = chunks
+    cfg.train.batch_size, cfg.train.micro_batch_size = BATCH, 1
     return cfg
 
 
@@ -43,7 +44,7 @@ def _full(t):
 
 def _setup(residual: str, dims_kw: dict, chunks: int, **model_kw):
     """Mesh, the single-process reference and the parallelized copy (same seed), their optimizers,
-    this rank's rows of the batch and its pipeline stages."""
+    this rank's rows of the batch and the parallel plan."""
     dims_kw = dict(dims_kw)
     virtual = dims_kw.pop("pp_virtual", 1)
     dims = ParallelDims(**dims_kw).validate(dist.get_world_size())
@@ -58,11 +59,11 @@ def _setup(residual: str, dims_kw: dict, chunks: int, **model_kw):
     ref = Transformer(cfg.model)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
-    stages = parallelize(model, mesh, dims, cfg)
+    plan = parallelize(model, mesh, dims, cfg)
     rank, size = dp_rank_and_size(mesh, dims)
     rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
     opts = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
-    return dims, mesh, ref, model, opts, rows, stages
+    return dims, mesh, ref, model, opts, rows, plan
 
 
 def _finish_step(ref, model, opts, worst):
@@ -179,10 +180,10 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
         tied_embedding_group,
     )
 
-    dims, mesh, ref, model, opts, rows, stages = _setup(
+    dims, mesh, ref, model, opts, rows, plan = _setup(
         residual, dims_kw, 1, n_layers=4, tie_embeddings=tie
     )
-    cfg = model.cfg
+    stages, cfg = plan.stages, model.cfg
     pp, virtual, pp_rank = dims.pp, len(stages), mesh.get_local_rank("pp")
     pp_group = mesh["pp"].get_group()
     micro = rows.stop - rows.start
@@ -298,3 +299,52 @@ def test_pipeline_composes_with_dp_and_tp(dist_pool, residual, dims_kw, tie):
         if "tp" not in dims_kw:  # data parallel: one gradient reduction per unit and step
             deferred, every_micro = reductions[0], reductions[-1]
             assert deferred > 0 and every_micro == micro * deferred, reductions
+
+
+def _through_plan(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
+    """A step exactly as the trainer runs it: `ParallelPlan.forward_backward` over one-row
+    micro-batches, `reduce_gradients`, `clip_gradients` (measuring only), the loss share averaged
+    over all ranks."""
+    dims, mesh, ref, model, opts, rows, plan = _setup(
+        residual, dims_kw, 1, n_layers=4, tie_embeddings=tie
+    )
+    g = torch.Generator().manual_seed(1)
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    worst = {"grad": 0.0, "param": 0.0}
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (BATCH, SEQ), generator=g)
+        labels = torch.randint(0, 64, (BATCH, SEQ), generator=g)
+        ref_loss = cross_entropy(ref(tokens), labels)
+        ref_loss.backward()
+        share = plan.forward_backward(model, tokens[rows], labels[rows], rows.stop - rows.start)
+        plan.reduce_gradients()
+        norms.append(plan.clip_gradients(0.0).item())
+        dist.all_reduce(share)
+        losses.append(share.item() / dist.get_world_size())
+        ref_losses.append(ref_loss.item())
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1e9).item())
+        worst = _finish_step(ref, model, opts, worst)
+    return losses, ref_losses, norms, ref_norms, worst
+
+
+def _check_plan_run(results, residual: str) -> None:
+    bound = _bound(residual, n_layers=4)
+    norm_bound = bound + fp32_sum_bound(_N_PARAMS, pairwise=True, block=16)
+    for losses, ref_losses, norms, ref_norms, worst in results:
+        _check(losses, ref_losses, worst, bound)
+        for step, (norm, ref_norm) in enumerate(zip(norms, ref_norms)):
+            check(abs(norm - ref_norm) / ref_norm, norm_bound, f"step {step} gradient norm")
+
+
+@pytest.mark.parametrize(
+    "residual,dims_kw,tie",
+    [
+        ("block", {"pp": 2, "tp": 2}, True),
+        ("block", {"cp": 2, "dp_shard": 2}, False),
+        ("full", {"tp": 2, "dp_replicate": 2}, True),
+    ],
+)
+def test_the_trainers_plan_matches_single_process(dist_pool, residual, dims_kw, tie):
+    """The `ParallelPlan` the trainer steps through, on one layout of each kind (pipeline, context
+    and tensor parallel, with data parallelism): the same bounds as the layouts driven by hand."""
+    _check_plan_run(dist_pool(4).run(_through_plan, residual, dims_kw, tie), residual)

@@ -12,13 +12,16 @@ bit-identical weights; parallelizing only slices and wraps them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.config import Config
 from depthscale.errors import ConfigError
 from depthscale.model.transformer import Transformer
-from depthscale.parallel.mesh import ParallelDims
+from depthscale.parallel.mesh import DistEnv, ParallelDims, init_distributed
+from depthscale.parallel.plan import ParallelPlan
 
 
 def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
@@ -56,19 +59,51 @@ def check_layout(cfg: Config) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits: its ranks, the layout's degrees, the mesh (None for one process),
+    its device, and the slice of the global batch it trains on."""
+
+    env: DistEnv
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    device: torch.device
+    dp_rank: int
+    dp_size: int
+
+
+def init_layout(cfg: Config, device: torch.device) -> Layout:
+    """Join the process group (when launched with several processes), check the layout in `cfg`
+    against the world size, and build the mesh."""
+    dims = ParallelDims.from_config(cfg.parallel)
+    env = init_distributed(device.type)
+    dims.validate(env.world_size)
+    check_layout(cfg)
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+    mesh = dims.build_mesh(device.type) if env.world_size > 1 else None
+    return Layout(env, dims, mesh, device, *dp_rank_and_size(mesh, dims))
+
+
 def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
-    """Which slice of the global batch this rank trains on: ranks differing only in tp (or cp) share one."""
+    """Which slice of the global batch this rank trains on: ranks differing only in tp, cp or pp
+    share one."""
     if mesh is None:
         return 0, 1
     rank = mesh.get_local_rank("dp_replicate") * dims.dp_shard + mesh.get_local_rank("dp_shard")
     return rank, dims.dp
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: Config) -> list:
-    """Shard and wrap `model` in place for the layout `dims` on `mesh`; returns this rank's pipeline
-    stages (empty without pipeline parallelism). The pipeline split comes first: it decides which
-    layers a rank keeps, and everything after applies to those."""
+def parallelize(
+    model: Transformer, mesh: DeviceMesh | None, dims: ParallelDims, cfg: Config
+) -> ParallelPlan:
+    """Shard and wrap `model` in place for the layout `dims` on `mesh` (None: one process, nothing
+    to do); returns the plan a training step follows. The pipeline split comes first: it decides
+    which layers a rank keeps, and everything after applies to those."""
     check_supported(dims, cfg.parallel.pp_virtual)
+    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+    if mesh is None:
+        return ParallelPlan(model, None, dims, [], cfg.grad_accum_steps, dtype)
     stages = []
     if dims.pp > 1:
         from depthscale.parallel.pipeline.stage import build_stages
@@ -86,11 +121,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: C
         from depthscale.parallel.data_parallel import apply_fsdp
 
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        param_dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
         apply_fsdp(
             model,
             dp_mesh,
-            param_dtype=param_dtype,
+            param_dtype=dtype,
             reduce_dtype=torch.float32,
             reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
             roots=stages or None,
@@ -99,4 +133,4 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, cfg: C
         from depthscale.parallel.data_parallel import apply_ddp
 
         apply_ddp(model, mesh["dp_replicate"], roots=stages or None)
-    return stages
+    return ParallelPlan(model, mesh, dims, stages, cfg.grad_accum_steps, dtype)

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +24,9 @@ from depthscale.config import Config, ConfigError, to_toml
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import CheckpointError, TrainingError
-from depthscale.model.transformer import Transformer, cross_entropy
+from depthscale.model.transformer import Transformer
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
-from depthscale.parallel.mesh import ParallelDims, init_distributed
-from depthscale.parallel.parallelize import check_layout, dp_rank_and_size, parallelize
-from depthscale.parallel.pipeline.depth_cache import DepthCache
-from depthscale.parallel.pipeline.runtime import PipelineRuntime
-from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
-from depthscale.parallel.pipeline.stage import (
-    counted_elsewhere,
-    split_layers,
-    sync_tied_grads,
-    tied_embedding_group,
-)
+from depthscale.parallel.parallelize import init_layout, parallelize
 from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.faults import maybe_inject_fault
 from depthscale.train.host import keep_freed_host_memory
@@ -82,14 +71,9 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         if cfg.train.keep_host_memory:
             keep_freed_host_memory()
-        self.dims = ParallelDims.from_config(cfg.parallel)
-        self.env = init_distributed(self.device.type)
-        self.dims.validate(self.env.world_size)
-        check_layout(cfg)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", self.env.local_rank)
-        self.mesh = self.dims.build_mesh(self.device.type) if self.env.world_size > 1 else None
-        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
+        self.layout = init_layout(cfg, self.device)
+        self.env, self.device = self.layout.env, self.layout.device
+        self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
         self.dtype = DTYPES[cfg.train.dtype]
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -103,15 +87,11 @@ class Trainer:
         resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
         # Every rank builds the same model from the same seed; parallelizing then only slices it.
         self.model = Transformer(cfg.model).to(self.device)
-        self.pipeline = None
-        if self.mesh is not None:
-            stages = parallelize(self.model, self.mesh, self.dims, cfg)
-            if stages:
-                self.pipeline = _build_pipeline(cfg, self.mesh, stages)
-        apply_recompute(self.model, cfg.train.recompute)  # after tp, which swaps the block classes
+        self.plan = parallelize(self.model, self.layout.mesh, self.layout.dims, cfg)
+        apply_recompute(
+            self.model, cfg.train.recompute
+        )  # after parallelize: it may swap block classes
         self.offload = OffloadStats() if cfg.train.offload_activations else None
-        if self.pipeline is not None:
-            self.pipeline.train.forward_context = self._offloading
         # static shapes: train and eval batches differ, and dynamic-shape tracing of the custom AttnRes
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
         self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
@@ -166,27 +146,6 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def loss(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """(loss to backpropagate, mean token loss to report). Under context parallelism each rank
-        runs its zigzag share of every sequence (padded so it divides), and the two differ: see
-        `context_parallel.cp_loss`."""
-        x, y = inputs.to(self.device), labels.to(self.device)
-        if self.dims.cp > 1:
-            from depthscale.parallel import context_parallel as cpar
-
-            cp, rank = self.dims.cp, self.mesh.get_local_rank("cp")
-            x, y = cpar.pad_for_cp(x, y, cp, "zigzag")
-            positions = cpar.positions_for(x.shape[1], rank, cp, "zigzag", self.device)
-            x = cpar.shard_sequence(x, rank, cp, 1, "zigzag")
-            y = cpar.shard_sequence(y, rank, cp, 1, "zigzag")
-            with self.autocast():
-                logits = self.forward(x, positions=positions)
-            return cpar.cp_loss(logits, y, self.mesh["cp"].get_group())
-        with self.autocast():
-            logits = self.forward(x)
-        loss = cross_entropy(logits, y)
-        return loss, loss.detach()
-
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch, in `grad_accum_steps` micro-batches."""
         cfg = self.cfg
@@ -194,29 +153,16 @@ class Trainer:
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         set_lr(self.optimizer, lr)
         inputs, labels = self.batches.next_batch()
-        accum = cfg.grad_accum_steps
-        if self.pipeline is not None:
-            total = self._pipeline_loss(inputs, labels, forward_only=False)
-        else:
-            total = torch.zeros((), device=self.device)
-            for x, y in zip(inputs.chunk(accum), labels.chunk(accum)):
-                with self._offloading():
-                    loss, report = self.loss(x, y)
-                (loss / accum).backward()
-                total += report / accum
-            if self.dims.cp > 1:
-                from depthscale.parallel.context_parallel import cp_all_reduce_grads
-
-                cp_all_reduce_grads(self.model, self.mesh["cp"].get_group())
-        if self.pipeline is not None and self.pipeline.tied_group is not None:
-            sync_tied_grads(self.model, self.pipeline.tied_group)
-        if self.dims.tp > 1:
-            from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
-
-            tp_sync_replicated_grads(
-                self.model
-            )  # norms / AttnRes queries saw only this rank's tokens
-        grad_norm = self._clip_gradients()
+        total = self.plan.forward_backward(
+            self.forward,
+            inputs,
+            labels,
+            cfg.grad_accum_steps,
+            autocast=self.autocast,
+            around_forward=self._offloading,
+        )
+        self.plan.reduce_gradients()
+        grad_norm = float(self.plan.clip_gradients(cfg.train.grad_clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -233,32 +179,15 @@ class Trainer:
             return contextlib.nullcontext()
         return offload_activations(self.offload)
 
-    def _pipeline_loss(self, inputs: Tensor, labels: Tensor, forward_only: bool) -> Tensor:
-        """Run the pipeline schedule over `grad_accum_steps` micro-batches; every pipeline rank gets
-        the loss (computed on the last stage) so logging works on rank 0."""
-        accum = self.cfg.grad_accum_steps
-        xs = [x.to(self.device) for x in inputs.chunk(accum)]
-        ys = [y.to(self.device) for y in labels.chunk(accum)]
-        # under tp the depth state between stages is a sequence shard
-        shape = (xs[0].shape[0], xs[0].shape[1] // self.dims.tp, self.cfg.model.dim)
-        runtime = self.pipeline.evaluation(len(xs)) if forward_only else self.pipeline.train
-        with self.autocast():
-            loss, _ = runtime.step(xs, ys, shape, self.dtype, self.device)
-        total = loss if loss is not None else torch.zeros((), device=self.device)
-        dist.all_reduce(
-            total, group=self.pipeline.group
-        )  # only the last stage holds a non-zero loss
-        return total
-
     def _mean_over_ranks(self, value: Tensor) -> float:
         return self._mean_and_stop(value)[0]
 
     def _mean_and_stop(self, value: Tensor) -> tuple[float, bool]:
         """(global mean loss, whether any rank received a stop signal), in one reduction.
 
-        Each dp rank's loss is the mean over its own tokens (ranks hold equal token counts), and tp
-        ranks (and pp ranks, after `_pipeline_loss`) repeat it, so the global mean is the mean over
-        all ranks. The stop flag rides along so that every rank stops after the same step."""
+        `value` is this rank's share of the loss (`ParallelPlan.forward_backward`): the global mean
+        is the mean over all ranks. The stop flag rides along so that every rank stops after the
+        same step."""
         stop = self.signals is not None and self.signals.received is not None
         if self.env.world_size == 1:
             return value.item(), stop
@@ -267,49 +196,17 @@ class Trainer:
         mean, stops = packed.tolist()
         return mean / self.env.world_size, stops > 0
 
-    def _global_params(self) -> int:
-        """The whole model's parameter count, whatever the layout: sharded (DTensor) parameters
-        report their global shape; pipeline ranks hold disjoint parts (the tied head counted once)."""
-        n = self.model.num_params()
-        if self.pipeline is None:
-            return n
-        n -= sum(p.numel() for p in counted_elsewhere(self.model, self.pipeline.tied_group))
-        total = torch.tensor(n, dtype=torch.int64, device=self.device)
-        dist.all_reduce(total, group=self.pipeline.group)
-        return int(total)
-
-    def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.mesh is not None:
-            from depthscale.parallel.data_parallel import clip_grad_norm_
-
-            across, excludes = None, []
-            if self.pipeline is not None:  # stages hold different parameters
-                across = self.pipeline.group
-                excludes = counted_elsewhere(self.model, self.pipeline.tied_group)
-            norm = clip_grad_norm_(
-                params, self.cfg.train.grad_clip, across=across, norm_excludes=excludes
-            )
-            return float(norm)
-        if self.cfg.train.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        return float(norm)
-
     @torch.no_grad()
     def evaluate(self) -> float | None:
         if self.data.val is None:
             return None
         self.model.eval()
         batches = self.data.val.iter_eval(self.cfg.train.eval_batches, self.dp_rank, self.dp_size)
-        if self.pipeline is not None:
-            losses = [
-                self._mean_over_ranks(self._pipeline_loss(x, y, forward_only=True))
-                for x, y in batches
-            ]
-        else:
-            losses = [self._mean_over_ranks(self.loss(x, y)[1]) for x, y in batches]
+        accum = self.cfg.grad_accum_steps
+        losses = [
+            self._mean_over_ranks(self.plan.evaluate(self.forward, x, y, accum, self.autocast))
+            for x, y in batches
+        ]
         self.model.train()
         return sum(losses) / len(losses) if losses else None
 
@@ -337,7 +234,7 @@ class Trainer:
             )
             return history
         _print(
-            f"depthscale: {self._global_params() / 1e6:.2f}M parameters, residual={cfg.model.residual}, "
+            f"depthscale: {self.plan.num_params() / 1e6:.2f}M parameters, residual={cfg.model.residual}, "
             f"device={self.device}, dtype={cfg.train.dtype}, run_dir={self.run_dir}"
             + (f", resumed at step {self.step}" if self.step else "")
         )
@@ -423,41 +320,6 @@ class Trainer:
             + (f"; the newest checkpoint is {latest}" if latest is not None else "")
             + ". Lower optim.lr, raise optim.warmup_steps or keep train.grad_clip > 0"
         )
-
-
-@dataclass
-class _Pipeline:
-    train: PipelineRuntime
-    group: dist.ProcessGroup
-    stages: list
-    rank: int
-    layers: list
-    tied_group: dist.ProcessGroup | None
-    evaluations: dict[int, PipelineRuntime] = field(default_factory=dict)
-
-    def evaluation(self, microbatches: int) -> PipelineRuntime:
-        cfg_pp, virtual = self.train.cache.ranks, len(self.stages)
-        if microbatches not in self.evaluations:  # building one simulates its schedule
-            self.evaluations[microbatches] = PipelineRuntime(
-                self.stages,
-                forward_only(cfg_pp, virtual, microbatches),
-                self.group,
-                self.train.cache,
-            )
-        return self.evaluations[microbatches]
-
-
-def _build_pipeline(cfg: Config, mesh, stages: list) -> _Pipeline:
-    """Runtimes for the training schedule and a forward-only pass (evaluation) on the `pp` group."""
-    pp, virtual = cfg.parallel.pp, cfg.parallel.pp_virtual
-    accum = cfg.grad_accum_steps  # a multiple of pp under interleaving (check_layout)
-    group = mesh["pp"].get_group()
-    rank = mesh.get_local_rank("pp")
-    layers = split_layers(cfg.model.n_layers, pp * virtual)
-    cache = DepthCache(cfg.model, layers, pp, enabled=True)
-    train = PipelineRuntime(stages, interleaved_1f1b(pp, virtual, accum), group, cache)
-    tied_group = tied_embedding_group(cfg.model, mesh)
-    return _Pipeline(train, group, stages, rank, layers, tied_group)
 
 
 def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:

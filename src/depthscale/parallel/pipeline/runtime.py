@@ -98,10 +98,14 @@ class PipelineRuntime:
         shape: tuple[int, int, int],
         dtype: torch.dtype,
         device: torch.device,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor | None, StepStats]:
-        """Run all actions for one optimizer step; returns the summed loss on the last stage's rank."""
+        """Run all actions for one optimizer step; returns the summed loss on the last stage's rank.
+        `positions`: the global positions of the tokens in every micro-batch (a sequence shard
+        under context parallelism), passed to every stage."""
         step_start = time.perf_counter()
         run = _Step(self, micro_inputs, micro_labels, (*shape,), dtype, device)
+        run.positions = positions
         last_backward = {a.stage: a for a in self.actions if a.kind == Kind.B}
         for item in self.program:
             if isinstance(item, Post):
@@ -144,6 +148,7 @@ class _Step:
         self.posted = 0  # groups posted so far this step
         self.stats = StepStats()
         self.total_loss: Tensor | None = None
+        self.positions: Tensor | None = None
 
     def post(self, actions: tuple[Action, ...]) -> None:
         sends, recvs = [], []
@@ -198,7 +203,8 @@ class _Step:
             state_in = rt.cache.receive(a.stage, a.microbatch, unit.recv)
         t0 = time.perf_counter()
         with rt._forward_context():
-            out = stage(state_in, self.labels[a.microbatch] if stage.spec.is_last else None)
+            labels = self.labels[a.microbatch] if stage.spec.is_last else None
+            out = stage(state_in, labels, self.positions)
         if stage.spec.is_last:
             unit.loss = out / self.n_micro
             loss = unit.loss.detach()

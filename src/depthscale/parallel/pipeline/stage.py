@@ -8,6 +8,7 @@ so receivers know every message's shape in advance (no shape handshake).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,21 +93,29 @@ class PipelineStage(nn.Module):
             self.output_residual = model.output_residual
             self.norm, self.output = model.norm, model.output
         link_groups([r for layer in self.layers for r in layer.residuals()])
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy
+        """logits, labels → the loss to backpropagate; the parallel plan sets the layout's."""
 
     @property
     def model(self) -> Transformer:
         return self._model[0]
 
-    def forward(self, inputs: Tensor | DepthState, labels: Tensor | None = None) -> Any:
+    def forward(
+        self,
+        inputs: Tensor | DepthState,
+        labels: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Any:
         """tokens (first stage) or the received depth state → the depth state to send on; the last
-        stage, given `labels`, returns the mean token loss instead."""
+        stage, given `labels`, returns the loss (`loss_fn`) instead. `positions`: the tokens'
+        global positions (None: 0..T-1)."""
         m = self.model
         state = m.embed(inputs) if self.spec.is_first else inputs
-        cos, sin = m.rope_for(state)
+        cos, sin = m.rope_for(state, positions)
         for layer in self.layers:
-            state = layer(state, cos, sin)
+            state = layer(state, cos, sin, positions)
         if self.spec.is_last and labels is not None:
-            return cross_entropy(m.head(state), labels)
+            return self.loss_fn(m.head(state), labels)
         return state
 
 

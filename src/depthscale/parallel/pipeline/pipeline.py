@@ -1,0 +1,91 @@
+"""This rank's part of the pipeline: its stages, the runtimes that run a step over them, and the
+groups a step's loss and tied-weight gradients travel on.
+
+One runtime runs the training schedule (interleaved 1F1B); evaluation runs a forward-only schedule,
+one runtime per micro-batch count (building one simulates its schedule, so they are kept).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from depthscale.config import ModelConfig
+from depthscale.model.transformer import Transformer
+from depthscale.parallel.pipeline.depth_cache import DepthCache
+from depthscale.parallel.pipeline.runtime import PipelineRuntime
+from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
+from depthscale.parallel.pipeline.stage import (
+    PipelineStage,
+    counted_elsewhere,
+    split_layers,
+    sync_tied_grads,
+    tied_embedding_group,
+)
+
+
+class Pipeline:
+    def __init__(
+        self, cfg: ModelConfig, mesh: DeviceMesh, stages: list[PipelineStage], microbatches: int
+    ) -> None:
+        """`microbatches`: per training step (a multiple of pp under interleaving, see
+        `parallelize.check_layout`)."""
+        self.stages = stages
+        self.group = mesh["pp"].get_group()
+        self.ranks, virtual = mesh.size(mesh.mesh_dim_names.index("pp")), len(stages)
+        layers = split_layers(cfg.n_layers, self.ranks * virtual)
+        self.cache = DepthCache(cfg, layers, self.ranks, enabled=True)
+        self.train = PipelineRuntime(
+            stages, interleaved_1f1b(self.ranks, virtual, microbatches), self.group, self.cache
+        )
+        self.tied_group = tied_embedding_group(cfg, mesh)
+        self._evaluations: dict[int, PipelineRuntime] = {}
+
+    def runtime(self, train: bool, microbatches: int) -> PipelineRuntime:
+        if train:
+            return self.train
+        if microbatches not in self._evaluations:
+            schedule = forward_only(self.ranks, len(self.stages), microbatches)
+            self._evaluations[microbatches] = PipelineRuntime(
+                self.stages, schedule, self.group, self.cache
+            )
+        return self._evaluations[microbatches]
+
+    def step(
+        self,
+        inputs: list[Tensor],
+        labels: list[Tensor],
+        hop_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        positions: Tensor | None = None,
+        train: bool = True,
+        forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ) -> Tensor:
+        """Run one step's schedule over the micro-batches; returns the mean micro-batch loss on
+        every pipeline rank (computed on the last stage, then summed over the pipeline group)."""
+        runtime = self.runtime(train, len(inputs))
+        runtime.forward_context = forward_context
+        device = inputs[0].device
+        loss, _ = runtime.step(inputs, labels, hop_shape, dtype, device, positions=positions)
+        total = loss if loss is not None else torch.zeros((), device=device)
+        dist.all_reduce(total, group=self.group)
+        return total
+
+    def sync_tied_grads(self, model: Transformer) -> None:
+        if self.tied_group is not None:
+            sync_tied_grads(model, self.tied_group)
+
+    def counted_elsewhere(self, model: Transformer) -> list[Tensor]:
+        return counted_elsewhere(model, self.tied_group)
+
+    def num_params(self, model: Transformer, device: torch.device) -> int:
+        """The whole model's parameter count: stages hold disjoint parts (the tied head once)."""
+        n = model.num_params() - sum(p.numel() for p in self.counted_elsewhere(model))
+        total = torch.tensor(n, dtype=torch.int64, device=device)
+        dist.all_reduce(total, group=self.group)
+        return int(total)

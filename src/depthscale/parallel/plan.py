@@ -1,0 +1,222 @@
+"""The parallel plan: everything dimension-specific a training step does, behind one object.
+
+`parallelize()` returns it. The trainer asks it to run a step's forward and backward over the
+micro-batches (`forward_backward`), to evaluate (`evaluate`), to finish and clip the gradients
+(`reduce_gradients`, `clip_gradients`) and to count parameters — and never asks which dimensions
+exist: adding one changes `parallel/`, not `train/`.
+
+What each dimension contributes:
+
+- dp: the rows of the global batch this rank trains on were chosen by the loader (`Layout.dp_rank`);
+  FSDP2 / DDP reduce the gradients inside backward.
+- cp: each sequence is cut into zigzag shards with their global positions (`SequenceShard`); the loss
+  is a sum over this rank's tokens scaled by the token count of the whole cp group (`TokenLoss`), and
+  gradients are averaged over cp.
+- tp: the replicated parameters' gradients (norms, AttnRes queries) are summed over tp.
+- pp: a step runs as the pipeline schedule (`Pipeline`), the loss is computed on the last stage with
+  the same `TokenLoss`; gradient norms are summed over the stages; tied embeddings are synced.
+
+Loss reporting: `forward_backward` and `evaluate` return this rank's *share* of the global mean loss —
+the mean over all ranks of the shares is the mean token loss of the global batch (ranks repeating a
+value, tp or pp, repeat it the same number of times everywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from depthscale.model.transformer import Transformer, cross_entropy
+from depthscale.parallel.mesh import ParallelDims
+
+ContextFactory = Callable[[], contextlib.AbstractContextManager]
+Forward = Callable[..., Tensor]
+
+
+def _null() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class SequenceShard:
+    """How each sequence of a batch is cut over the cp ranks: zigzag (head-tail) shards, padded to
+    a multiple of 2·cp, with the global positions of the kept tokens. cp = 1: unchanged."""
+
+    def __init__(self, rank: int = 0, size: int = 1) -> None:
+        self.rank, self.size = rank, size
+
+    def __call__(self, tokens: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self.size == 1:
+            return tokens, labels, None
+        from depthscale.parallel import context_parallel as cpar
+
+        tokens, labels = cpar.pad_for_cp(tokens, labels, self.size, "zigzag")
+        positions = cpar.positions_for(
+            tokens.shape[1], self.rank, self.size, "zigzag", tokens.device
+        )
+        tokens = cpar.shard_sequence(tokens, self.rank, self.size, 1, "zigzag")
+        labels = cpar.shard_sequence(labels, self.rank, self.size, 1, "zigzag")
+        return tokens, labels, positions
+
+
+class TokenLoss:
+    """Mean cross-entropy over the non-ignored tokens, for logits of this rank's tokens.
+
+    Returns (loss to backpropagate, this rank's share of the reported loss). Without a sequence
+    group both are the local mean. With one (cp), see `context_parallel.cp_loss`: the backward loss
+    is the local sum scaled by cp / (tokens of the whole group), so that averaging gradients over cp
+    gives the gradient of the global mean."""
+
+    def __init__(self, sequence_group: ProcessGroup | None = None) -> None:
+        self.sequence_group = sequence_group
+
+    def __call__(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        if self.sequence_group is None:
+            loss = cross_entropy(logits, labels)
+            return loss, loss.detach()
+        from depthscale.parallel.context_parallel import cp_loss
+
+        return cp_loss(logits, labels, self.sequence_group)
+
+
+class ParallelPlan:
+    """What a training step does on this rank, for the layout `dims` on `mesh` (None: one process).
+
+    Built by `parallelize()`; `stages` are this rank's pipeline stages (empty without pp)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        mesh: DeviceMesh | None,
+        dims: ParallelDims,
+        stages: list,
+        microbatches: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model, self.mesh, self.dims, self.stages = model, mesh, dims, stages
+        self.dtype = dtype
+        """What travels between pipeline stages under autocast (the receive buffers' dtype)."""
+        self.sequence = SequenceShard()
+        self.loss = TokenLoss()
+        if dims.cp > 1:
+            self.sequence = SequenceShard(mesh.get_local_rank("cp"), dims.cp)
+            self.loss = TokenLoss(mesh["cp"].get_group())
+        self.pipeline = None
+        if stages:
+            from depthscale.parallel.pipeline.pipeline import Pipeline
+
+            self.pipeline = Pipeline(model.cfg, mesh, stages, microbatches)
+            for stage in stages:
+                stage.loss_fn = lambda logits, labels: self.loss(logits, labels)[0]
+
+    # ------------------------------------------------------------------ forward and backward
+
+    def forward_backward(
+        self,
+        forward: Forward,
+        inputs: Tensor,
+        labels: Tensor,
+        microbatches: int,
+        autocast: ContextFactory = _null,
+        around_forward: ContextFactory = _null,
+    ) -> Tensor:
+        """Forward and backward of this rank's rows of the batch in `microbatches` pieces,
+        gradients accumulated; returns this rank's share of the mean loss (see the module doc).
+        `forward` is the model or its compiled form; `around_forward` is entered around every
+        micro-batch's forward (e.g. activation offloading)."""
+        device = self._device()
+        xs = [x.to(device) for x in inputs.chunk(microbatches)]
+        ys = [y.to(device) for y in labels.chunk(microbatches)]
+        if self.pipeline is not None:
+            return self._pipeline_step(xs, ys, True, autocast, around_forward)
+        total = torch.zeros((), device=device)
+        for x, y in zip(xs, ys):
+            with around_forward():
+                loss, report = self._loss(forward, x, y, autocast)
+            (loss / microbatches).backward()
+            total += report / microbatches
+        return total
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        forward: Forward,
+        inputs: Tensor,
+        labels: Tensor,
+        microbatches: int,
+        autocast: ContextFactory = _null,
+    ) -> Tensor:
+        """This rank's share of the mean loss of one evaluation batch (no gradients); a pipeline
+        runs it as `microbatches` pieces, anything else in one forward."""
+        device = self._device()
+        x, y = inputs.to(device), labels.to(device)
+        if self.pipeline is not None:
+            xs, ys = list(x.chunk(microbatches)), list(y.chunk(microbatches))
+            return self._pipeline_step(xs, ys, False, autocast, None)
+        return self._loss(forward, x, y, autocast)[1]
+
+    def _loss(
+        self, forward: Forward, x: Tensor, y: Tensor, autocast: ContextFactory
+    ) -> tuple[Tensor, Tensor]:
+        x, y, positions = self.sequence(x, y)
+        with autocast():
+            logits = forward(x) if positions is None else forward(x, positions=positions)
+        return self.loss(logits, y)
+
+    def _pipeline_step(self, xs, ys, train: bool, autocast, around_forward) -> Tensor:
+        sharded = [self.sequence(x, y) for x, y in zip(xs, ys)]
+        xs, ys = [s[0] for s in sharded], [s[1] for s in sharded]
+        positions = sharded[0][2]
+        # the depth state between stages: micro-batch rows × this rank's tokens (a sequence shard
+        # under tp as well as cp) × model width
+        hop = (xs[0].shape[0], xs[0].shape[1] // self.dims.tp, self.model.cfg.dim)
+        with autocast():
+            return self.pipeline.step(
+                xs, ys, hop, self.dtype, positions, train=train, forward_context=around_forward
+            )
+
+    # ------------------------------------------------------------------ gradients
+
+    def reduce_gradients(self) -> None:
+        """What FSDP2 / DDP do not: once per optimizer step, after the last backward."""
+        if self.dims.cp > 1:
+            from depthscale.parallel.context_parallel import cp_all_reduce_grads
+
+            cp_all_reduce_grads(self.model, self.mesh["cp"].get_group())
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_grads(self.model)
+        if self.dims.tp > 1:  # norms / AttnRes queries saw only this rank's tokens
+            from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
+
+            tp_sync_replicated_grads(self.model)
+
+    def clip_gradients(self, max_norm: float) -> Tensor:
+        """Scale the gradients so their global L2 norm is at most `max_norm` (<= 0: only measure);
+        returns the norm before clipping, the same on every rank."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.mesh is None:
+            if max_norm > 0:
+                return nn.utils.clip_grad_norm_(params, max_norm)
+            return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        from depthscale.parallel.data_parallel import clip_grad_norm_
+
+        across, excludes = None, []
+        if self.pipeline is not None:  # stages hold different parameters
+            across, excludes = self.pipeline.group, self.pipeline.counted_elsewhere(self.model)
+        return clip_grad_norm_(params, max_norm, across=across, norm_excludes=excludes)
+
+    # ------------------------------------------------------------------ sizes
+
+    def num_params(self) -> int:
+        """The whole model's parameter count, whatever the layout: sharded (DTensor) parameters
+        report their global shape; pipeline ranks hold disjoint parts."""
+        if self.pipeline is None:
+            return self.model.num_params()
+        return self.pipeline.num_params(self.model, self._device())
+
+    def _device(self) -> torch.device:
+        return self.model.rope_cos.device
