@@ -1,5 +1,5 @@
 """Composed layouts through the real `parallelize()`: tp × dp_shard (and tp × dp_replicate), cp × dp
-and cp × tp, and pipeline stages with dp_shard, HSDP, dp_replicate and tp, match one process on loss
+and cp × tp, and pipeline stages with dp_shard, HSDP, dp_replicate, tp and cp, match one process on loss
 and gradients over several optimizer steps.
 
 fp32 tolerances (tests/tolerances.py): the layouts reorder sums (row-parallel GEMMs, reduce-scatters,
@@ -348,3 +348,30 @@ def test_the_trainers_plan_matches_single_process(dist_pool, residual, dims_kw, 
     """The `ParallelPlan` the trainer steps through, on one layout of each kind (pipeline, context
     and tensor parallel, with data parallelism): the same bounds as the layouts driven by hand."""
     _check_plan_run(dist_pool(4).run(_through_plan, residual, dims_kw, tie), residual)
+
+
+@pytest.mark.parametrize(
+    "residual,dims_kw,tie",
+    [
+        ("standard", {"pp": 2, "cp": 2}, False),
+        ("block", {"pp": 2, "cp": 2}, True),
+        ("block", {"pp": 2, "cp": 2, "pp_virtual": 2}, False),
+        ("full", {"pp": 2, "cp": 2}, False),
+    ],
+)
+def test_pipeline_composes_with_context_parallel(dist_pool, residual, dims_kw, tie):
+    """pp=2 × cp=2 through the trainer's `ParallelPlan`: ring attention inside the stages, depth
+    states (and AttnRes blocks) crossing stages as zigzag sequence shards, the cross-stage cache on,
+    the loss on the last stage summed over the cp group. Losses, gradients, updated parameters and
+    gradient norms within the model's fp32 bound of one process over 3 SGD steps."""
+    _check_plan_run(dist_pool(4).run(_through_plan, residual, dims_kw, tie), residual)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dims_kw", [{"pp": 2, "cp": 2, "tp": 2}, {"pp": 2, "cp": 2, "dp_shard": 2}]
+)
+def test_pipeline_context_and_tensor_or_data_parallel_on_8_ranks(dist_pool, dims_kw):
+    """Eight processes: pp=2 × cp=2 × tp=2 and pp=2 × cp=2 × dp_shard=2, Block AttnRes, tied
+    embeddings, through the `ParallelPlan`, within the same bound as one process."""
+    _check_plan_run(dist_pool(8).run(_through_plan, "block", dims_kw, True), "block")

@@ -142,9 +142,19 @@ def test_generate_and_trace(trained_run):
         (["--model.n_heads", "3"], "model.n_heads=3 must divide model.dim=32"),
         (["--data.path", "/no/such/corpus.txt"], "/no/such/corpus.txt"),
         (["--parallel.tp", "2"], "parallel layout needs 2 processes; add --nproc 2"),
+        (["--parallel.pp_virtual", "2"], "parallel.pp_virtual=2 needs parallel.pp > 1"),
         (
-            ["--parallel.pp", "2", "--parallel.cp", "2", "--nproc", "4"],
-            "parallel.cp=2 with parallel.pp=2 is not available",
+            [
+                "--parallel.cp",
+                "3",
+                "--nproc",
+                "3",
+                "--data.seq_len",
+                "32",
+                "--model.max_seq_len",
+                "32",
+            ],
+            "parallel.cp=3 pads data.seq_len=32 to 36",
         ),
         (["--parallel.dp_shard", "2", "--nproc", "4"], "= 2 processes, but --nproc is 4"),
     ],
@@ -261,6 +271,7 @@ def one_process_run(tmp_path_factory):
         ["--parallel.pp", "2", "--parallel.dp_shard", "2"],
         ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_virtual", "2"],
         ["--parallel.cp", "4"],
+        ["--parallel.pp", "2", "--parallel.cp", "2"],
     ],
 )
 def test_multi_process_training_from_the_command_line(tmp_path, layout, one_process_run):

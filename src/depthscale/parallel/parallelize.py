@@ -28,11 +28,6 @@ def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
     """Layouts this build can run; anything else fails here, before a process group starts."""
     if virtual > 1 and dims.pp == 1:
         raise ConfigError(f"parallel.pp_virtual={virtual} needs parallel.pp > 1")
-    if dims.cp > 1 and dims.pp > 1:
-        raise ConfigError(
-            f"parallel.cp={dims.cp} with parallel.pp={dims.pp} is not available in this build; "
-            "allowed with pp: dp_replicate, dp_shard and tp"
-        )
 
 
 def check_layout(cfg: Config) -> None:
@@ -41,6 +36,14 @@ def check_layout(cfg: Config) -> None:
     p = cfg.parallel
     dims = ParallelDims.from_config(p)
     check_supported(dims, p.pp_virtual)
+    if dims.cp > 1:  # zigzag pads every sequence to a multiple of 2·cp; RoPE must cover it
+        padded = -(-cfg.data.seq_len // (2 * dims.cp)) * 2 * dims.cp
+        if padded > cfg.model.max_seq_len:
+            raise ConfigError(
+                f"parallel.cp={dims.cp} pads data.seq_len={cfg.data.seq_len} to {padded} (a "
+                f"multiple of 2·cp), beyond model.max_seq_len={cfg.model.max_seq_len}; allowed: "
+                f"a seq_len that is a multiple of {2 * dims.cp}, or a larger max_seq_len"
+            )
     if dims.tp > 1:
         from depthscale.parallel.tensor_parallel import check_seq_len, check_tp_divides
 
