@@ -15,6 +15,10 @@ Spawns `cp` gloo workers per setting (one thread each) and prints ONE JSON objec
 * `peak_sent_kv_blocks_alive`: the most bytes handed to `isend` and still alive at once during
   one forward+backward (zigzag), in local K/V blocks (`_common.SentBuffers`, measured from outside
   the library so any revision compares); `peak_sent_bytes_alive_per_rank` in bytes.
+* `plan_s_per_step`: CPU time one training step spends planning the ring for `--layers` attention
+  layers (forward and backward share a call's plan): planned per call (all-gather of positions +
+  tiles, what `ring_attention` does) vs with the sharding declared (`RingAttention(layout=...)`,
+  what the trainer uses: planned once per shape and reused) — first step and steady state.
 * `comm`: time blocked in `wait()` as a share of ring time (`exposed_fraction`), and the share of
   communication hidden behind compute, `hidden_fraction = 1 - blocked / comm_alone`, where
   `comm_alone` is the same ring run with the block math replaced by no-ops (pure transfer time).
@@ -42,6 +46,7 @@ from _common import SentBuffers, device_info  # noqa: E402
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
 from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
+from depthscale.parallel.ring_plan import RingPlan, Span  # noqa: E402
 from depthscale.train.memory import saved_activation_bytes  # noqa: E402
 
 
@@ -163,9 +168,45 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
             comm_alone[mode] += stats.ring_s / args.rounds
     cp_mod._attend, cp_mod._attend_backward = real
     out["comm_alone_s"] = comm_alone
+    out["plan_s"] = _plan_times(args, group, rank, cp)
     queue.put(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _plan_times(args: argparse.Namespace, group, rank: int, cp: int) -> dict:
+    """Seconds per step of ring planning for `args.layers` layers, zigzag, median over rounds."""
+    span, local, cpu = Span.of(0, True, None), args.seq // cp, torch.device("cpu")
+    pos = cp_mod.positions_for(args.seq, rank, cp, "zigzag")
+
+    def use(plan: RingPlan) -> None:  # what a call touches: every step's tiles and selection
+        for step in range(cp):
+            plan.tiles(step)
+            if plan.sends(step):
+                plan.forward_selection(step)
+
+    def per_call() -> None:
+        for _ in range(args.layers):
+            use(RingPlan.build(pos, span, 512, group))
+
+    declared_ring = cp_mod.RingAttention(group, layout="zigzag")
+
+    def declared() -> None:
+        for _ in range(args.layers):
+            use(declared_ring.plan(local, 0, cpu))
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    first = timed(declared)
+    return {
+        "per_call": statistics.median(timed(per_call) for _ in range(args.rounds)),
+        "declared_first_step": first,
+        "declared_steady": statistics.median(timed(declared) for _ in range(args.rounds)),
+    }
 
 
 def _run(cp: int, args: argparse.Namespace) -> list[dict]:
@@ -216,7 +257,15 @@ def _summary(cp: int, ranks: list[dict], rounds: int) -> dict:
         },
         "blocks_computed_per_rank": {m: [r["blocks"][m] for r in ranks] for m in modes},
         "comm": comm,
+        "plan_s_per_step": {
+            key: round(max(r["plan_s"][key] for r in ranks), 6)
+            for key in ("per_call", "declared_first_step", "declared_steady")
+        },
     }
+    plan = out["plan_s_per_step"]
+    out["plan_time_ratio_declared_over_per_call"] = round(
+        plan["declared_steady"] / plan["per_call"], 4
+    )
     if cp == 1:
         out["sdpa_activation_bytes"] = ranks[0]["sdpa_activation_bytes"]
     return out
@@ -231,6 +280,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--layers", type=int, default=16, help="attention layers per step (planning)")
     args = ap.parse_args()
     result = {
         "benchmark": "ring_attention",

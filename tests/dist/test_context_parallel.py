@@ -11,6 +11,7 @@ divided by max(1, the reference's largest entry): dK/dV grow with sequence and g
 runs compare with `fp32_model_bound`.
 """
 
+import contextlib
 import itertools
 
 import pytest
@@ -262,7 +263,7 @@ def _cfg(residual, window, chunk):
     )
 
 
-def _model_parity(residual, window, chunk, mode, T):
+def _model_parity(residual, window, chunk, mode, T, declared):
     rank, world = dist.get_rank(), dist.get_world_size()
     cp_mesh = ParallelDims(cp=world).validate(world).build_mesh("cpu")["cp"]
     cfg = _cfg(residual, window, chunk)
@@ -278,14 +279,22 @@ def _model_parity(residual, window, chunk, mode, T):
     torch.manual_seed(0)
     model = Transformer(cfg)
     stats = RingStats()
-    apply_context_parallel(model, cp_mesh, stats)
+    apply_context_parallel(model, cp_mesh, stats, layout=mode if declared else None)
     tokens, labels = pad_for_cp(tokens, labels, world, mode, pad_id=0)
     tok, lab = (shard_sequence(t, rank, world, 1, mode) for t in (tokens, labels))
     pos = positions_for(tokens.shape[1], rank, world, mode)
-    logits = model(tok, positions=pos)
+    with _counting_all_gathers() as gathers:
+        logits = model(tok, positions=pos)
     loss, global_loss = cp_loss(logits, lab, cp_mesh.get_group())
     loss.backward()
     cp_all_reduce_grads(model, cp_mesh.get_group())
+    wrong_positions_refused = None
+    if declared:  # positions of another layout are refused, not silently attended with
+        try:
+            model(tok, positions=pos.flip(0))
+            wrong_positions_refused = False
+        except ValueError as e:
+            wrong_positions_refused = "positions_for" in str(e)
     full_logits = [torch.empty_like(logits) for _ in range(world)]
     dist.all_gather(full_logits, logits.detach().contiguous())
     logits_err = scaled_err(unshard_sequence(full_logits, 1, mode)[:, :T], ref(tokens[:, :T]))
@@ -304,23 +313,49 @@ def _model_parity(residual, window, chunk, mode, T):
         grad_err,
         missing,
         stats.calls,
+        gathers[0],
+        wrong_positions_refused,
     )
 
 
+@contextlib.contextmanager
+def _counting_all_gathers():
+    count, original = [0], dist.all_gather
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather = counted
+    try:
+        yield count
+    finally:
+        dist.all_gather = original
+
+
 @pytest.mark.parametrize(
-    ("residual", "window", "chunk", "mode", "T"),
+    ("residual", "window", "chunk", "mode", "T", "declared"),
     [
-        ("block", 0, 0, "zigzag", 30),  # padded to 32
-        ("standard", 6, 4, "contiguous", 32),  # sliding window + blockwise FFN
+        ("block", 0, 0, "zigzag", 30, False),  # padded to 32
+        ("standard", 6, 4, "contiguous", 32, False),  # sliding window + blockwise FFN
+        ("block", 0, 0, "zigzag", 30, True),
+        ("standard", 6, 4, "contiguous", 32, True),
     ],
 )
-def test_model_forward_backward_matches_single_process(dist_pool, residual, window, chunk, mode, T):
+def test_model_forward_backward_matches_single_process(
+    dist_pool, residual, window, chunk, mode, T, declared
+):
+    """Ring attention in every layer of a model at cp=2 against one process. With the sharding
+    declared (`apply_context_parallel(layout=...)`, as the trainer does) the layers share one plan
+    derived without communication: no all-gather of positions; without it, one per layer call."""
     bound = fp32_model_bound(_cfg(residual, window, chunk), T, B)  # errors: relative
-    for loss_err, logits_err, grad_err, missing, calls in dist_pool(2).run(
-        _model_parity, residual, window, chunk, mode, T
+    for loss_err, logits_err, grad_err, missing, calls, gathers, refused in dist_pool(2).run(
+        _model_parity, residual, window, chunk, mode, T, declared
     ):
         assert not missing
         assert calls == 2  # both layers went through the ring
+        assert gathers == (0 if declared else 2)
+        assert refused is (True if declared else None)
         check(loss_err, bound, "loss")
         check(logits_err, bound, "logits")
         check(grad_err, bound, "worst gradient")

@@ -17,8 +17,11 @@ the fp32 LSE) and recomputes each block's probabilities from the saved LSE. dQ a
 each block's dK/dV accumulate in **fp32** while travelling with the block, and reach the owner once,
 so rounding does not grow with the ring size.
 
-What is skipped (causal masking, sliding windows, padding) is planned in `ring_plan.py`, with
-`positions` known on every rank (one small all-gather of int64 positions per call — never of K/V):
+What is skipped (causal masking, sliding windows, padding) is planned in `ring_plan.py` from every
+rank's positions: derived from the declared sharding (`RingAttention(layout=...)`, what
+`apply_context_parallel` installs for the trainer — one plan per shape for the whole run, no
+communication), or gathered per call (`ring_attention`: one small all-gather of int64 positions,
+never of K/V):
 
 * **compute**: a (local queries, K/V block) pair is skipped when no key of the block is visible to
   any local query (causal: every key is later; window: every key is `window` or more positions away;
@@ -57,7 +60,6 @@ labels are ignored: results are exact. The padded length must fit `model.max_seq
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -74,7 +76,7 @@ from torch.distributed.tensor import DTensor
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
 from depthscale.parallel.cp_comm import CommStats, Ring
-from depthscale.parallel.ring_plan import Index, RingPlan, Span
+from depthscale.parallel.ring_plan import CALLS, Index, RingPlan, Span
 
 ShardMode = Literal["zigzag", "contiguous"]
 
@@ -284,7 +286,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, group: ProcessGroup, stats: RingStats):
         t_start = time.perf_counter()
-        ring = Ring(group, stats, f"call {plan.call} forward")
+        call = next(CALLS)
+        ring = Ring(group, stats, f"call {call} forward")
         n, (B, H, _, d), Hkv = plan.size, q.shape, k.shape[1]
         scale = 1.0 / math.sqrt(d)
         with torch.autocast(q.device.type, enabled=False):
@@ -306,7 +309,7 @@ class _RingAttention(torch.autograd.Function):
                 held = _next_block(batch, plan, ring, step)
         y = out.flatten(1, 2).to(q.dtype)
         ctx.save_for_backward(q, k, v, y, lse)
-        ctx.plan, ctx.group, ctx.stats = plan, group, stats
+        ctx.plan, ctx.group, ctx.stats, ctx.call = plan, group, stats, call
         stats.calls += 1
         stats.ring_s += time.perf_counter() - t_start
         return y
@@ -322,7 +325,7 @@ class _RingAttention(torch.autograd.Function):
         t_start = time.perf_counter()
         q, k, v, y, lse = ctx.saved_tensors
         plan, stats = ctx.plan, ctx.stats
-        ring = Ring(ctx.group, stats, f"call {plan.call} backward")
+        ring = Ring(ctx.group, stats, f"call {ctx.call} backward")
         n, rank, (B, H, T, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
         scale = 1.0 / math.sqrt(d)
         with torch.autocast(q.device.type, enabled=False):
@@ -459,7 +462,15 @@ def ring_attention(
     Scores are materialised for at most `kv_tile` keys at a time (× the local queries).
     `seq_len`: the unpadded length — keys at positions >= seq_len are padding and seen by no query
     (needed when `causal=False` and the sequence was padded; causally padding at the end is never
-    seen anyway). A query that sees no key at all gets a zero output (SDPA would give NaN)."""
+    seen anyway). A query that sees no key at all gets a zero output (SDPA would give NaN).
+    Builds the call's plan from all ranks' positions (one all-gather); `RingAttention` with a
+    declared layout plans once per shape instead."""
+    _check_positions(q, k, q_pos, k_pos)
+    plan = RingPlan.build(q_pos, Span.of(window, causal, seq_len), kv_tile, group)
+    return _RingAttention.apply(q, k, v, plan, group, stats if stats is not None else RingStats())
+
+
+def _check_positions(q: Tensor, k: Tensor, q_pos: Tensor | None, k_pos: Tensor | None) -> None:
     if q_pos is None or k_pos is None:
         raise ValueError(
             "ring attention needs the global positions of the local tokens: call "
@@ -475,18 +486,77 @@ def ring_attention(
             f"positions {tuple(q_pos.shape)} must be 1-D with one entry per local token "
             f"(q has {q.shape[2]}, k has {k.shape[2]})"
         )
-    plan = RingPlan.build(q_pos, Span.of(window, causal, seq_len), kv_tile, group)
-    return _RingAttention.apply(q, k, v, plan, group, stats if stats is not None else RingStats())
+
+
+class RingAttention:
+    """The attention function context parallelism installs in every layer (causal, optionally
+    sliding-window): `ring_attention` over `group`.
+
+    With a declared `layout` ('zigzag' or 'contiguous': how the caller shards every sequence) each
+    rank derives every rank's positions from the local length alone, so a plan is built once per
+    (length, window) and reused by every layer, micro-batch and step — no collective, no host copy,
+    no per-layer CPU work. The positions passed in must then be `positions_for(T, rank, cp,
+    layout)`; on CPU (where it costs no device sync) that is checked. Without a layout every call
+    gathers the positions and plans afresh (any layout)."""
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        stats: RingStats | None = None,
+        layout: ShardMode | None = None,
+        kv_tile: int = 512,
+    ) -> None:
+        if layout is not None:
+            _layout(0, 1, layout)  # a known mode
+        self.group, self.layout, self.kv_tile = group, layout, kv_tile
+        self.stats = stats if stats is not None else RingStats()
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._plans: dict[tuple[int, int, torch.device], RingPlan] = {}
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor | None,
+        k_pos: Tensor | None,
+        window: int,
+    ) -> Tensor:
+        if self.layout is None:
+            return ring_attention(
+                q, k, v, q_pos, k_pos, window, self.group, self.stats, self.kv_tile
+            )
+        _check_positions(q, k, q_pos, k_pos)
+        plan = self.plan(q.shape[2], window, q.device)
+        if q_pos.device.type == "cpu" and not torch.equal(q_pos, plan.pos[self.rank]):
+            raise ValueError(
+                f"ring attention was set up for {self.layout} sharding: pass "
+                f"positions_for(seq_len, cp_rank, cp_size, {self.layout!r}) as the positions"
+            )
+        return _RingAttention.apply(q, k, v, plan, self.group, self.stats)
+
+    def plan(self, local_len: int, window: int, device: torch.device) -> RingPlan:
+        key = (local_len, window, device)
+        if key not in self._plans:
+            seq_len = local_len * self.size
+            pos = [positions_for(seq_len, r, self.size, self.layout) for r in range(self.size)]
+            span = Span.of(window, True, None)
+            self._plans[key] = RingPlan.of(pos, self.rank, span, self.kv_tile, device)
+        return self._plans[key]
 
 
 def apply_context_parallel(
-    model: Transformer, cp_mesh: DeviceMesh, stats: RingStats | None = None
+    model: Transformer,
+    cp_mesh: DeviceMesh,
+    stats: RingStats | None = None,
+    layout: ShardMode | None = None,
 ) -> None:
-    """Route every layer's attention through `ring_attention` on the (1-D) cp mesh's group.
+    """Route every layer's attention through ring attention on the (1-D) cp mesh's group.
 
     The caller shards tokens, labels and positions (`shard_sequence`, `positions_for`) and calls
     `model(tokens_local, positions=positions_local)`; everything else in the model is per token.
-    `stats`, if given, accumulates the ring counters of all layers."""
-    fn = functools.partial(ring_attention, group=cp_mesh.get_group(), stats=stats)
+    `stats`, if given, accumulates the ring counters of all layers. `layout`: the sharding every
+    call uses, which lets all layers share one plan (see `RingAttention`)."""
+    fn = RingAttention(cp_mesh.get_group(), stats, layout)
     for layer in model.layers.values():
         layer.attention.attention_fn = fn

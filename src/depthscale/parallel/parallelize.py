@@ -119,7 +119,7 @@ def parallelize(
     if dims.cp > 1:
         from depthscale.parallel.context_parallel import apply_context_parallel
 
-        apply_context_parallel(model, mesh["cp"])
+        apply_context_parallel(model, mesh["cp"], layout="zigzag")  # as `SequenceShard` cuts
     if dims.dp_shard > 1:
         from depthscale.parallel.data_parallel import apply_fsdp
 

@@ -1,5 +1,6 @@
 """The plan of a ring-attention call: who sends which keys at which step, and what each rank
-computes — identical on every rank, built from all ranks' token positions (one small all-gather).
+computes — identical on every rank, built from all ranks' token positions: derived from a declared
+sequence layout (no communication; cached for the run), or gathered (one small all-gather per call).
 
 `Span` says which keys a query sees (causal or bidirectional, sliding window, padding). `RingPlan`
 derives from it, per block, which keys travel how many hops (`carry`, `hops`: a block nobody further
@@ -20,8 +21,9 @@ from torch.distributed import ProcessGroup
 
 from depthscale.model.layers import attention_mask
 
-_CALLS = itertools.count()
-"""Ring-attention calls made by this process; every rank of a cp group makes the same ones."""
+CALLS = itertools.count()
+"""Ring-attention calls made by this process; every rank of a cp group makes the same ones, so the
+number names a call's messages identically at both ends."""
 
 
 class Index:
@@ -138,18 +140,24 @@ class RingPlan:
     pos: list[Tensor]
     carry: list[list[Tensor]]
     hops: list[int]
-    call: int = 0
-    """Which ring-attention call this is (every rank makes the same calls): labels messages."""
     _tiles: dict[int, list[Tile]] = field(default_factory=dict)
     _payloads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     _selections: dict[int, Index] = field(default_factory=dict)
 
     @classmethod
     def build(cls, positions: Tensor, span: Span, kv_tile: int, group: ProcessGroup) -> RingPlan:
+        """From this rank's positions, all-gathered over `group` (a collective and a host copy)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = [torch.empty_like(positions) for _ in range(size)]
         dist.all_gather(gathered, positions.contiguous(), group=group)
-        pos = [p.cpu() for p in gathered]
+        return cls.of([p.cpu() for p in gathered], rank, span, kv_tile, positions.device)
+
+    @classmethod
+    def of(
+        cls, pos: list[Tensor], rank: int, span: Span, kv_tile: int, device: torch.device
+    ) -> RingPlan:
+        """From every rank's positions (host tensors, rank order), without communication."""
+        size = len(pos)
         sorted_pos = [p.sort().values for p in pos]
         carry, hops = [], []
         for j in range(size):
@@ -161,8 +169,7 @@ class RingPlan:
             c.reverse()
             carry.append(c)
             hops.append(max((t for t in range(1, size) if need[t].any()), default=0))
-        call = next(_CALLS)
-        return cls(rank, size, span, kv_tile, positions.device, pos, carry, hops, call)
+        return cls(rank, size, span, kv_tile, device, pos, carry, hops)
 
     def owner(self, step: int) -> int:
         """The block this rank holds at `step`."""
