@@ -259,6 +259,19 @@ class Config:
                     return per_rank // micro
         return per_rank
 
+    def resolve_vocab_size(self, tokenizer_vocab: int) -> None:
+        """model.vocab_size 0 takes the tokenizer's, rounded up to a multiple of 64 (friendlier
+        matmul shapes) that tensor parallelism can split (the vocabulary is sharded over tp)."""
+        m = self.model
+        if m.vocab_size == 0:
+            step = math.lcm(64, self.parallel.tp)
+            m.vocab_size = step * math.ceil(tokenizer_vocab / step)
+        elif m.vocab_size < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer_vocab}); allowed: 0 (automatic) or >= {tokenizer_vocab}"
+            )
+
     @property
     def dp_degree(self) -> int:
         return self.parallel.dp_replicate * self.parallel.dp_shard

@@ -94,7 +94,7 @@ def _check(losses, ref_losses, worst, bound) -> None:
 
 
 def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
-    dims, _, ref, model, opts, rows, _ = _setup(residual, dims_kw, chunks)
+    dims, _, ref, model, opts, rows, plan = _setup(residual, dims_kw, chunks)
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, worst = [], [], {"grad": 0.0, "param": 0.0}
     for _ in range(steps):
@@ -102,7 +102,7 @@ def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
         labels = torch.randint(0, 64, (BATCH, SEQ), generator=g)
         ref_loss = cross_entropy(ref(tokens), labels)
         ref_loss.backward()
-        loss = cross_entropy(model(tokens[rows]), labels[rows])
+        loss, _ = plan.loss(model(tokens[rows]), labels[rows])  # vocabulary-parallel under tp
         loss.backward()
         if dims.tp > 1:
             tp_sync_replicated_grads(model)
@@ -133,7 +133,7 @@ def test_tp_with_data_parallel_matches_single_process(dist_pool, residual, dims_
 def _composed_cp(residual: str, dims_kw: dict, steps: int = 3):
     from depthscale.parallel import context_parallel as cpar
 
-    dims, mesh, ref, model, opts, rows, _ = _setup(residual, dims_kw, 1)
+    dims, mesh, ref, model, opts, rows, plan = _setup(residual, dims_kw, 1)
     cp, cp_rank, cp_group = dims.cp, mesh.get_local_rank("cp"), mesh["cp"].get_group()
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, worst = [], [], {"grad": 0.0, "param": 0.0}
@@ -145,7 +145,7 @@ def _composed_cp(residual: str, dims_kw: dict, steps: int = 3):
         positions = cpar.positions_for(SEQ, cp_rank, cp, "zigzag")
         x = cpar.shard_sequence(tokens[rows], cp_rank, cp, 1, "zigzag")
         y = cpar.shard_sequence(labels[rows], cp_rank, cp, 1, "zigzag")
-        loss, report = cpar.cp_loss(model(x, positions=positions), y, cp_group)
+        loss, report = plan.loss(model(x, positions=positions), y)  # cp_loss, vocab-parallel
         loss.backward()
         cpar.cp_all_reduce_grads(model, cp_group)
         if dims.tp > 1:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from depthscale.config import ModelConfig
 from depthscale.errors import ConfigError
 from depthscale.model.transformer import Transformer, cross_entropy
+from depthscale.parallel.loss import TokenLoss, vocab_parallel_cross_entropy
 from depthscale.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -80,12 +81,25 @@ def _rel(a, b) -> float:
 
 
 def _step(model, tokens, labels, tp: bool):
+    """One forward + backward; returns the full logits and the loss. Under tp the logits are this
+    rank's vocabulary slice and the loss vocabulary-parallel (as the trainer runs it); the slices
+    are gathered afterwards, only to compare them."""
     logits = model(tokens)
-    loss = cross_entropy(logits, labels)
+    if not tp:
+        loss = cross_entropy(logits, labels)
+        loss.backward()
+        return logits.detach(), loss.detach()
+    group = _tp_mesh().get_group()
+    loss, _ = TokenLoss(vocab_group=group)(logits, labels)
     loss.backward()
-    if tp:
-        tp_sync_replicated_grads(model)
-    return logits.detach(), loss.detach()
+    tp_sync_replicated_grads(model)
+    return _gather_vocab(logits.detach(), group), loss.detach()
+
+
+def _gather_vocab(logits, group):
+    slices = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(slices, logits.contiguous(), group=group)
+    return torch.cat(slices, dim=-1)
 
 
 def _parity(cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3) -> dict:
@@ -157,6 +171,10 @@ CASES = {
     "standard-parallel": dict(residual="standard", parallel_block=True),
     "full-gqa": dict(residual="full", n_kv_heads=2),
     "full-parallel": dict(residual="full", parallel_block=True),
+    "standard-untied": dict(residual="standard", tie_embeddings=False),
+    "block-untied-gqa": dict(
+        residual="block", attnres_n_blocks=2, tie_embeddings=False, n_kv_heads=2
+    ),
     "block": dict(residual="block", attnres_n_blocks=2),
     "block-parallel-gqa": dict(
         residual="block", attnres_n_blocks=2, parallel_block=True, n_kv_heads=2
@@ -205,11 +223,13 @@ def test_chunked_equals_unchunked(dist_pool, chunks):
         check(r["logits"], bound, "logits")
         check(r["grad"], bound, "grad (worst tensor)")
         # 2 layers × 2 sublayers; per sublayer: chunks AG + chunks RS forward, the same backward
+        # plus the head's input gather (chunked) and the embedding's reduce-scatter, both with
+        # their backward; all-reduces: the loss's max and sums, the replicated-gradient sync
         s = 4
         assert r["counts"] == {
-            "all_gather": 2 * chunks * s + 1,
-            "reduce_scatter": 2 * chunks * s,
-            "all_reduce": 1,
+            "all_gather": 2 * chunks * s + chunks + 1,
+            "reduce_scatter": 2 * chunks * s + chunks + 1,
+            "all_reduce": 3,
         }
 
 
@@ -257,13 +277,14 @@ def _autocast_smoke(chunks: int) -> tuple[float, float]:
     m = _build(cfg)
     apply_tensor_parallel(m, _tp_mesh(), chunks=chunks)
     tokens, labels = _batch()
+    loss_fn = TokenLoss(vocab_group=_tp_mesh().get_group())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss_bf16 = cross_entropy(m(tokens), labels)
+        loss_bf16, _ = loss_fn(m(tokens), labels)
     loss_bf16.backward()
     tp_sync_replicated_grads(m)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
     with torch.no_grad():
-        loss = cross_entropy(m(tokens), labels)
+        loss, _ = loss_fn(m(tokens), labels)
     return loss_bf16.item(), loss.item()
 
 
@@ -294,6 +315,7 @@ def _bad_layout(cfg_kw: dict, seq: int, chunks: int) -> str:
             r"kv_heads \(n_kv_heads or n_heads\)=1 is not divisible by tp=2",
         ),
         (dict(ffn_dim=65), T, 1, r"hidden_dim \(ffn_dim\)=65 is not divisible by tp=2"),
+        (dict(vocab_size=65), T, 1, r"vocab_size=65 is not divisible by tp=2"),
         ({}, 15, 1, r"seq_len=15 is not divisible by tp=2"),
         ({}, T, 3, r"seq_len/tp=8 .* not divisible by chunks=3"),
     ],
@@ -345,3 +367,39 @@ def _dcp_roundtrip(path: str) -> dict:
 def test_dcp_checkpoint_reshards_to_and_from_single_process(dist_pool, tmp_path):
     for r in dist_pool(TP).run(_dcp_roundtrip, str(tmp_path)):
         assert r["tp_to_plain"] == [] and r["plain_to_tp"] == [], r  # names of differing tensors
+
+
+def _vocab_parallel_loss(dtype: torch.dtype) -> dict:
+    """`vocab_parallel_cross_entropy` on this rank's vocabulary slice against `F.cross_entropy` on
+    the full logits: per-token losses (ignored labels give 0) and the logits' gradient, for a loss
+    weighting tokens unequally; fp64 (algorithm) and bf16 logits (fp32 math inside)."""
+    g = torch.Generator().manual_seed(5)
+    full = (4 * torch.randn(24, VOCAB, generator=g, dtype=torch.float64)).to(dtype)
+    labels = torch.randint(0, VOCAB, (24,), generator=g)
+    labels[[3, 7]] = -100
+    weights = torch.rand(24, generator=g, dtype=torch.float64)
+    ref_logits = full.detach().double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits, labels, reduction="none")
+    (ref * weights).sum().backward()
+    group, r, n = _tp_mesh().get_group(), dist.get_rank(), VOCAB // TP
+    mine = full.detach()[:, r * n : (r + 1) * n].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, labels, group)
+    (loss * weights.to(loss.dtype)).sum().backward()
+    return {
+        "loss": (loss.double() - ref.detach()).abs().max().item(),
+        "ignored": loss[[3, 7]].abs().max().item(),
+        "grad": (mine.grad.double() - ref_logits.grad[:, r * n : (r + 1) * n]).abs().max().item(),
+        "grad_dtype": str(mine.grad.dtype),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_vocab_parallel_cross_entropy_matches_the_gathered_loss(dist_pool, dtype):
+    # fp64: exact up to rounding. bf16 logits: both sides see the same rounded logits, the math is
+    # fp32 here (log-sum-exp over 32 of 64 entries per rank, |z| < 20: errors ~1e-5), the reference
+    # fp64; the gradient is rounded back to bf16 (relative 2^-8 of entries <= 1).
+    tol = {"loss": 1e-12, "grad": 1e-12} if dtype == torch.float64 else {"loss": 1e-4, "grad": 8e-3}
+    for r in dist_pool(TP).run(_vocab_parallel_loss, dtype):
+        assert r["ignored"] == 0.0
+        assert r["grad_dtype"] == str(dtype)
+        assert r["loss"] < tol["loss"] and r["grad"] < tol["grad"], r

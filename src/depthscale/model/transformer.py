@@ -184,7 +184,6 @@ class Transformer(nn.Module):
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
-    """Mean token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(
-        logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index
-    )
+    """Mean token cross-entropy, computed in fp32 at least (bf16 logits are upcast)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index)

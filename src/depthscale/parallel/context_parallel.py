@@ -76,6 +76,7 @@ from torch.distributed.tensor import DTensor
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
 from depthscale.parallel.cp_comm import CommStats, Ring
+from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.ring_plan import CALLS, Index, RingPlan, Span
 
 ShardMode = Literal["zigzag", "contiguous"]
@@ -164,27 +165,10 @@ def pad_for_cp(
 # --------------------------------------------------------------------------- loss and gradients
 
 
-def cp_loss(
-    logits: Tensor, labels: Tensor, cp_group: ProcessGroup, ignore_index: int = -100
-) -> tuple[Tensor, Tensor]:
-    """(loss to backpropagate, global mean loss) for a rank holding a slice of every sequence.
-
-    The global loss is the mean over all non-ignored tokens of all cp ranks: with local means ℓ_r
-    over n_r tokens, L = Σ_r ℓ_r·n_r / Σ_r n_r (ranks hold different counts once padding or masks
-    exist, so a plain average of ℓ_r is wrong). The returned backward loss is
-    (local *sum* of token losses)·cp / N, so that after backward *averaging* the gradients over the cp
-    group (`cp_all_reduce_grads`) gives exactly ∇L — and a rank whose tokens are all ignored
-    contributes 0, not NaN. One small all-reduce (count and loss sum, fp64)."""
-    loss_sum = F.cross_entropy(
-        logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index, reduction="sum"
-    )
-    totals = torch.stack([(labels != ignore_index).sum().double(), loss_sum.detach().double()]).to(
-        logits.device
-    )
-    dist.all_reduce(totals, group=cp_group)
-    n_total = totals[0].clamp(min=1)
-    cp = dist.get_world_size(cp_group)
-    return loss_sum * (cp / n_total).to(loss_sum.dtype), (totals[1] / n_total).float()
+def cp_loss(logits: Tensor, labels: Tensor, cp_group: ProcessGroup) -> tuple[Tensor, Tensor]:
+    """(loss to backpropagate, global mean loss) for a rank holding a slice of every sequence; see
+    `loss.TokenLoss` for why the backward loss is the local sum scaled by cp / (the group's tokens)."""
+    return TokenLoss(sequence_group=cp_group)(logits, labels)
 
 
 def cp_all_reduce_grads(model: torch.nn.Module, cp_group: ProcessGroup) -> None:

@@ -12,7 +12,8 @@ What each dimension contributes:
 - cp: each sequence is cut into zigzag shards with their global positions (`SequenceShard`); the loss
   is a sum over this rank's tokens scaled by the token count of the whole cp group (`TokenLoss`), and
   gradients are averaged over cp.
-- tp: the replicated parameters' gradients (norms, AttnRes queries) are summed over tp.
+- tp: the logits stay sharded over the vocabulary and the loss is vocabulary-parallel (`TokenLoss`);
+  the replicated parameters' gradients (norms, AttnRes queries) are summed over tp.
 - pp: a step runs as the pipeline schedule (`Pipeline`), the loss is computed on the last stage with
   the same `TokenLoss`; gradient norms are summed over the stages; tied embeddings are synced.
 
@@ -28,10 +29,10 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from depthscale.model.transformer import Transformer, cross_entropy
+from depthscale.model.transformer import Transformer
+from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.mesh import ParallelDims
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
@@ -63,26 +64,6 @@ class SequenceShard:
         return tokens, labels, positions
 
 
-class TokenLoss:
-    """Mean cross-entropy over the non-ignored tokens, for logits of this rank's tokens.
-
-    Returns (loss to backpropagate, this rank's share of the reported loss). Without a sequence
-    group both are the local mean. With one (cp), see `context_parallel.cp_loss`: the backward loss
-    is the local sum scaled by cp / (tokens of the whole group), so that averaging gradients over cp
-    gives the gradient of the global mean."""
-
-    def __init__(self, sequence_group: ProcessGroup | None = None) -> None:
-        self.sequence_group = sequence_group
-
-    def __call__(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        if self.sequence_group is None:
-            loss = cross_entropy(logits, labels)
-            return loss, loss.detach()
-        from depthscale.parallel.context_parallel import cp_loss
-
-        return cp_loss(logits, labels, self.sequence_group)
-
-
 class ParallelPlan:
     """What a training step does on this rank, for the layout `dims` on `mesh` (None: one process).
 
@@ -101,10 +82,12 @@ class ParallelPlan:
         self.dtype = dtype
         """What travels between pipeline stages under autocast (the receive buffers' dtype)."""
         self.sequence = SequenceShard()
-        self.loss = TokenLoss()
         if dims.cp > 1:
             self.sequence = SequenceShard(mesh.get_local_rank("cp"), dims.cp)
-            self.loss = TokenLoss(mesh["cp"].get_group())
+        self.loss = TokenLoss(
+            vocab_group=mesh["tp"].get_group() if dims.tp > 1 else None,
+            sequence_group=mesh["cp"].get_group() if dims.cp > 1 else None,
+        )
         self.pipeline = None
         if stages:
             from depthscale.parallel.pipeline.pipeline import Pipeline

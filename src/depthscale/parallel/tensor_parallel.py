@@ -7,7 +7,7 @@ so the MegaScale communication/GEMM overlap is under our control.
 
 Layout (tp ranks r = 0..tp-1, sequence T, shard t = T/tp):
 
-    tokens [B,T] ──slice──▶ embed [B,t,d]            depth state (hidden / partial sums / AttnRes blocks),
+    tokens [B,T] ──vocab-parallel embed, reduce-scatter T──▶ [B,t,d]   depth state (hidden / partial sums / AttnRes blocks),
                                                      norms and AttnRes reads: sequence shards [B,t,d]
     x = norm(read(state))         [B,t,d]
       │ all-gather T (SP→TP)                         ┐ fused + chunked when chunks > 1:
@@ -17,18 +17,23 @@ Layout (tp ranks r = 0..tp-1, sequence T, shard t = T/tp):
       │ reduce-scatter T (TP→SP)                     ┘ GEMM of piece i+1
     write(state, y)               [B,t,d]
     ...
-    output read, norm, LM head on the shard [B,t,V] ──all-gather T──▶ logits [B,T,V] on every rank
+    output read, norm [B,t,d] ──all-gather T──▶ LM head column-parallel over the vocabulary
+                                                     ▶ logits [B,T,V/tp]: this rank's vocabulary slice
+    loss: vocabulary-parallel cross-entropy (`loss.TokenLoss`), never the full [B,T,V]
 
 With the parallel block one all-gather feeds attention and MLP (five column GEMMs) and the two
 row-parallel outputs are summed before one reduce-scatter.
 
 Weights: column-parallel `wq,wk,wv,w_gate,w_up` are DTensor `Shard(0)` parameters on `tp_mesh`, row-
-parallel `wo,w_down` DTensor `Shard(1)`; the forward computes on `weight.to_local()`. Parameter names do
+parallel `wo,w_down` DTensor `Shard(1)`; the forward computes on `weight.to_local()`. The embedding and
+the LM head are sharded over the vocabulary (`Shard(0)`, rows r·V/tp …), one parameter when tied:
+the embedding looks up the tokens of its slice (zeros elsewhere) for the whole sequence and the
+reduce-scatter sums the slices while cutting the sequence into shards (Megatron's vocab-parallel
+embedding with sequence parallelism). Parameter names do
 not change (`layers.0.attention.wq.weight`), so DCP checkpoints reshard to and from the single-process
 model, and FSDP2 can shard the DTensors again over a data-parallel mesh (2-D).
 
-Replicated parameters (embedding / tied LM head, RMSNorm gains, AttnRes `pseudo_query`/`key_norm`)
-stay plain tensors, the same on every tp rank. Each rank feeds them different tokens, so each holds
+Replicated parameters (RMSNorm gains, AttnRes `pseudo_query`/`key_norm`) stay plain tensors, the same on every tp rank. Each rank feeds them different tokens, so each holds
 part of their gradient: `tp_sync_replicated_grads(model)` sums them over the tp group in one coalesced
 all-reduce. It is explicit (not a hook) because it must run once per optimizer step, after the last
 micro-batch's backward and before gradient clipping: a post-accumulate hook would re-reduce gradients
@@ -37,8 +42,9 @@ commutes with data-parallel reductions and may run before or after them.
 
 Collectives per training step (forward + backward), with S = sublayers (2 per layer, 1 with the
 parallel block) and k = chunks: see `collectives_per_step` —
-    all-gather 2·k·S + 1 (k per sublayer forward, k per sublayer backward, +1 for the logits),
-    reduce-scatter 2·k·S, all-reduce 1 (the replicated-gradient sync).
+    all-gather 2·k·S + k + 1 (k per sublayer forward and backward, k for the head's input, 1 for
+    the embedding's backward), reduce-scatter the same (the embedding's forward, the head's
+    backward), all-reduce 3 (the loss's max and sums, the replicated-gradient sync).
 
 Gradient-norm clipping must handle the mix: sharded grads are DTensors (norm over the tp group),
 replicated grads are plain and identical on every tp rank (count them once);
@@ -47,7 +53,8 @@ replicated grads are plain and identical on every tp rank (count them once);
 Memory: like Megatron without its backward re-gather, the column-parallel GEMMs save the gathered
 input [B, T, d] for the weight gradient (the fused operators do the same, so chunks change no memory).
 
-Limits: training/eval forward only (no KV caches); T must be divisible by tp and T/tp by chunks.
+Limits: training/eval forward only (no KV caches); T must be divisible by tp and T/tp by chunks, the
+vocabulary by tp.
 Module code (`model/`) is untouched: blocks and the model have their class swapped to the sequence-
 parallel subclasses below, and `nn.Linear`s are replaced by Column/RowParallelLinear.
 """
@@ -71,8 +78,8 @@ from depthscale.model.transformer import Transformer, TransformerBlock
 from depthscale.parallel.tp_comm import (
     all_gather_matmul,
     all_reduce_,
-    gather_sequence_replicated,
     matmul_reduce_scatter,
+    reduce_scatter_sequence,
 )
 
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")
@@ -93,12 +100,17 @@ class ColumnParallelLinear(nn.Module):
     own it takes the sequence shard and all-gathers it; blocks call `all_gather_matmul` on several of
     these at once to share one gather."""
 
-    def __init__(self, linear: nn.Linear, ctx: TPContext) -> None:
+    def __init__(
+        self, linear: nn.Linear, ctx: TPContext, weight: nn.Parameter | None = None
+    ) -> None:
+        """`weight`: an existing `Shard(0)` parameter to use (a tied embedding's)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(
-            distribute_tensor(linear.weight.detach(), ctx.mesh, [Shard(0)], src_data_rank=None)
-        )
+        if weight is None:
+            weight = nn.Parameter(
+                distribute_tensor(linear.weight.detach(), ctx.mesh, [Shard(0)], src_data_rank=None)
+            )
+        self.weight = weight
         self.tp = ctx
 
     def local_weight(self) -> Tensor:
@@ -110,6 +122,32 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size} (Shard(0))"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (the vocabulary) are sharded over tp (`weight`: DTensor Shard(0)).
+    Tokens of the whole sequence in, this rank's sequence shard of the embeddings out."""
+
+    def __init__(self, embedding: nn.Embedding, ctx: TPContext) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.weight.shape
+        self.weight = nn.Parameter(
+            distribute_tensor(embedding.weight.detach(), ctx.mesh, [Shard(0)], src_data_rank=None)
+        )
+        self.tp = ctx
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """[B, T] → [B, T/tp, dim]: each rank looks up the tokens in its vocabulary slice (zeros for
+        the others) and one reduce-scatter sums the slices and keeps this rank's tokens."""
+        weight = self.weight.to_local()
+        local = tokens - self.tp.rank * weight.shape[0]
+        mine = (local >= 0) & (local < weight.shape[0])
+        partial = F.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+        partial = partial * mine.unsqueeze(-1).to(partial.dtype)
+        return reduce_scatter_sequence(partial, self.tp.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size} (Shard(0))"
 
 
 class RowParallelLinear(nn.Module):
@@ -186,16 +224,15 @@ class SequenceParallelBlock(TransformerBlock):
 
 class SequenceParallelTransformer(Transformer):
     """A `Transformer` whose embed keeps this rank's sequence shard, whose layers see RoPE tables of
-    the full sequence (`rope_for`), and whose head all-gathers the logits so every rank returns
-    [B, T, V]. Pipeline stages call these same methods, so tp composes with pp."""
+    the full sequence (`rope_for`), and whose head returns this rank's vocabulary slice of the
+    logits, [B, T, V/tp] (the loss is vocabulary-parallel: `loss.TokenLoss`). Pipeline stages call
+    these same methods, so tp composes with pp."""
 
     tp: TPContext
 
     def embed(self, tokens: Tensor) -> DepthState:
-        T = tokens.shape[1]
-        check_seq_len(T, self.tp.size, self.tp.chunks)
-        t = T // self.tp.size
-        return super().embed(tokens[:, self.tp.rank * t : (self.tp.rank + 1) * t])
+        check_seq_len(tokens.shape[1], self.tp.size, self.tp.chunks)
+        return super().embed(tokens)
 
     def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Tables for the full sequence: the layers gather it for attention."""
@@ -210,9 +247,6 @@ class SequenceParallelTransformer(Transformer):
     ) -> DepthState:
         _no_cache(caches)
         return super().run_layers(state, positions)
-
-    def head(self, state: DepthState) -> Tensor:
-        return gather_sequence_replicated(super().head(state), self.tp.group)
 
 
 def check_seq_len(seq_len: int, tp: int, chunks: int) -> None:
@@ -234,12 +268,14 @@ def check_tp_divides(cfg: ModelConfig, tp: int) -> None:
         ("n_heads", cfg.n_heads),
         ("kv_heads (n_kv_heads or n_heads)", cfg.kv_heads),
         ("hidden_dim (ffn_dim)", cfg.hidden_dim),
+        ("vocab_size", cfg.vocab_size),
     ):
         if value % tp:
             raise ConfigError(
                 f"tensor parallelism: model.{name}={value} is not divisible by tp={tp}; "
-                f"choose tp dividing n_heads={cfg.n_heads}, kv_heads={cfg.kv_heads} and "
-                f"hidden_dim={cfg.hidden_dim}"
+                f"choose tp dividing n_heads={cfg.n_heads}, kv_heads={cfg.kv_heads}, "
+                f"hidden_dim={cfg.hidden_dim} and vocab_size={cfg.vocab_size} (0, automatic, "
+                "rounds the tokenizer's vocabulary up to a multiple of 64·tp)"
             )
 
 
@@ -268,6 +304,13 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, chunks: int =
                     setattr(parent, name, RowParallelLinear(child, ctx))
         block.__class__ = SequenceParallelBlock
         block.tp = ctx
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, ctx)
+    if model.output is not None:
+        tied = None  # a pipeline's last stage keeps its own copy of a tied weight
+        if model.cfg.tie_embeddings and model.tok_embeddings is not None:
+            tied = model.tok_embeddings.weight
+        model.output = ColumnParallelLinear(model.output, ctx, weight=tied)
     model.__class__ = SequenceParallelTransformer
     model.tp = ctx
     model._tp_replicated = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
@@ -298,7 +341,8 @@ def tp_sync_replicated_grads(model: nn.Module) -> None:
 def collectives_per_step(cfg: ModelConfig, chunks: int, sync_grads: bool = True) -> dict[str, int]:
     """Collectives one forward + backward (+ the replicated-gradient sync) issues on each rank."""
     s = cfg.n_sublayers
-    counts = {"all_gather": 2 * chunks * s + 1, "reduce_scatter": 2 * chunks * s}
+    gathers = 2 * chunks * s + chunks + 1
+    counts = {"all_gather": gathers, "reduce_scatter": gathers, "all_reduce": 2}
     if sync_grads:
-        counts["all_reduce"] = 1
+        counts["all_reduce"] += 1
     return counts

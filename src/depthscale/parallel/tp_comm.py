@@ -11,8 +11,6 @@ Operators (forward / backward):
 
 - `gather_sequence`            all-gather along T / reduce-scatter (SP → TP, before column-parallel GEMMs)
 - `reduce_scatter_sequence`    reduce-scatter along T / all-gather (TP → SP, after row-parallel GEMMs)
-- `gather_sequence_replicated` all-gather along T / keep own slice (the consumer is replicated: every
-  rank computes the same loss from the gathered tensor, so the incoming gradient is already complete)
 - `all_gather_matmul`          AG + column-parallel GEMMs, chunked: AG of piece i+1 in flight while
   piece i multiplies / chunked GEMM + reduce-scatter of piece i while piece i+1 computes
 - `matmul_reduce_scatter`      row-parallel GEMMs (summed) + RS, chunked: RS of piece i in flight while
@@ -120,12 +118,6 @@ def _reduce_scatter_seq(x: Tensor, group: Group) -> Tensor:
     return reduce_scatter_blocks(_seq_to_blocks(x, dist.get_world_size(group)), group)[0]
 
 
-def _own_slice(x: Tensor, group: Group) -> Tensor:
-    t = x.shape[1] // dist.get_world_size(group)
-    r = dist.get_rank(group)
-    return x[:, r * t : (r + 1) * t].contiguous()
-
-
 # ------------------------------------------------------------------------------ autograd Functions
 
 
@@ -151,17 +143,6 @@ class _ReduceScatterSequence(Function):
         return _gather_seq(grad, ctx.group), None
 
 
-class _GatherSequenceReplicated(Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _own_slice(grad, ctx.group), None
-
-
 def gather_sequence(x: Tensor, group: Group) -> Tensor:
     """[B, T/tp, ...] sequence shard → [B, T, ...]; backward reduce-scatters the (partial) gradient."""
     return _GatherSequence.apply(x, group)
@@ -170,12 +151,6 @@ def gather_sequence(x: Tensor, group: Group) -> Tensor:
 def reduce_scatter_sequence(x: Tensor, group: Group) -> Tensor:
     """[B, T, ...] partial sums → [B, T/tp, ...] summed sequence shard; backward all-gathers."""
     return _ReduceScatterSequence.apply(x, group)
-
-
-def gather_sequence_replicated(x: Tensor, group: Group) -> Tensor:
-    """[B, T/tp, ...] → [B, T, ...] for a consumer that every rank computes identically (the loss):
-    the backward keeps this rank's slice of the (complete, identical) gradient, no collective."""
-    return _GatherSequenceReplicated.apply(x, group)
 
 
 # ------------------------------------------------------------- fused collective + GEMM (MegaScale)

@@ -54,17 +54,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> None:
-    """vocab_size 0 takes the tokenizer's, rounded up to a multiple of 64 (friendlier matmul shapes)."""
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = 64 * math.ceil(tokenizer_vocab / 64)
-    elif cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({tokenizer_vocab}); allowed: 0 (automatic) or >= {tokenizer_vocab}"
-        )
-
-
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -84,7 +73,7 @@ class Trainer:
         resume_from = self.checkpointer.resolve_resume()
 
         self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
-        resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
+        cfg.resolve_vocab_size(self.data.tokenizer.vocab_size)
         # Every rank builds the same model from the same seed; parallelizing then only slices it.
         self.model = Transformer(cfg.model).to(self.device)
         self.plan = parallelize(self.model, self.layout.mesh, self.layout.dims, cfg)
