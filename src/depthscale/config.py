@@ -346,12 +346,6 @@ class Config:
                 f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
                 f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
             )
-        if t.recompute == "selective" and p.tp > 1:
-            raise ConfigError(
-                "train.recompute='selective' with parallel.tp > 1 is not available (the sequence-"
-                "parallel block fuses attention and MLP with their collectives); allowed with tp: "
-                "'none' or 'full'"
-            )
         dp = self.dp_degree
         if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):
             raise ConfigError(

@@ -25,6 +25,7 @@ from depthscale.parallel.tensor_parallel import (
     tp_sync_replicated_grads,
 )
 from depthscale.parallel.tp_comm import comm_counter
+from depthscale.train.memory import apply_recompute, saved_activation_bytes
 from tolerances import check, copy_params_, fp32_model_bound
 
 TP = 2
@@ -102,7 +103,9 @@ def _gather_vocab(logits, group):
     return torch.cat(slices, dim=-1)
 
 
-def _parity(cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3) -> dict:
+def _parity(
+    cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3, recompute: str = "none"
+) -> dict:
     """Single-process reference and tp model side by side for `steps` SGD steps: per step the
     relative errors of logits, loss, gradients (worst tensor) and, after the update, parameters.
     fp32: every step starts from the reference's parameters (training amplifies a rounding
@@ -111,6 +114,7 @@ def _parity(cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3) -> di
     cfg = _cfg(**cfg_kw)
     ref, tpm = _build(cfg, dtype), _build(cfg, dtype)
     apply_tensor_parallel(tpm, _tp_mesh(), chunks=chunks)
+    apply_recompute(tpm, recompute)
     assert list(tpm.state_dict()) == list(ref.state_dict())
     assert isinstance(tpm.layers["0"].attention.wq.weight, DTensor)
     tokens, labels = _batch()
@@ -138,9 +142,18 @@ def _parity(cfg_kw: dict, chunks: int, dtype: torch.dtype, steps: int = 3) -> di
     return {
         "errs": errs,
         "counts": counts,
-        "expected": collectives_per_step(cfg, chunks),
+        "expected": _expected_collectives(cfg, chunks, recompute),
         "loss": loss_tp.item(),
     }
+
+
+def _expected_collectives(cfg: ModelConfig, chunks: int, recompute: str) -> dict:
+    """Selective recompute re-runs each sublayer's forward collectives in backward."""
+    counts = collectives_per_step(cfg, chunks)
+    if recompute == "selective":
+        counts["all_gather"] += chunks * cfg.n_sublayers
+        counts["reduce_scatter"] += chunks * cfg.n_sublayers
+    return counts
 
 
 # fp64 isolates the algorithm from rounding: observed errors <= 3e-15 through 3 free-running SGD steps
@@ -403,3 +416,27 @@ def test_vocab_parallel_cross_entropy_matches_the_gathered_loss(dist_pool, dtype
         assert r["ignored"] == 0.0
         assert r["grad_dtype"] == str(dtype)
         assert r["loss"] < tol["loss"] and r["grad"] < tol["grad"], r
+
+
+def _selective_saves_less(cfg_kw: dict) -> dict:
+    """Bytes autograd keeps for backward in one tp forward, without and with selective recompute."""
+    cfg, tokens = _cfg(**cfg_kw), _batch()[0]
+    saved = {}
+    for mode in ("none", "selective"):
+        m = _build(cfg)
+        apply_tensor_parallel(m, _tp_mesh())
+        apply_recompute(m, mode)
+        params = [p.to_local() if isinstance(p, DTensor) else p for p in m.parameters()]
+        saved[mode] = saved_activation_bytes(lambda m=m: m(tokens), params)
+    return saved
+
+
+@pytest.mark.parametrize("case", ["block", "block-parallel-gqa", "standard-gqa"])
+def test_selective_recompute_with_tp_matches_single_process(dist_pool, case):
+    """Selective recompute wraps the sequence-parallel block's sublayers through the same seams as
+    the plain block's: fp64 parity with one process (recomputation replays the collectives), and
+    the forward keeps fewer bytes for backward than without recompute."""
+    results = dist_pool(TP).run(_parity, CASES[case], 2, torch.float64, 3, "selective")
+    _check(results, CASES[case], torch.float64)
+    for saved in dist_pool(TP).run(_selective_saves_less, CASES[case]):
+        assert saved["selective"] < 0.8 * saved["none"], saved

@@ -93,11 +93,6 @@ def test_toml_round_trip(tmp_path):
         ),
         (
             "",
-            ["--train.recompute", "selective", "--parallel.tp", "2"],
-            r"train.recompute='selective' with parallel.tp > 1 is not available",
-        ),
-        (
-            "",
             ["--checkpoint.resume", "/no/such/dir"],
             r"checkpoint.resume='/no/such/dir' does not exist",
         ),

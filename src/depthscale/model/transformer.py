@@ -62,16 +62,44 @@ class TransformerBlock(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
     ) -> DepthState:
+        """read → norm → sublayer → write, once per sublayer. The sublayer bodies are methods so
+        that a layout can replace how they compute (tensor parallelism) and a memory policy can
+        wrap them (selective recompute) without touching this sequence."""
         if self.parallel:
             x = self.attention_norm(self.residual.read(state))
-            y = self.attention(x, cos, sin, positions, cache, start) + self.feed_forward(x)
+            y = self.parallel_sublayer(x, cos, sin, positions, cache, start)
             return self.residual.write(state, y)
         x = self.attention_norm(self.attention_residual.read(state))
-        state = self.attention_residual.write(
-            state, self.attention(x, cos, sin, positions, cache, start)
-        )
+        y = self.attention_sublayer(x, cos, sin, positions, cache, start)
+        state = self.attention_residual.write(state, y)
         x = self.ffn_norm(self.ffn_residual.read(state))
-        return self.ffn_residual.write(state, self.feed_forward(x))
+        return self.ffn_residual.write(state, self.mlp_sublayer(x))
+
+    def attention_sublayer(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        return self.attention(x, cos, sin, positions, cache, start)
+
+    def mlp_sublayer(self, x: Tensor) -> Tensor:
+        return self.feed_forward(x)
+
+    def parallel_sublayer(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        """MegaScale's parallel block: attention and MLP on the same input, outputs summed."""
+        return self.attention(x, cos, sin, positions, cache, start) + self.feed_forward(x)
 
 
 class Transformer(nn.Module):

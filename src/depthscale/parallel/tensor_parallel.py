@@ -56,7 +56,8 @@ input [B, T, d] for the weight gradient (the fused operators do the same, so chu
 Limits: training/eval forward only (no KV caches); T must be divisible by tp and T/tp by chunks, the
 vocabulary by tp.
 Module code (`model/`) is untouched: blocks and the model have their class swapped to the sequence-
-parallel subclasses below, and `nn.Linear`s are replaced by Column/RowParallelLinear.
+parallel subclasses below, which override only the sublayer bodies (`TransformerBlock`'s seams, so
+recompute wraps them the same way) and embed/head; `nn.Linear`s become Column/RowParallelLinear.
 """
 
 from __future__ import annotations
@@ -182,44 +183,52 @@ def _no_cache(cache) -> None:
 
 
 class SequenceParallelBlock(TransformerBlock):
-    """A `TransformerBlock` whose depth state is sequence-sharded; attention and MLP run tensor-
-    parallel between one all-gather and one reduce-scatter per sublayer (both per parallel block)."""
+    """A `TransformerBlock` whose depth state is sequence-sharded: its sublayers run tensor-parallel
+    between one all-gather and one reduce-scatter each (the parallel block shares one of each
+    between attention and MLP). The read → norm → sublayer → write sequence is the block's own."""
 
     tp: TPContext
 
-    def forward(
+    def attention_sublayer(
         self,
-        state: DepthState,
+        x: Tensor,
         cos: Tensor,
         sin: Tensor,
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
-    ) -> DepthState:
+    ) -> Tensor:
         _no_cache(cache)
-        g, k = self.tp.group, self.tp.chunks
-        attn, mlp = self.attention, self.feed_forward
-        if self.parallel:
-            x = self.attention_norm(self.residual.read(state))
-            cols = [getattr(attn, n) for n in COLUMN[:3]] + [mlp.w_gate, mlp.w_up]
-            q, kk, v, gate, up = all_gather_matmul(x, [m.local_weight() for m in cols], g, k)
-            ya = attn.attend(q, kk, v, cos, sin, positions)
-            ym = F.silu(gate) * up
-            y = matmul_reduce_scatter(
-                [ya, ym], [attn.wo.local_weight(), mlp.w_down.local_weight()], g, k
-            )
-            return self.residual.write(state, y)
-        x = self.attention_norm(self.attention_residual.read(state))
+        attn, g, k = self.attention, self.tp.group, self.tp.chunks
         q, kk, v = all_gather_matmul(
             x, [attn.wq.local_weight(), attn.wk.local_weight(), attn.wv.local_weight()], g, k
         )
         ya = attn.attend(q, kk, v, cos, sin, positions)
-        y = matmul_reduce_scatter([ya], [attn.wo.local_weight()], g, k)
-        state = self.attention_residual.write(state, y)
-        x = self.ffn_norm(self.ffn_residual.read(state))
+        return matmul_reduce_scatter([ya], [attn.wo.local_weight()], g, k)
+
+    def mlp_sublayer(self, x: Tensor) -> Tensor:
+        mlp, g, k = self.feed_forward, self.tp.group, self.tp.chunks
         gate, up = all_gather_matmul(x, [mlp.w_gate.local_weight(), mlp.w_up.local_weight()], g, k)
-        y = matmul_reduce_scatter([F.silu(gate) * up], [mlp.w_down.local_weight()], g, k)
-        return self.ffn_residual.write(state, y)
+        return matmul_reduce_scatter([F.silu(gate) * up], [mlp.w_down.local_weight()], g, k)
+
+    def parallel_sublayer(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> Tensor:
+        _no_cache(cache)
+        attn, mlp, g, k = self.attention, self.feed_forward, self.tp.group, self.tp.chunks
+        cols = [getattr(attn, n) for n in COLUMN[:3]] + [mlp.w_gate, mlp.w_up]
+        q, kk, v, gate, up = all_gather_matmul(x, [m.local_weight() for m in cols], g, k)
+        ya = attn.attend(q, kk, v, cos, sin, positions)
+        ym = F.silu(gate) * up
+        return matmul_reduce_scatter(
+            [ya, ym], [attn.wo.local_weight(), mlp.w_down.local_weight()], g, k
+        )
 
 
 class SequenceParallelTransformer(Transformer):

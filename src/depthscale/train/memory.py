@@ -1,8 +1,10 @@
 """Activation memory: recomputation and offloading, applied to a model from outside.
 
-- `selective` recompute re-runs attention and MLP internals (projections, SDPA, the SwiGLU hidden
-  state) in backward, but keeps each sublayer's input: the depth read's sources and the normalized
-  read stay saved, so the AttnRes read itself is never recomputed.
+- `selective` recompute re-runs each sublayer's body (attention or MLP: projections, SDPA, the
+  SwiGLU hidden state; under tensor parallelism their collectives too) in backward, but keeps its
+  input: the depth read's sources and the normalized read stay saved, so the AttnRes read itself is
+  never recomputed. It wraps the block's sublayer seams (`attention_sublayer`, `mlp_sublayer`,
+  `parallel_sublayer`), which every layout's block runs through.
 - `full` recompute keeps only each layer's input depth state (the blocks and the partial sum, which
   live anyway) and re-runs the whole layer, depth reads included, in backward.
 - Offloading moves the tensors autograd saves for backward to host memory while a microbatch waits
@@ -65,8 +67,8 @@ def apply_recompute(model: Transformer, mode: str) -> None:
         if mode == "full":
             layer.forward = _layer_checkpointed(layer)
         else:
-            layer.attention.forward = _checkpointed(layer.attention.forward)
-            layer.feed_forward.forward = _checkpointed(layer.feed_forward.forward)
+            for name in ("attention_sublayer", "mlp_sublayer", "parallel_sublayer"):
+                setattr(layer, name, _checkpointed(getattr(layer, name)))
 
 
 @dataclass
