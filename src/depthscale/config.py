@@ -167,6 +167,11 @@ class TrainConfig:
     """Activation recomputation per layer. selective: attention and MLP internals are re-run in
     backward, each sublayer's input (so the AttnRes read) stays saved; full: only each layer's input
     depth state stays, the whole layer is re-run."""
+    offload_params: bool = False
+    """FSDP2 CPU offload (needs parallel.dp_shard > 1): sharded parameters, gradients and optimizer
+    states live in host memory and the optimizer steps there; each unit's shard is copied to the
+    device for its all-gather. With HSDP this is ZeRO-3 inside the shard group plus offload — how
+    full AttnRes trains large models without pipelining."""
     offload_activations: bool = False
     """Keep the tensors saved for backward in host memory until backward needs them (with pipeline
     parallelism: while a micro-batch is in flight). A no-op copy on CPU; its bytes are counted."""
@@ -345,6 +350,12 @@ class Config:
             raise ConfigError(
                 f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
                 f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
+            )
+        if t.offload_params and p.dp_shard == 1:
+            raise ConfigError(
+                "train.offload_params=true offloads FSDP2's sharded states, so it needs "
+                f"parallel.dp_shard > 1 (got {p.dp_shard}); allowed: dp_shard > 1, or "
+                "train.offload_params=false"
             )
         dp = self.dp_degree
         if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):

@@ -42,7 +42,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _setup(residual: str, dims_kw: dict, chunks: int, **model_kw):
+def _setup(residual: str, dims_kw: dict, chunks: int, offload: bool = False, **model_kw):
     """Mesh, the single-process reference and the parallelized copy (same seed), their optimizers,
     this rank's rows of the batch and the parallel plan."""
     dims_kw = dict(dims_kw)
@@ -54,6 +54,7 @@ def _setup(residual: str, dims_kw: dict, chunks: int, **model_kw):
     for name, value in dims_kw.items():
         setattr(cfg.parallel, name, value)
     cfg.parallel.pp_virtual = virtual
+    cfg.train.offload_params = offload
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
     ref = Transformer(cfg.model)
@@ -301,13 +302,21 @@ def test_pipeline_composes_with_dp_and_tp(dist_pool, residual, dims_kw, tie):
             assert deferred > 0 and every_micro == micro * deferred, reductions
 
 
-def _through_plan(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
+def _through_plan(residual: str, dims_kw: dict, tie: bool, steps: int = 3, offload: bool = False):
     """A step exactly as the trainer runs it: `ParallelPlan.forward_backward` over one-row
     micro-batches, `reduce_gradients`, `clip_gradients` (measuring only), the loss share averaged
     over all ranks."""
     dims, mesh, ref, model, opts, rows, plan = _setup(
-        residual, dims_kw, 1, n_layers=4, tie_embeddings=tie
+        residual, dims_kw, 1, offload, n_layers=4, tie_embeddings=tie
     )
+    if offload:  # FSDP2 keeps every sharded parameter with its CPU offload policy
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        offloaded = [
+            p.offload_to_cpu for u in units for p in u._get_fsdp_state()._fsdp_param_group.fsdp_params
+        ]
+        assert units and all(offloaded), offloaded
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, norms, ref_norms = [], [], [], []
     worst = {"grad": 0.0, "param": 0.0}
@@ -375,3 +384,16 @@ def test_pipeline_context_and_tensor_or_data_parallel_on_8_ranks(dist_pool, dims
     """Eight processes: pp=2 × cp=2 × tp=2 and pp=2 × cp=2 × dp_shard=2, Block AttnRes, tied
     embeddings, through the `ParallelPlan`, within the same bound as one process."""
     _check_plan_run(dist_pool(8).run(_through_plan, "block", dims_kw, True), "block")
+
+
+@pytest.mark.parametrize(
+    "residual,dims_kw",
+    [("full", {"dp_replicate": 2, "dp_shard": 2}), ("full", {"dp_shard": 4}), ("block", {"dp_replicate": 2, "dp_shard": 2})],
+)
+def test_zero3_with_cpu_offload_matches_single_process(dist_pool, residual, dims_kw):
+    """Full AttnRes without pipelining: ZeRO-3 inside a shard group (HSDP) or over all ranks, with
+    FSDP2's CPU offload of parameters, gradients and optimizer states (`train.offload_params`),
+    through the trainer's plan: the same bounds as one process."""
+    _check_plan_run(
+        dist_pool(4).run(_through_plan, residual, dims_kw, True, 3, True), residual
+    )

@@ -272,6 +272,14 @@ def one_process_run(tmp_path_factory):
         ["--parallel.pp", "2", "--parallel.tp", "2", "--parallel.pp_virtual", "2"],
         ["--parallel.cp", "4"],
         ["--parallel.pp", "2", "--parallel.cp", "2"],
+        [
+            "--parallel.dp_replicate",
+            "2",
+            "--parallel.dp_shard",
+            "2",
+            "--train.offload_params",
+            "true",
+        ],
     ],
 )
 def test_multi_process_training_from_the_command_line(tmp_path, layout, one_process_run):

@@ -88,6 +88,12 @@ def test_toml_round_trip(tmp_path):
         ("", ["--parallel.tp", "0"], r"parallel.tp=0 must be >= 1"),
         (
             "",
+            ["--train.offload_params", "true"],
+            r"train.offload_params=true offloads FSDP2's sharded states, so it needs "
+            r"parallel.dp_shard > 1",
+        ),
+        (
+            "",
             ["--train.recompute", "some"],
             r"train.recompute: 'some' is not allowed; allowed: 'none', 'selective', 'full'",
         ),

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from depthscale.model.residual import AttnResidual
@@ -73,6 +73,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     roots: list[nn.Module] | None = None,
+    offload: bool = False,
 ) -> None:
     """Shard `model` in place with FSDP2: each TransformerBlock is a unit (see `fsdp_units` for the
     Block-AttnRes exception), then the root, which keeps the tied embedding/head weight, the final
@@ -97,23 +98,26 @@ def apply_fsdp(
       replicas) from that unit's post-backward hook, i.e. as soon as the block's gradients are ready,
       while backward continues on the earlier blocks. Nothing extra is needed for that.
 
+    `offload`: FSDP2's CPU offload — sharded parameters, their gradients and (so) the optimizer
+    states stay in host memory (pinned when a GPU is present); each unit's shard is copied to the
+    device just before its all-gather, gradients copied back after the reduce-scatter.
+
     `reshard_after_forward=False` keeps gathered block parameters until backward (ZeRO-2-like: one
     all-gather per step instead of two, at the memory cost of the unsharded weights). The root never
     reshards after forward: its weights are needed first in backward anyway.
     """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policies = {
+        "mesh": dp_mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    if offload:
+        policies["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     units = fsdp_units(model)
     for unit in units:
-        fully_shard(
-            unit if len(unit) > 1 else unit[0],
-            mesh=dp_mesh,
-            mp_policy=mp_policy,
-            reshard_after_forward=reshard_after_forward,
-        )
+        fully_shard(unit if len(unit) > 1 else unit[0], **policies)
     for root in roots if roots is not None else [model]:
-        fully_shard(
-            root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
-        )
+        fully_shard(root, **policies)
         _chain_prefetch(root, [u[0] for u in units if _contains(root, u[0])])
 
 
@@ -226,12 +230,13 @@ def clip_grad_norm_(
 
 
 def _norm_device(grads: list[Tensor], across: dist.ProcessGroup | None) -> torch.device:
-    """Where the squared-norm sum lives: with the gradients, or, on a rank without any (an empty
-    pipeline stage), where `across`'s backend communicates (NCCL needs a CUDA tensor)."""
-    if grads:
-        return _local(grads[0]).device
+    """Where the squared-norm sum lives: where `across`'s backend communicates when that is NCCL
+    (a CUDA tensor, also for gradients offloaded to host memory or a stage without any), else with
+    the gradients."""
     if across is not None and dist.get_backend(across) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if grads:
+        return _local(grads[0]).device
     return torch.device("cpu")
 
 
@@ -270,6 +275,8 @@ def grad_norm(
         sq = torch.stack([n.float() for n in norms]).square().sum()
         if isinstance(first, DTensor):
             mesh = first.device_mesh
+            if mesh.device_type != sq.device.type:  # CPU-offloaded gradients, NCCL mesh
+                sq = sq.to(mesh.device_type)
             for dim, placement in enumerate(first.placements):
                 # "not replicated", not `is_shard()`: FSDP's (_StridedShard, Shard) placement of
                 # FSDP×TP weights answers is_shard() == False in torch 2.13

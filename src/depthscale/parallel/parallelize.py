@@ -130,6 +130,7 @@ def parallelize(
             param_dtype=dtype,
             reduce_dtype=torch.float32,
             reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+            offload=cfg.train.offload_params,
             roots=stages or None,
         )
     elif dims.dp_replicate > 1:
