@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from depthscale.model.transformer import Transformer
 from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.mesh import ParallelDims
+from depthscale.parallel.sequence_layout import SequenceShard
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
 Forward = Callable[..., Tensor]
@@ -41,27 +42,6 @@ Forward = Callable[..., Tensor]
 
 def _null() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
-
-
-class SequenceShard:
-    """How each sequence of a batch is cut over the cp ranks: zigzag (head-tail) shards, padded to
-    a multiple of 2·cp, with the global positions of the kept tokens. cp = 1: unchanged."""
-
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
-        self.rank, self.size = rank, size
-
-    def __call__(self, tokens: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        if self.size == 1:
-            return tokens, labels, None
-        from depthscale.parallel import context_parallel as cpar
-
-        tokens, labels = cpar.pad_for_cp(tokens, labels, self.size, "zigzag")
-        positions = cpar.positions_for(
-            tokens.shape[1], self.rank, self.size, "zigzag", tokens.device
-        )
-        tokens = cpar.shard_sequence(tokens, self.rank, self.size, 1, "zigzag")
-        labels = cpar.shard_sequence(labels, self.rank, self.size, 1, "zigzag")
-        return tokens, labels, positions
 
 
 class ParallelPlan:
