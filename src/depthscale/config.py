@@ -30,7 +30,8 @@ RopeScalingKind = Literal["none", "linear", "llama3"]
 @dataclass
 class ModelConfig:
     vocab_size: int = 0
-    """0: take the tokenizer's vocabulary size, rounded up to a multiple of 64."""
+    """0: take the tokenizer's vocabulary size, rounded up to a multiple of 64 that parallel.tp
+    divides (the vocabulary is sharded over tp)."""
     dim: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -355,6 +356,14 @@ class Config:
             raise ConfigError(
                 "train.offload_params=true offloads FSDP2's sharded states, so it needs "
                 f"parallel.dp_shard > 1 (got {p.dp_shard}); allowed: dp_shard > 1, or "
+                "train.offload_params=false"
+            )
+        if t.offload_params and max(p.tp, p.cp, p.pp) > 1:
+            # their own gradient reductions (tp-replicated sums, the cp average, tied-embedding
+            # sync) would meet host-memory gradients on NCCL groups, which only reduce GPU tensors
+            raise ConfigError(
+                f"train.offload_params=true is for data parallelism alone (ZeRO-3 / HSDP), but "
+                f"parallel.tp={p.tp}, cp={p.cp}, pp={p.pp}; allowed: tp = cp = pp = 1, or "
                 "train.offload_params=false"
             )
         dp = self.dp_degree

@@ -185,6 +185,8 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
         residual, dims_kw, 1, n_layers=4, tie_embeddings=tie
     )
     stages, cfg = plan.stages, model.cfg
+    owned = {id(p) for stage in stages for p in stage.parameters()}
+    assert all(id(p) in owned for p in model.parameters()), "a parameter outside every stage"
     pp, virtual, pp_rank = dims.pp, len(stages), mesh.get_local_rank("pp")
     pp_group = mesh["pp"].get_group()
     micro = rows.stop - rows.start
@@ -378,10 +380,16 @@ def test_pipeline_composes_with_context_parallel(dist_pool, residual, dims_kw, t
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "dims_kw", [{"pp": 2, "cp": 2, "tp": 2}, {"pp": 2, "cp": 2, "dp_shard": 2}]
+    "dims_kw",
+    [
+        {"pp": 2, "cp": 2, "tp": 2},
+        {"pp": 2, "cp": 2, "dp_shard": 2},
+        {"pp": 2, "tp": 2, "dp_shard": 2},
+    ],
 )
 def test_pipeline_context_and_tensor_or_data_parallel_on_8_ranks(dist_pool, dims_kw):
-    """Eight processes: pp=2 × cp=2 × tp=2 and pp=2 × cp=2 × dp_shard=2, Block AttnRes, tied
+    """Eight processes: pp=2 × cp=2 × tp=2, pp=2 × cp=2 × dp_shard=2 and pp=2 × tp=2 × dp_shard=2
+    (the vocabulary-sharded embedding and head owned by the stages FSDP wraps), Block AttnRes, tied
     embeddings, through the `ParallelPlan`, within the same bound as one process."""
     _check_plan_run(dist_pool(8).run(_through_plan, "block", dims_kw, True), "block")
 

@@ -296,3 +296,42 @@ def test_multi_process_training_from_the_command_line(tmp_path, layout, one_proc
         assert loss == pytest.approx(ref_loss, abs=2e-4)
         assert norm == pytest.approx(ref_norm, abs=2e-3)
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer_state.json").is_file()
+
+
+def test_pipeline_run_resumes_where_it_stopped(tmp_path):
+    """A pipeline run (pp=2 with cp=2, Block AttnRes, AdamW) resumed from its step-2 checkpoint
+    logs the same losses at steps 3 and 4 as the uninterrupted run: each stage restores its own
+    parameters' optimizer state (stages hold different parameters)."""
+    common = [
+        *("--nproc", "4", "--parallel.pp", "2", "--parallel.cp", "2"),
+        *(
+            "--model.residual",
+            "block",
+            "--model.attnres_n_blocks",
+            "2",
+            "--optim.schedule",
+            "constant",
+        ),
+        *("--optim.warmup_steps", "0", "--logging.log_every", "1", "--logging.progress", "false"),
+        *("--train.eval_every", "0", "--data.max_bytes", "300000", "--checkpoint.every", "2"),
+    ]
+
+    def losses(run: str, steps: int) -> dict[int, str]:
+        out = cli(
+            "train",
+            *TINY,
+            *common,
+            "--train.steps",
+            str(steps),
+            "--train.run_dir",
+            str(tmp_path / run),
+            cwd=tmp_path,
+        ).stdout
+        lines = [ln.split() for ln in out.splitlines() if ln.startswith("step") and "| loss" in ln]
+        return {int(w[1].split("/")[0]): w[4] for w in lines}
+
+    straight = losses("straight", 4)
+    losses("resumed", 2)
+    resumed = losses("resumed", 4)
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {k: straight[k] for k in (3, 4)}

@@ -94,6 +94,12 @@ def test_toml_round_trip(tmp_path):
         ),
         (
             "",
+            ["--train.offload_params", "true", "--parallel.dp_shard", "2", "--parallel.pp", "2"],
+            r"train.offload_params=true is for data parallelism alone \(ZeRO-3 / HSDP\), but "
+            r"parallel.tp=1, cp=1, pp=2",
+        ),
+        (
+            "",
             ["--train.recompute", "some"],
             r"train.recompute: 'some' is not allowed; allowed: 'none', 'selective', 'full'",
         ),

@@ -43,8 +43,8 @@ never of K/V):
 
 `RingStats` counts computed and skipped blocks, bytes and messages sent, and time blocked in waits.
 
-Layout, padding and the loss (what the trainer does around `apply_context_parallel`; the layout
-functions live in `sequence_layout.py`)::
+Layout, padding and the loss, by hand (the trainer's `ParallelPlan` does the same through
+`SequenceShard` and `TokenLoss`; the layout functions live in `sequence_layout.py`)::
 
     tokens, labels = pad_for_cp(tokens, labels, cp, "zigzag", pad_id)   # labels of padding: -100
     tok = shard_sequence(tokens, cp_rank, cp, dim=1, mode="zigzag")

@@ -94,8 +94,9 @@ class TokenLoss:
             return loss, loss.detach()
         flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
         if self.vocab_group is None:
+            upcast = flat_logits.to(torch.promote_types(flat_logits.dtype, torch.float32))
             loss_sum = F.cross_entropy(
-                flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"
+                upcast, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"
             )
         else:
             loss_sum = vocab_parallel_cross_entropy(

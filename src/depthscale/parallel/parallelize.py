@@ -116,6 +116,8 @@ def parallelize(
         from depthscale.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], chunks=cfg.parallel.tp_overlap_chunks)
+        for stage in stages:  # the embedding and head are new modules now
+            stage.register_modules()
     if dims.cp > 1:
         from depthscale.parallel.context_parallel import apply_context_parallel
 

@@ -284,7 +284,7 @@ def check_tp_divides(cfg: ModelConfig, tp: int) -> None:
                 f"tensor parallelism: model.{name}={value} is not divisible by tp={tp}; "
                 f"choose tp dividing n_heads={cfg.n_heads}, kv_heads={cfg.kv_heads}, "
                 f"hidden_dim={cfg.hidden_dim} and vocab_size={cfg.vocab_size} (0, automatic, "
-                "rounds the tokenizer's vocabulary up to a multiple of 64·tp)"
+                "rounds the tokenizer's vocabulary up to a multiple of 64 that tp divides)"
             )
 
 
@@ -327,7 +327,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, chunks: int =
 
 @torch.no_grad()
 def tp_sync_replicated_grads(model: nn.Module) -> None:
-    """Sum the gradients of the tp-replicated parameters (embedding, norms, AttnRes) over the tp group,
+    """Sum the gradients of the tp-replicated parameters (norms, AttnRes) over the tp group,
     in one all-reduce per dtype. Call once per optimizer step after all backward passes."""
     ctx: TPContext | None = getattr(model, "tp", None)
     if ctx is None or ctx.size == 1:

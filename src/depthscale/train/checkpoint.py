@@ -32,7 +32,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from depthscale.config import CheckpointConfig, ModelConfig
 from depthscale.errors import CheckpointError
@@ -84,6 +88,22 @@ def _dcp_save(state: dict, path: Path, group: dist.ProcessGroup | None) -> None:
         _dcp_quiet(dcp.save, state, checkpoint_id=str(path), process_group=group)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         raise CheckpointError(f"cannot save checkpoint {path}: {_cause(err)}") from err
+
+
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state saved with per-parameter keys, param-group settings included
+("optim.param_groups.<fqn>.lr"): ranks holding different parameters (pipeline stages) then write
+different keys. Nested, the param groups are keyed by group index, every rank writes the same keys
+with its own parameter list, and one rank's list wins — resuming a pipeline mixed up the groups."""
+
+
+def _optimizer_flat(path: Path) -> bool:
+    """Whether the checkpoint's optimizer state is flattened (older checkpoints are nested)."""
+    try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as err:
+        raise CheckpointError(f"cannot read checkpoint metadata {path}: {_cause(err)}") from err
+    return not any(k.startswith("optim.param_groups.0.") for k in keys)
 
 
 def _dcp_load(state: dict, path: Path) -> None:
@@ -165,7 +185,7 @@ class Checkpointer:
     ) -> Path:
         """Save; with async_save, returns once the state is staged in host memory."""
         self.wait()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)
         state = {"model": model_sd, "optim": optim_sd}
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -266,12 +286,25 @@ class Checkpointer:
         if optimizer is None or is_model_only(trainer_state):
             load_model(path, model)
             return trainer_state
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        settings = [set(g) for g in optimizer.param_groups]
+        options = StateDictOptions(flatten_optimizer_state_dict=_optimizer_flat(path))
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, path)
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
         )
+        if [set(g) for g in optimizer.param_groups] != settings:
+            raise CheckpointError(
+                f"the optimizer state in {path} was written by an older depthscale that mixed up "
+                "the parameter groups of pipeline stages; its weights load "
+                "(`depthscale generate --run`), its optimizer state cannot: resume from a newer "
+                "checkpoint or start a new run (--checkpoint.resume none)"
+            )
         rng_file = path / rng_file_name(global_rank())
         if rng_file.is_file():  # absent for ranks beyond the saving run's world size
             try:

@@ -66,13 +66,15 @@ class Pipeline:
         train: bool = True,
         forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> Tensor:
-        """Run one step's schedule over the micro-batches; returns the mean micro-batch loss on
-        every pipeline rank (computed on the last stage, then summed over the pipeline group)."""
+        """Run one step's schedule over the micro-batches; returns, on every pipeline rank, the
+        last stage's summed micro-batch losses / micro-batches (the stage's `loss_fn`: the mean loss,
+        or this rank's share of it under cp), fp32, summed over the pipeline group."""
         runtime = self.runtime(train, len(inputs))
         runtime.forward_context = forward_context
         device = inputs[0].device
         loss, _ = runtime.step(inputs, labels, hop_shape, dtype, device, positions=positions)
-        total = loss if loss is not None else torch.zeros((), device=device)
+        # every rank of the group must reduce the same dtype (an fp64 model's loss is fp64)
+        total = loss.float() if loss is not None else torch.zeros((), device=device)
         dist.all_reduce(total, group=self.group)
         return total
 

@@ -86,15 +86,22 @@ class PipelineStage(nn.Module):
         self.spec = spec
         self.cfg = model.cfg
         self._model = [model]  # a list: the stage calls the model's methods but does not own it
+        self.register_modules()
+        link_groups([r for layer in self.layers for r in layer.residuals()])
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy
+        """logits, labels → the loss to backpropagate; the parallel plan sets the layout's."""
+
+    def register_modules(self) -> None:
+        """(Re-)register the model's modules this stage runs, as its children: again after a layout
+        replaced some of them on the model (tensor parallelism swaps the embedding and the head),
+        so that wrappers applied to the stage afterwards (FSDP2, DDP) own the new ones."""
+        model, spec = self.model, self.spec
         self.layers = nn.ModuleList([model.layers[str(i)] for i in spec.layers])
         if spec.is_first:
             self.tok_embeddings = model.tok_embeddings
         if spec.is_last:
             self.output_residual = model.output_residual
             self.norm, self.output = model.norm, model.output
-        link_groups([r for layer in self.layers for r in layer.residuals()])
-        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy
-        """logits, labels → the loss to backpropagate; the parallel plan sets the layout's."""
 
     @property
     def model(self) -> Transformer:
