@@ -1,12 +1,15 @@
-"""Shared helpers for benchmark scripts: device description and interleaved timing."""
+"""Shared helpers for benchmark scripts: device description, interleaved timing, peak RSS, and
+spawning one process per rank."""
 
 from __future__ import annotations
 
 import platform
+import socket
 import statistics
 import time
 import weakref
 from collections.abc import Callable
+from queue import Empty
 
 import torch
 
@@ -76,3 +79,55 @@ class SentBuffers:
 
     def reset(self) -> None:
         self._live, self.peak = [], 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def peak_rss_delta(fn: Callable[[], object]) -> int | None:
+    """Bytes the peak RSS rose above the current RSS while running fn (None off Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        return None
+    before = _rss_kib("VmRSS")
+    fn()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def run_ranks(target: Callable, world: int, *args: object) -> list[dict]:
+    """Spawn `world` processes running target(rank, *args, port, queue); each puts one dict with a
+    "rank" key on the queue. Returns them in rank order; a worker that dies fails the run at once
+    (its traceback is on stderr) instead of leaving the others waiting."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, *args, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: list[dict] = []
+    while len(results) < world:
+        try:
+            results.append(queue.get(timeout=5))
+        except Empty:
+            if any(p.exitcode for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"a worker of {target.__name__} failed (see above)") from None
+    for p in procs:
+        p.join()
+    return sorted(results, key=lambda r: r["rank"])

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -29,13 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_info, interleaved_times  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _common import device_info, free_port, interleaved_times  # noqa: E402
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -133,7 +126,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     args = ap.parse_args()
-    mp.spawn(_worker, args=(args, _free_port()), nprocs=args.tp)
+    mp.spawn(_worker, args=(args, free_port()), nprocs=args.tp)
 
 
 if __name__ == "__main__":

@@ -29,18 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
-from queue import Empty
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_info  # noqa: E402
-from ring_attention import _peak_rss_delta  # noqa: E402
+from _common import device_info, peak_rss_delta, run_ranks  # noqa: E402
 
 LAYOUTS = {
     "full_hsdp_offload": (
@@ -59,12 +55,6 @@ LAYOUTS = {
     "block_pp": ("block", ["--parallel.pp", "4", "--parallel.pp_virtual", "2"]),
     "block_pp_dp": ("block", ["--parallel.pp", "2", "--parallel.dp_shard", "2"]),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -110,7 +100,7 @@ def _worker(rank: int, layout: str, args, corpus: str, run_dir: str, port: int, 
     trainer = Trainer(cfg)
     for _ in range(args.steps):
         trainer.train_step()
-    peak = _peak_rss_delta(trainer.train_step)
+    peak = peak_rss_delta(trainer.train_step)
     offloaded = cfg.train.offload_params
     params = [_local(p) for p in trainer.model.parameters()]
     grads = [_local(p.grad) for p in trainer.model.parameters() if p.grad is not None]
@@ -138,26 +128,8 @@ def _worker(rank: int, layout: str, args, corpus: str, run_dir: str, port: int, 
 
 
 def _run(layout: str, args, corpus: str) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
     with tempfile.TemporaryDirectory() as run_dir:
-        procs = [
-            ctx.Process(target=_worker, args=(r, layout, args, corpus, run_dir, port, queue))
-            for r in range(4)
-        ]
-        for p in procs:
-            p.start()
-        results = []
-        while len(results) < 4:  # a worker that dies fails the run instead of hanging it
-            try:
-                results.append(queue.get(timeout=5))
-            except Empty:
-                if any(p.exitcode for p in procs):
-                    raise RuntimeError(f"{layout}: a worker failed (see above)") from None
-        for p in procs:
-            p.join()
-    ranks = sorted(results, key=lambda r: r["rank"])
+        ranks = run_ranks(_worker, 4, layout, args, corpus, run_dir)
     return {
         "state_bytes_per_rank": [r["state_bytes"] for r in ranks],
         "peak_rss_delta_bytes_per_rank": [r["peak_rss_delta_bytes"] for r in ranks],

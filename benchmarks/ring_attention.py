@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import sys
 import time
@@ -38,42 +37,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import SentBuffers, device_info  # noqa: E402
+from _common import SentBuffers, device_info, peak_rss_delta, run_ranks  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
 from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
 from depthscale.parallel.ring_plan import RingPlan, Span  # noqa: E402
 from depthscale.train.memory import saved_activation_bytes  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _peak_rss_delta(fn) -> int | None:
-    """Bytes the peak RSS rose above the current RSS while running fn (None off Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-    except OSError:
-        return None
-    before = _rss_kib("VmRSS")
-    fn()
-    return (_rss_kib("VmHWM") - before) * 1024
 
 
 def _noop_attend(q, k, v, mask, scale):
@@ -124,7 +96,7 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
     out["peak_sent_bytes_alive"] = sent.peak
     hkv, local = cfg.n_kv_heads, args.seq // cp
     out["kv_block_bytes"] = 2 * args.batch * hkv * local * cfg.head_dim * 4  # K and V, fp32
-    out["peak_rss_delta"] = _peak_rss_delta(lambda: step("zigzag"))
+    out["peak_rss_delta"] = peak_rss_delta(lambda: step("zigzag"))
     out["activation_bytes"] = saved_activation_bytes(lambda: attn(x, cos, sin, pos), params)
     if cp == 1:
         attn.attention_fn = sdpa_attention
@@ -209,21 +181,6 @@ def _plan_times(args: argparse.Namespace, group, rank: int, cp: int) -> dict:
     }
 
 
-def _run(cp: int, args: argparse.Namespace) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, cp, args, port, queue)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=1800) for _ in range(cp)]
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"cp={cp} worker exited with {p.exitcode}")
-    return sorted(results, key=lambda r: r["rank"])
-
-
 def _summary(cp: int, ranks: list[dict], rounds: int) -> dict:
     modes = ("zigzag", "contiguous")
     # a step is as slow as its slowest rank: max over ranks per round, then the median
@@ -296,7 +253,7 @@ def main() -> None:
         "cp": {},
     }
     for cp in args.cp:
-        result["cp"][str(cp)] = _summary(cp, _run(cp, args), args.rounds)
+        result["cp"][str(cp)] = _summary(cp, run_ranks(_worker, cp, cp, args), args.rounds)
     text = json.dumps(result, indent=1)
     # keep per-rank lists on one line each
     print(

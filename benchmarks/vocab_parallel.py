@@ -23,21 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
-from queue import Empty
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.autograd import Function
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_info  # noqa: E402
-from ring_attention import _peak_rss_delta  # noqa: E402
+from _common import device_info, peak_rss_delta, run_ranks  # noqa: E402
 
 from depthscale.model.layers import RMSNorm  # noqa: E402
 from depthscale.model.transformer import cross_entropy  # noqa: E402
@@ -62,12 +58,6 @@ class _GatherVocab(Function):
         n = grad.shape[-1] // dist.get_world_size(ctx.group)
         r = dist.get_rank(ctx.group)
         return grad[..., r * n : (r + 1) * n].contiguous(), None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, tp: int, args: argparse.Namespace, port: int, queue) -> None:
@@ -105,7 +95,7 @@ def _worker(rank: int, tp: int, args: argparse.Namespace, port: int, queue) -> N
     out: dict = {"rank": rank, "saved": {}, "rss": {}, "times": {v: [] for v in variants}}
     for v in variants:
         out["saved"][v] = saved_activation_bytes(lambda v=v: forward(v), params)
-        out["rss"][v] = _peak_rss_delta(lambda v=v: forward(v).backward())
+        out["rss"][v] = peak_rss_delta(lambda v=v: forward(v).backward())
         forward(v).backward()  # warm-up
     for _ in range(args.rounds):
         for v in variants:  # interleaved so drift hits both
@@ -123,24 +113,7 @@ def _worker(rank: int, tp: int, args: argparse.Namespace, port: int, queue) -> N
 
 
 def _run(tp: int, args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, tp, args, port, queue)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    results = []
-    while len(results) < tp:  # a worker that dies fails the run instead of hanging it
-        try:
-            results.append(queue.get(timeout=5))
-        except Empty:
-            if any(p.exitcode for p in procs):
-                raise RuntimeError(f"tp={tp}: a worker failed (see its traceback above)") from None
-    ranks = sorted(results, key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"tp={tp} worker exited with {p.exitcode}")
+    ranks = run_ranks(_worker, tp, tp, args)
     variants = ("vocab_parallel", "gathered")
     step = {
         v: statistics.median(max(r["times"][v][i] for r in ranks) for i in range(args.rounds))
