@@ -36,22 +36,21 @@ def check_layout(cfg: Config) -> None:
     p = cfg.parallel
     dims = ParallelDims.from_config(p)
     check_supported(dims, p.pp_virtual)
-    if dims.cp > 1:  # zigzag pads every sequence to a multiple of 2·cp; RoPE must cover it
-        padded = -(-cfg.data.seq_len // (2 * dims.cp)) * 2 * dims.cp
-        if padded > cfg.model.max_seq_len:
-            raise ConfigError(
-                f"parallel.cp={dims.cp} pads data.seq_len={cfg.data.seq_len} to {padded} (a "
-                f"multiple of 2·cp), beyond model.max_seq_len={cfg.model.max_seq_len}; allowed: "
-                f"a seq_len that is a multiple of {2 * dims.cp}, or a larger max_seq_len"
-            )
+    # cp: zigzag pads every sequence to a multiple of 2·cp (RoPE must cover it), then shards it
+    padded = (
+        -(-cfg.data.seq_len // (2 * dims.cp)) * 2 * dims.cp if dims.cp > 1 else cfg.data.seq_len
+    )
+    if padded > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"parallel.cp={dims.cp} pads data.seq_len={cfg.data.seq_len} to {padded} (a "
+            f"multiple of 2·cp), beyond model.max_seq_len={cfg.model.max_seq_len}; allowed: "
+            f"a seq_len that is a multiple of {2 * dims.cp}, or a larger max_seq_len"
+        )
     if dims.tp > 1:
         from depthscale.parallel.tensor_parallel import check_seq_len, check_tp_divides
 
         check_tp_divides(cfg.model, dims.tp)
-        local = cfg.data.seq_len
-        if dims.cp > 1:  # zigzag pads the sequence to a multiple of 2·cp, then shards it
-            local = -(-local // (2 * dims.cp)) * 2
-        check_seq_len(local, dims.tp, p.tp_overlap_chunks)
+        check_seq_len(padded // dims.cp, dims.tp, p.tp_overlap_chunks)
     if dims.pp > 1 and p.pp_virtual > 1 and cfg.grad_accum_steps % dims.pp:
         raise ConfigError(
             f"interleaved 1F1B (parallel.pp_virtual={p.pp_virtual}) needs the micro-batches per "

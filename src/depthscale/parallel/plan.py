@@ -59,6 +59,9 @@ class ParallelPlan:
         dtype: torch.dtype,
     ) -> None:
         self.model, self.mesh, self.dims, self.stages = model, mesh, dims, stages
+        self.microbatches = microbatches
+        """Per training step on this rank (`Config.grad_accum_steps`): the pipeline schedule is
+        built for this count, and evaluation batches are cut the same way."""
         self.dtype = dtype
         """What travels between pipeline stages under autocast (the receive buffers' dtype)."""
         self.sequence = SequenceShard()
@@ -83,15 +86,14 @@ class ParallelPlan:
         forward: Forward,
         inputs: Tensor,
         labels: Tensor,
-        microbatches: int,
         autocast: ContextFactory = _null,
         around_forward: ContextFactory = _null,
     ) -> Tensor:
-        """Forward and backward of this rank's rows of the batch in `microbatches` pieces,
+        """Forward and backward of this rank's rows of the batch in `self.microbatches` pieces,
         gradients accumulated; returns this rank's share of the mean loss (see the module doc).
         `forward` is the model or its compiled form; `around_forward` is entered around every
         micro-batch's forward (e.g. activation offloading)."""
-        device = self._device()
+        device, microbatches = self._device(), self.microbatches
         xs = [x.to(device) for x in inputs.chunk(microbatches)]
         ys = [y.to(device) for y in labels.chunk(microbatches)]
         if self.pipeline is not None:
@@ -110,15 +112,14 @@ class ParallelPlan:
         forward: Forward,
         inputs: Tensor,
         labels: Tensor,
-        microbatches: int,
         autocast: ContextFactory = _null,
     ) -> Tensor:
         """This rank's share of the mean loss of one evaluation batch (no gradients); a pipeline
-        runs it as `microbatches` pieces, anything else in one forward."""
+        runs it as `self.microbatches` pieces, anything else in one forward."""
         device = self._device()
         x, y = inputs.to(device), labels.to(device)
         if self.pipeline is not None:
-            xs, ys = list(x.chunk(microbatches)), list(y.chunk(microbatches))
+            xs, ys = list(x.chunk(self.microbatches)), list(y.chunk(self.microbatches))
             return self._pipeline_step(xs, ys, False, autocast, None)
         return self._loss(forward, x, y, autocast)[1]
 

@@ -146,7 +146,6 @@ class Trainer:
             self.forward,
             inputs,
             labels,
-            cfg.grad_accum_steps,
             autocast=self.autocast,
             around_forward=self._offloading,
         )
@@ -191,9 +190,8 @@ class Trainer:
             return None
         self.model.eval()
         batches = self.data.val.iter_eval(self.cfg.train.eval_batches, self.dp_rank, self.dp_size)
-        accum = self.cfg.grad_accum_steps
         losses = [
-            self._mean_over_ranks(self.plan.evaluate(self.forward, x, y, accum, self.autocast))
+            self._mean_over_ranks(self.plan.evaluate(self.forward, x, y, self.autocast))
             for x, y in batches
         ]
         self.model.train()
