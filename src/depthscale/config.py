@@ -169,7 +169,7 @@ class TrainConfig:
     backward, each sublayer's input (so the AttnRes read) stays saved; full: only each layer's input
     depth state stays, the whole layer is re-run."""
     offload_params: bool = False
-    """FSDP2 CPU offload (needs parallel.dp_shard > 1): sharded parameters, gradients and optimizer
+    """FSDP2 CPU offload (needs parallel.dp_shard × cp > 1, tp = pp = 1): sharded parameters, gradients and optimizer
     states live in host memory and the optimizer steps there; each unit's shard is copied to the
     device for its all-gather. With HSDP this is ZeRO-3 inside the shard group plus offload — how
     full AttnRes trains large models without pipelining."""
@@ -217,6 +217,11 @@ class ParallelConfig:
     GEMM of chunk i. 1 = no chunking."""
     fsdp_reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)."""
+    fsdp_defer_reduce_scatter: bool = False
+    """With gradient accumulation, FSDP/HSDP reduce-scatter each micro-batch's gradients (the
+    cross-replica all-reduce of HSDP and DDP's all-reduce always wait for the last micro-batch).
+    True accumulates unsharded gradients and reduce-scatters once per step: accum× fewer
+    reduce-scatters for the memory of one unsharded gradient copy (pipelines always do this)."""
 
 
 @dataclass
@@ -352,19 +357,19 @@ class Config:
                 f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
                 f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
             )
-        if t.offload_params and p.dp_shard == 1:
+        if t.offload_params and p.dp_shard * p.cp == 1:
             raise ConfigError(
-                "train.offload_params=true offloads FSDP2's sharded states, so it needs "
-                f"parallel.dp_shard > 1 (got {p.dp_shard}); allowed: dp_shard > 1, or "
-                "train.offload_params=false"
+                "train.offload_params=true offloads FSDP2's sharded states, so it needs FSDP: "
+                f"parallel.dp_shard × cp > 1 (got dp_shard={p.dp_shard}, cp={p.cp}); allowed: "
+                "dp_shard > 1 or cp > 1, or train.offload_params=false"
             )
-        if t.offload_params and max(p.tp, p.cp, p.pp) > 1:
-            # their own gradient reductions (tp-replicated sums, the cp average, tied-embedding
-            # sync) would meet host-memory gradients on NCCL groups, which only reduce GPU tensors
+        if t.offload_params and max(p.tp, p.pp) > 1:
+            # their own gradient reductions (tp-replicated sums, tied-embedding sync) would meet
+            # host-memory gradients on NCCL groups, which only reduce GPU tensors
             raise ConfigError(
-                f"train.offload_params=true is for data parallelism alone (ZeRO-3 / HSDP), but "
-                f"parallel.tp={p.tp}, cp={p.cp}, pp={p.pp}; allowed: tp = cp = pp = 1, or "
-                "train.offload_params=false"
+                f"train.offload_params=true is for data and context parallelism (ZeRO-3 / HSDP "
+                f"over dp_shard × cp), but parallel.tp={p.tp}, pp={p.pp}; allowed: tp = pp = 1, "
+                "or train.offload_params=false"
             )
         dp = self.dp_degree
         if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):

@@ -21,7 +21,6 @@ from depthscale.config import Config
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.parallel.mesh import ParallelDims
 from depthscale.parallel.parallelize import dp_rank_and_size, parallelize
-from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
 from tolerances import check, copy_params_, fp32_model_bound, fp32_sum_bound, scaled_err
 
 BATCH, SEQ = 4, 16
@@ -105,8 +104,7 @@ def _composed(residual: str, dims_kw: dict, chunks: int, steps: int = 3):
         ref_loss.backward()
         loss, _ = plan.loss(model(tokens[rows]), labels[rows])  # vocabulary-parallel under tp
         loss.backward()
-        if dims.tp > 1:
-            tp_sync_replicated_grads(model)
+        plan.reduce_gradients()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
@@ -135,7 +133,7 @@ def _composed_cp(residual: str, dims_kw: dict, steps: int = 3):
     from depthscale.parallel import context_parallel as cpar
 
     dims, mesh, ref, model, opts, rows, plan = _setup(residual, dims_kw, 1)
-    cp, cp_rank, cp_group = dims.cp, mesh.get_local_rank("cp"), mesh["cp"].get_group()
+    cp, cp_rank = dims.cp, mesh.get_local_rank("cp")
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, worst = [], [], {"grad": 0.0, "param": 0.0}
     for _ in range(steps):
@@ -148,9 +146,7 @@ def _composed_cp(residual: str, dims_kw: dict, steps: int = 3):
         y = cpar.shard_sequence(labels[rows], cp_rank, cp, 1, "zigzag")
         loss, report = plan.loss(model(x, positions=positions), y)  # cp_loss, vocab-parallel
         loss.backward()
-        cpar.cp_all_reduce_grads(model, cp_group)
-        if dims.tp > 1:
-            tp_sync_replicated_grads(model)
+        plan.reduce_gradients()
         total = report.clone()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
@@ -177,7 +173,6 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
     from depthscale.parallel.pipeline.stage import (
         counted_elsewhere,
         split_layers,
-        sync_tied_grads,
         tied_embedding_group,
     )
 
@@ -187,7 +182,7 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
     stages, cfg = plan.stages, model.cfg
     owned = {id(p) for stage in stages for p in stage.parameters()}
     assert all(id(p) in owned for p in model.parameters()), "a parameter outside every stage"
-    pp, virtual, pp_rank = dims.pp, len(stages), mesh.get_local_rank("pp")
+    pp, virtual = dims.pp, len(stages)
     pp_group = mesh["pp"].get_group()
     micro = rows.stop - rows.start
     cache = DepthCache(cfg, split_layers(cfg.n_layers, pp * virtual), pp, enabled=True)
@@ -213,10 +208,7 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
                 torch.device("cpu"),
             )
         reductions.append(count[0])
-        if tied_group is not None:
-            sync_tied_grads(model, tied_group)
-        if dims.tp > 1:
-            tp_sync_replicated_grads(model)
+        plan.reduce_gradients()  # tied copies, tp-replicated sums, FSDP-replicated queries
         total = loss.detach().clone() if loss is not None else torch.zeros(())
         dist.all_reduce(total, group=pp_group)
         dist.all_reduce(total)

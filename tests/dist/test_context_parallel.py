@@ -25,7 +25,6 @@ from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.parallel.context_parallel import (
     RingStats,
     apply_context_parallel,
-    cp_all_reduce_grads,
     cp_loss,
     pad_for_cp,
     positions_for,
@@ -33,6 +32,7 @@ from depthscale.parallel.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
+from depthscale.parallel.data_parallel import average_replicated_grads
 from depthscale.parallel.mesh import ParallelDims
 from tolerances import check, fp32_model_bound, fp32_sum_bound, scaled_err
 
@@ -287,7 +287,7 @@ def _model_parity(residual, window, chunk, mode, T, declared):
         logits = model(tok, positions=pos)
     loss, global_loss = cp_loss(logits, lab, cp_mesh.get_group())
     loss.backward()
-    cp_all_reduce_grads(model, cp_mesh.get_group())
+    average_replicated_grads(list(model.parameters()), cp_mesh.get_group())
     wrong_positions_refused = None
     if declared:  # positions of another layout are refused, not silently attended with
         try:

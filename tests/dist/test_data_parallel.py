@@ -35,9 +35,10 @@ from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.parallel.data_parallel import (
     apply_ddp,
     apply_fsdp,
+    average_replicated_grads,
     clip_grad_norm_,
+    depth_query_params,
     dp_loss_average,
-    fsdp_units,
 )
 from depthscale.parallel.mesh import ParallelDims
 from tolerances import (
@@ -133,9 +134,19 @@ def _parallelize(
         _toy_tensor_parallel(model, mesh["tp"])
     if dims.dp_shard > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard)
+        model._whole = apply_fsdp(
+            model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard
+        )
     else:
-        apply_ddp(model, mesh["dp_replicate"])
+        model._whole = apply_ddp(model, mesh["dp_replicate"])
+
+
+def _average_whole(model) -> None:
+    """The AttnRes queries FSDP / replicate left whole: averaged over the data-parallel ranks (here
+    every rank: tp copies of them are identical), as `ParallelPlan.reduce_gradients` does."""
+    whole = getattr(model, "_whole", None)
+    if whole:
+        average_replicated_grads(whole, dist.group.WORLD)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -164,6 +175,7 @@ def _norm_bound(cfg: ModelConfig) -> float:
 def _train_step(model, opt, tokens, labels, clip: float | None = None):
     loss = cross_entropy(model(tokens), labels)
     loss.backward()
+    _average_whole(model)
     norm = None
     if clip is not None:
         norm = clip_grad_norm_(model.parameters(), clip)
@@ -204,6 +216,7 @@ def _parity(layout: str, cfg: ModelConfig, optimizers: tuple[str, ...]) -> dict:
             ref_loss.backward()
             loss = cross_entropy(par(tokens[rows]), labels[rows])
             loss.backward()
+            _average_whole(par)
             global_loss = dp_loss_average(loss, dist.group.WORLD)
             diffs["loss"] = max(diffs["loss"], abs(global_loss - ref_loss.item()) / ref_loss.item())
             for p, q in zip(par.parameters(), ref.parameters()):
@@ -324,7 +337,7 @@ def _train_and_save(path: str) -> tuple[dict[str, torch.Tensor], float, float]:
     mesh = _mesh(dims)
     rows = _dp_slice(mesh, dims)
     model = _model(_cfg("block"))
-    apply_fsdp(model, mesh["dp_shard"])
+    model._whole = apply_fsdp(model, mesh["dp_shard"])
     opt = _optimizer("adamw", model.parameters())
     tokens, labels = _batch()
     for _ in range(2):
@@ -350,7 +363,7 @@ def _load_and_step(path: str, world: int = 1) -> tuple[dict[str, torch.Tensor], 
     if world > 1:
         dims = ParallelDims(dp_shard=world)
         mesh = _mesh(dims)
-        apply_fsdp(model, mesh["dp_shard"])
+        model._whole = apply_fsdp(model, mesh["dp_shard"])
         rows, group = _dp_slice(mesh, dims), dist.group.WORLD
     opt = _optimizer("adamw", model.parameters())
     _load(model, opt, path)
@@ -370,7 +383,8 @@ def test_parity_with_single_process(dist_pool, layout, residual):
     for r in results:
         _check(r, _cfg(residual))
         assert r["sgd_norms"][0] > MAX_NORM  # clipping was active
-    assert results[0]["placements"] == PLACEMENTS[layout]
+    whole = {"plain"} if residual != "standard" else set()  # the AttnRes queries stay whole
+    assert results[0]["placements"] == PLACEMENTS[layout] | whole
     # the norm is identical on all ranks, bit for bit
     assert all(r["sgd_norms"] == results[0]["sgd_norms"] for r in results)
 
@@ -382,32 +396,36 @@ def test_ddp_after_tensor_parallel(dist_pool):
         assert r["placements"] == {
             "(Replicate(), Shard(dim=0))",  # column-parallel weights
             "(Replicate(), Shard(dim=1))",  # row-parallel weights
-            "(Replicate(),)",  # embedding, norms, AttnRes queries: 1-D, on dp only
+            "(Replicate(),)",  # embedding, norms: 1-D, on dp only
+            "plain",  # the layers' AttnRes queries, whole on every rank
         }
         _check(r, _cfg("block"), ("sgd",))
 
 
-def test_fsdp_units_follow_attnres_blocks():
-    """Two-phase reads batch the queries of a whole depth block: its layers share one FSDP unit."""
+@pytest.mark.parametrize("n_layers", [16, 32, 80])
+def test_fsdp_unit_is_one_layer_for_block_attnres(dist_pool, n_layers):
+    """Two-phase reads stack the queries of a whole depth block (8 blocks here: 2, 4 and 10 layers
+    each). The queries stay whole on every rank, so every FSDP unit is exactly one layer, whatever
+    the block size (built on the meta device: no memory, only the wrapping)."""
+    for units in dist_pool(2).run(_fsdp_units_of, n_layers):
+        assert units == [[f"layers.{i}"] for i in range(n_layers)] + [["<root>"]]
 
-    def units(**kw):
-        model = _model(_cfg(**kw))
-        layer_id = {id(m): int(n) for n, m in model.layers.items()}
-        return [[layer_id[id(m)] for m in unit] for unit in fsdp_units(model)]
 
-    assert units(residual="standard", n_layers=4) == [[0], [1], [2], [3]]
-    assert units(residual="full", n_layers=4) == [[0], [1], [2], [3]]
-    assert units(residual="block", n_layers=4, n_blocks=2) == [[0, 1], [2, 3]]
-    assert units(residual="block", n_layers=4, n_blocks=4) == [[0], [1], [2], [3]]
-    assert units(residual="block", n_layers=3, n_blocks=2) == [
-        [0, 1, 2]
-    ]  # the last block is 4 wide
-    assert units(residual="block", n_layers=4, n_blocks=2, attnres_read="efficient") == [
-        [0],
-        [1],
-        [2],
-        [3],
-    ]
+def _fsdp_units_of(n_layers: int) -> list[list[str]]:
+    """The modules owning each FSDP parameter group, and a check that the AttnRes queries are
+    plain (whole) and every other parameter sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cfg = _cfg("block", n_layers=n_layers, n_blocks=8)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    whole = apply_fsdp(model, _mesh(ParallelDims(dp_shard=2))["dp_shard"])
+    assert {id(p) for p in whole} == {id(p) for p in depth_query_params(model)}
+    assert len(whole) == 2 * 2 * n_layers  # pseudo-query and key-norm gain per sublayer
+    for p in model.parameters():
+        assert isinstance(p, DTensor) != any(p is q for q in whole)
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    return [[names[id(m)]] for m in model.modules() if isinstance(m, FSDPModule)][1:] + [["<root>"]]
 
 
 def test_fsdp_parity_with_depth_block_spanning_layers(dist_pool):

@@ -89,14 +89,14 @@ def test_toml_round_trip(tmp_path):
         (
             "",
             ["--train.offload_params", "true"],
-            r"train.offload_params=true offloads FSDP2's sharded states, so it needs "
-            r"parallel.dp_shard > 1",
+            r"train.offload_params=true offloads FSDP2's sharded states, so it needs FSDP: "
+            r"parallel.dp_shard × cp > 1 \(got dp_shard=1, cp=1\)",
         ),
         (
             "",
             ["--train.offload_params", "true", "--parallel.dp_shard", "2", "--parallel.pp", "2"],
-            r"train.offload_params=true is for data parallelism alone \(ZeRO-3 / HSDP\), but "
-            r"parallel.tp=1, cp=1, pp=2",
+            r"train.offload_params=true is for data and context parallelism \(ZeRO-3 / HSDP "
+            r"over dp_shard × cp\), but parallel.tp=1, pp=2",
         ),
         (
             "",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from depthscale.config import ModelConfig
+from depthscale.model.init import fill_constant_, fill_seeded_
 from depthscale.model.layers import (
     Attention,
     KVCache,
@@ -128,24 +129,48 @@ class Transformer(nn.Module):
         link_groups([m for layer in self.layers.values() for m in layer.residuals()])
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, seed: int | None = None) -> None:
         """Normal(0, init_std) weights; output projections scaled by 1/sqrt(2·layers) (GPT-2) so the
-        residual stream's variance does not grow with depth; AttnRes queries zero, norm gains one."""
+        residual stream's variance does not grow with depth; AttnRes queries zero, norm gains one.
+
+        Every weight is drawn from its own generator, seeded by `seed` (default: the process seed,
+        `torch.initial_seed()`) and its name, never from the global stream. So a model built on the
+        meta device, split into stages, sharded and only then materialised draws exactly the values
+        one process does (a sharded parameter draws its full tensor on its device and keeps its
+        slice: the memory of one parameter), and the global RNG is left as it was. Values depend on
+        the device type's generator (CPU and CUDA draw different numbers), not on the layout."""
+        seed = torch.initial_seed() if seed is None else seed
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith(("wo.weight", "w_down.weight")):
-                nn.init.normal_(p, 0.0, out_std)
+                fill_seeded_(
+                    p, self._init_key(name), seed, lambda t, g: t.normal_(0.0, out_std, generator=g)
+                )
             elif p.ndim >= 2:
-                nn.init.normal_(p, 0.0, std)
+                fill_seeded_(
+                    p, self._init_key(name), seed, lambda t, g: t.normal_(0.0, std, generator=g)
+                )
             elif name.endswith("pseudo_query"):
-                nn.init.zeros_(p)
+                fill_constant_(p, 0.0)
             else:
-                nn.init.ones_(p)
-        cfg = self.cfg
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, RopeScaling.of(cfg))
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+                fill_constant_(p, 1.0)
+        if not self.rope_cos.is_meta:
+            cfg = self.cfg
+            cos, sin = rope_tables(
+                cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, RopeScaling.of(cfg)
+            )
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def _init_key(self, name: str) -> str:
+        """The name a weight's initial values are drawn under: a pipeline's last stage keeps its
+        own copy of a tied embedding as `output.weight`, and it must start equal to the first's."""
+        if self.cfg.tie_embeddings and name == "output.weight":
+            return "tok_embeddings.weight"
+        return name
 
     def rope(self, positions: Tensor | None, seq_len: int) -> tuple[Tensor, Tensor]:
         if positions is None:
@@ -158,7 +183,14 @@ class Transformer(nn.Module):
         return self.rope(positions, state.seq_len)
 
     def embed(self, tokens: Tensor) -> DepthState:
-        return initial_state(self.cfg, self.tok_embeddings(tokens))
+        """The initial depth state. Under autocast it holds the compute dtype, like every sublayer
+        output after it: one dtype for the whole depth state in every layout (the embedding
+        lookup itself is not autocast, so with fp32 weights it would be the one fp32 source)."""
+        h = self.tok_embeddings(tokens)
+        device = h.device.type
+        if torch.is_autocast_enabled(device):
+            h = h.to(torch.get_autocast_dtype(device))
+        return initial_state(self.cfg, h)
 
     def run_layers(
         self,

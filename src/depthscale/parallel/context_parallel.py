@@ -53,7 +53,8 @@ Layout, padding and the loss, by hand (the trainer's `ParallelPlan` does the sam
     logits = model(tok, positions=pos)
     loss, global_loss = cp_loss(logits, lab, cp_group)   # see its docstring
     loss.backward()
-    cp_all_reduce_grads(model, cp_group)                   # params are replicated over cp
+    # gradients: averaged over cp — FSDP shards over dp_shard × cp (`parallelize`); by hand,
+    # data_parallel.average_replicated_grads(list(model.parameters()), cp_group)
 
 Padding goes at the end of the sequence, so causally no real token ever attends to it, and its
 labels are ignored: results are exact. The padded length must fit `model.max_seq_len` (RoPE table).
@@ -70,7 +71,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
@@ -89,7 +89,6 @@ from depthscale.parallel.sequence_layout import (
 __all__ = [
     "RingStats",
     "apply_context_parallel",
-    "cp_all_reduce_grads",
     "cp_loss",
     "pad_for_cp",
     "positions_for",
@@ -106,34 +105,6 @@ def cp_loss(logits: Tensor, labels: Tensor, cp_group: ProcessGroup) -> tuple[Ten
     """(loss to backpropagate, global mean loss) for a rank holding a slice of every sequence; see
     `loss.TokenLoss` for why the backward loss is the local sum scaled by cp / (the group's tokens)."""
     return TokenLoss(sequence_group=cp_group)(logits, labels)
-
-
-def cp_all_reduce_grads(model: torch.nn.Module, cp_group: ProcessGroup) -> None:
-    """Average gradients over the cp group (one flat all-reduce).
-
-    Parameters are replicated across cp ranks but each saw only its slice of the sequence, so the
-    gradients must be summed/averaged over cp. With data parallelism on top this composes: average
-    over cp first (this), then over dp as usual — or, equivalently and with one collective, reduce
-    over the flattened dp×cp group (FSDP over `dp_shard × cp`, as torchtitan does); the result is the
-    same: averaging over dp×cp is averaging over cp, then over dp."""
-    if dist.get_world_size(cp_group) == 1:
-        return
-    # DTensor gradients (TP weights, FSDP shards) hold the same slice on every cp peer: reduce the
-    # local shards.
-    grads = [
-        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        for p in model.parameters()
-        if p.grad is not None
-    ]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=cp_group)
-    flat /= dist.get_world_size(cp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 # --------------------------------------------------------------------------- ring statistics

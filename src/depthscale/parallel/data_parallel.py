@@ -28,42 +28,26 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
-from depthscale.model.residual import AttnResidual
-from depthscale.model.transformer import Transformer, TransformerBlock
+from depthscale.model.transformer import Transformer
 
 # ---------------------------------------------------------------------------------------------
 # FSDP2 / HSDP
 
 
-def fsdp_units(model: Transformer) -> list[list[TransformerBlock]]:
-    """The layers grouped into FSDP units, in execution order: one layer per unit, except that layers
-    whose sublayers share one Block-AttnRes block are merged into one unit.
+def depth_query_params(model: nn.Module) -> list[nn.Parameter]:
+    """The layers' AttnRes parameters (pseudo-queries, key-norm gains): FSDP leaves them out of the
+    layer units, so every unit is exactly one layer.
 
-    Why: with two-phase reads, the first sublayer of a depth block stacks the pseudo-queries of *all*
-    sublayers of that block (`AttnResidual.group`), including those that live in later layers. Under
-    FSDP a later layer's parameters are still sharded at that moment, so the layers of one depth block
-    must be all-gathered together. With the reference/efficient reads every sublayer only touches its
-    own query and every layer is its own unit.
-    """
-    layers = list(model.layers.values())
-    owner = {id(res): i for i, layer in enumerate(layers) for res in layer.residuals()}
-    # last[i]: the furthest layer whose parameters layer i reads during its forward
-    last = list(range(len(layers)))
-    for i, layer in enumerate(layers):
-        for res in layer.residuals():
-            if isinstance(res, AttnResidual) and res.read_impl == "two_phase":
-                last[i] = max([last[i]] + [owner[id(m)] for m in res.group if id(m) in owner])
-    units: list[list[TransformerBlock]] = []
-    start = 0
-    while start < len(layers):
-        end = last[start]
-        i = start
-        while i <= end:  # a unit grows until no member reaches beyond it
-            end = max(end, last[i])
-            i += 1
-        units.append(layers[start : end + 1])
-        start = end + 1
-    return units
+    Why: with two-phase reads the first sublayer of a depth block stacks the queries of *all*
+    sublayers of that block (`AttnResidual.group`), including those of later layers, whose units are
+    still sharded then. Merging a depth block's layers into one unit would make the gathered
+    parameters grow with the block size (2, 4, 10 layers for 16, 32, 80 layers in 8 blocks); the
+    queries are 2·d numbers per sublayer, so they stay whole on every rank instead, and their
+    gradients are averaged once per step (`average_replicated_grads`)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    return [p for layer in layers.values() for res in layer.residuals() for p in res.parameters()]
 
 
 def apply_fsdp(
@@ -74,10 +58,11 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     roots: list[nn.Module] | None = None,
     offload: bool = False,
-) -> None:
-    """Shard `model` in place with FSDP2: each TransformerBlock is a unit (see `fsdp_units` for the
-    Block-AttnRes exception), then the root, which keeps the tied embedding/head weight, the final
-    norm and the output AttnRes query (one weight, so the root must own both of its uses).
+) -> list[nn.Parameter]:
+    """Shard `model` in place with FSDP2: each TransformerBlock is a unit, then the root, which keeps
+    the tied embedding/head weight, the final norm and the output AttnRes query (one weight, so the
+    root must own both of its uses). Returns the parameters left whole on every rank (the layers'
+    AttnRes queries, see `depth_query_params`): the caller averages their gradients.
 
     `roots`: the modules whose `forward` is what actually runs, when that is not `model.forward`:
     under pipeline parallelism each stage (`PipelineStage`, which registers the modules it runs) is a
@@ -113,12 +98,15 @@ def apply_fsdp(
     }
     if offload:
         policies["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    units = fsdp_units(model)
-    for unit in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], **policies)
+    queries = depth_query_params(model)
+    ignored = set(queries)
+    layers = list(model.layers.values())
+    for layer in layers:
+        fully_shard(layer, ignored_params=ignored, **policies)
     for root in roots if roots is not None else [model]:
-        fully_shard(root, **policies)
-        _chain_prefetch(root, [u[0] for u in units if _contains(root, u[0])])
+        fully_shard(root, ignored_params=ignored, **policies)
+        _chain_prefetch(root, [layer for layer in layers if _contains(root, layer)])
+    return queries
 
 
 def _contains(root: nn.Module, module: nn.Module) -> bool:
@@ -142,7 +130,9 @@ def _chain_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
 # Replicated data parallel
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, roots: list[nn.Module] | None = None) -> None:
+def apply_ddp(
+    model: nn.Module, dp_mesh: DeviceMesh, roots: list[nn.Module] | None = None
+) -> list[nn.Parameter]:
     """Replicate `model` over the 1-D `dp_mesh`; gradients are averaged by all-reduces that start
     while backward is still running. Parameter names and state-dict keys stay those of the plain
     model in both of the paths below (no wrapper, no `module.` prefix to strip for checkpoints).
@@ -163,7 +153,8 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, roots: list[nn.Module] | No
     local shards outside forward, which silently breaks gradient clipping and checkpoints. These take
     FSDP2's replicate instead (`replicate_with_fsdp`): parameters become 2-D DTensors
     (Replicate on dp, TP placement on tp), unit by unit like `apply_fsdp`, and each unit's gradient
-    all-reduce is issued from its post-backward hook.
+    all-reduce is issued from its post-backward hook. As there, the layers' AttnRes queries are
+    left out and returned (the caller averages their gradients); the first path returns none.
 
     `roots` (pipeline stages, see `apply_fsdp`): the modules whose forward actually runs. DDP's reducer
     is prepared in the model's forward, which never runs under pipeline parallelism, so stages always
@@ -175,14 +166,36 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, roots: list[nn.Module] | No
         from torch.distributed._composable import replicate
 
         replicate(model, process_group=dp_mesh.get_group(), static_graph=True)
-        return
+        return []
     from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensor
 
-    units = fsdp_units(model) if isinstance(model, Transformer) else []
-    for unit in units:
-        replicate_dtensor(unit if len(unit) > 1 else unit[0], mesh=dp_mesh)
+    queries = depth_query_params(model)
+    ignored = set(queries)
+    for layer in model.layers.values() if isinstance(model, Transformer) else []:
+        replicate_dtensor(layer, mesh=dp_mesh, ignored_params=ignored)
     for root in roots if roots is not None else [model]:
-        replicate_dtensor(root, mesh=dp_mesh)
+        replicate_dtensor(root, mesh=dp_mesh, ignored_params=ignored)
+    return queries
+
+
+@torch.no_grad()
+def average_replicated_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the gradients of parameters every data-parallel rank holds whole (what FSDP left
+    out) over `group`, in one all-reduce per dtype; once per step, after the last backward.
+    Whether a parameter got a gradient is structural, the same on every rank of `group`."""
+    if dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        torch._foreach_copy_(
+            grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class TokenLoss:
     both are the local mean. With one: the global loss is the mean over every non-ignored token of
     the group, L = Σ_r S_r / Σ_r n_r (S_r, n_r: rank r's loss sum and token count; a plain average of
     per-rank means is wrong once padding or masks make counts differ). The backward loss is
-    S_r · cp / N, so that *averaging* gradients over the group (`cp_all_reduce_grads`) gives exactly
+    S_r · cp / N, so that *averaging* gradients over the group (FSDP over dp_shard × cp) gives exactly
     ∇L, and a rank whose tokens are all ignored contributes 0, not NaN. One small all-reduce
     (count and loss sum, fp64)."""
 

@@ -54,8 +54,14 @@ class ParallelDims:
         return self
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The named mesh, plus two flattened dimensions: `dp_shard_cp` (dp_shard × cp), FSDP's
+        shard dimension (cp ranks hold the same parameters; see `parallelize`), and `dp_cp`
+        (dp_replicate × dp_shard × cp), every rank holding the same parameters."""
         shape = tuple(getattr(self, name) for name in DIM_NAMES)
-        return init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh
 
 
 @dataclass

@@ -6,8 +6,9 @@
 3. data parallel: FSDP2 over `dp_shard` (HSDP when `dp_replicate` > 1 too), or replicated DDP —
    with pipeline stages as the FSDP roots, since their forward is what runs.
 
-Every rank builds the same single-process model from the same seed first, so every layout starts from
-bit-identical weights; parallelizing only slices and wraps them.
+The trainer builds the model on the meta device; after the split and the sharding each rank
+materialises only its own shards and draws the values one process would (see `materialize`), so
+every layout starts from the same weights and no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from depthscale.config import Config
 from depthscale.errors import ConfigError
@@ -97,14 +100,25 @@ def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, 
 
 
 def parallelize(
-    model: Transformer, mesh: DeviceMesh | None, dims: ParallelDims, cfg: Config
+    model: Transformer,
+    mesh: DeviceMesh | None,
+    dims: ParallelDims,
+    cfg: Config,
+    device: torch.device | None = None,
 ) -> ParallelPlan:
-    """Shard and wrap `model` in place for the layout `dims` on `mesh` (None: one process, nothing
-    to do); returns the plan a training step follows. The pipeline split comes first: it decides
-    which layers a rank keeps, and everything after applies to those."""
+    """Shard and wrap `model` in place for the layout `dims` on `mesh` (None: one process); returns
+    the plan a training step follows. The pipeline split comes first: it decides which layers a
+    rank keeps, and everything after applies to those.
+
+    `model` may live on the meta device (what the trainer builds): the split, tensor parallelism
+    and FSDP then only shape it, and each rank materialises just its own shards on `device` and
+    draws their initial values (`Transformer.reset_parameters`: the same values one process draws).
+    A model with real weights (tests' oracle) is sliced instead; both start from the same weights.
+    """
     check_supported(dims, cfg.parallel.pp_virtual)
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     if mesh is None:
+        materialize(model, device)
         return ParallelPlan(model, None, dims, [], cfg.grad_accum_steps, dtype)
     stages = []
     if dims.pp > 1:
@@ -121,21 +135,86 @@ def parallelize(
         from depthscale.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh["cp"], layout="zigzag")  # as `SequenceShard` cuts
-    if dims.dp_shard > 1:
+    offload = cfg.train.offload_params
+    if dims.dp_shard * dims.cp > 1:
+        # cp ranks hold the same parameters and each sees part of every sequence: shard over
+        # dp_shard × cp, as torchtitan does, so FSDP's reduce-scatter also averages over cp
         from depthscale.parallel.data_parallel import apply_fsdp
 
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(
+        shard = mesh["dp_shard_cp"]
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard
+        whole = apply_fsdp(
             model,
             dp_mesh,
             param_dtype=dtype,
             reduce_dtype=torch.float32,
             reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
-            offload=cfg.train.offload_params,
+            offload=offload,
             roots=stages or None,
         )
-    elif dims.dp_replicate > 1:
-        from depthscale.parallel.data_parallel import apply_ddp
+        whole = _names(model, whole)
+        materialize(model, device, params_on_host=offload)
+    else:
+        materialize(model, device)  # DDP checks replicas at construction: real weights first
+        whole = []
+        if dims.dp_replicate > 1:
+            from depthscale.parallel.data_parallel import apply_ddp
 
-        apply_ddp(model, mesh["dp_replicate"], roots=stages or None)
-    return ParallelPlan(model, mesh, dims, stages, cfg.grad_accum_steps, dtype)
+            whole = _names(model, apply_ddp(model, mesh["dp_replicate"], roots=stages or None))
+    return ParallelPlan(
+        model,
+        mesh,
+        dims,
+        stages,
+        cfg.grad_accum_steps,
+        dtype,
+        defer_reduce_scatter=cfg.parallel.fsdp_defer_reduce_scatter,
+        replicated=whole,
+    )
+
+
+def _names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    """The names of `params` in `model` (materialising replaces the parameter objects)."""
+    ids = {id(p) for p in params}
+    return [name for name, p in model.named_parameters() if id(p) in ids]
+
+
+def materialize(
+    model: Transformer, device: torch.device | None, params_on_host: bool = False
+) -> None:
+    """Give a meta-device model (already split and sharded) real storage on `device` — its
+    parameters in host memory when FSDP offloads them — and draw its initial values. A model with
+    real weights is left as it is."""
+    if not model.rope_cos.is_meta:
+        return
+    if device is None:
+        raise ValueError("parallelize: a model on the meta device needs the device to build it on")
+    # `to_empty` gives each module its own new tensor, so a weight two modules share (tied
+    # embedding and head) would come out as two: remember the sharing and restore it
+    shared = _shared_parameters(model)
+    model.to_empty(device="cpu" if params_on_host else device)
+    for module, name, owner, owner_name in shared:
+        if getattr(module, name) is not getattr(owner, owner_name):
+            setattr(module, name, getattr(owner, owner_name))
+    if params_on_host:  # what FSDP does not offload is read by the computation, on the device
+        model.rope_cos = torch.empty_like(model.rope_cos, device=device)
+        model.rope_sin = torch.empty_like(model.rope_sin, device=device)
+        for module in model.modules():
+            for name, p in module.named_parameters(recurse=False):
+                if not isinstance(p, DTensor):
+                    setattr(module, name, nn.Parameter(torch.empty_like(p, device=device)))
+    model.reset_parameters()
+
+
+def _shared_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, owner, owner's name) for every registration of a parameter that an earlier
+    module (the owner) also holds."""
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    shared = []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in owners:
+                shared.append((module, name, *owners[id(p)]))
+            else:
+                owners[id(p)] = (module, name)
+    return shared

@@ -11,7 +11,7 @@ What each dimension contributes:
   FSDP2 / DDP reduce the gradients inside backward.
 - cp: each sequence is cut into zigzag shards with their global positions (`SequenceShard`); the loss
   is a sum over this rank's tokens scaled by the token count of the whole cp group (`TokenLoss`), and
-  gradients are averaged over cp.
+  gradients are averaged over cp by FSDP, which shards over dp_shard × cp.
 - tp: the logits stay sharded over the vocabulary and the loss is vocabulary-parallel (`TokenLoss`);
   the replicated parameters' gradients (norms, AttnRes queries) are summed over tp.
 - pp: a step runs as the pipeline schedule (`Pipeline`), the loss is computed on the last stage with
@@ -57,8 +57,15 @@ class ParallelPlan:
         stages: list,
         microbatches: int,
         dtype: torch.dtype,
+        defer_reduce_scatter: bool = False,
+        replicated: list[str] | None = None,
     ) -> None:
         self.model, self.mesh, self.dims, self.stages = model, mesh, dims, stages
+        self.defer_reduce_scatter = defer_reduce_scatter
+        """FSDP: reduce-scatter once per step instead of per micro-batch (`fsdp_defer_reduce_scatter`)."""
+        self.replicated = replicated or []
+        """Names of the parameters data parallelism left whole on every rank (the layers' AttnRes
+        queries): their gradients are averaged over the data-parallel ranks in `reduce_gradients`."""
         self.microbatches = microbatches
         """Per training step on this rank (`Config.grad_accum_steps`): the pipeline schedule is
         built for this count, and evaluation batches are cut the same way."""
@@ -99,12 +106,29 @@ class ParallelPlan:
         if self.pipeline is not None:
             return self._pipeline_step(xs, ys, True, autocast, around_forward)
         total = torch.zeros((), device=device)
-        for x, y in zip(xs, ys):
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            self._gradient_sync(last=i == microbatches - 1)
             with around_forward():
                 loss, report = self._loss(forward, x, y, autocast)
             (loss / microbatches).backward()
             total += report / microbatches
         return total
+
+    def _gradient_sync(self, last: bool) -> None:
+        """Gradient accumulation: reduce across data-parallel replicas only in the last
+        micro-batch's backward — DDP's all-reduce and HSDP's cross-replica all-reduce run once per
+        step, as with one micro-batch; FSDP's reduce-scatter runs per micro-batch (keeping
+        gradients sharded) unless `defer_reduce_scatter`. Pipelines do this per stage."""
+        dims, model = self.dims, self.model
+        if self.mesh is None or self.microbatches == 1:
+            return
+        if dims.dp_shard * dims.cp > 1:
+            if self.defer_reduce_scatter:
+                model.set_requires_gradient_sync(last)
+            elif dims.dp_replicate > 1:
+                model.set_requires_all_reduce(last)
+        elif dims.dp_replicate > 1:
+            model.set_requires_gradient_sync(last)
 
     @torch.no_grad()
     def evaluate(
@@ -114,14 +138,16 @@ class ParallelPlan:
         labels: Tensor,
         autocast: ContextFactory = _null,
     ) -> Tensor:
-        """This rank's share of the mean loss of one evaluation batch (no gradients); a pipeline
-        runs it as `self.microbatches` pieces, anything else in one forward."""
+        """This rank's share of the mean loss of one evaluation batch (no gradients), run in
+        `self.microbatches` pieces like a training step, so that evaluation never needs more
+        activation memory than training (pieces of equal size: the mean of their means)."""
         device = self._device()
-        x, y = inputs.to(device), labels.to(device)
+        xs = [x.to(device) for x in inputs.chunk(self.microbatches)]
+        ys = [y.to(device) for y in labels.chunk(self.microbatches)]
         if self.pipeline is not None:
-            xs, ys = list(x.chunk(self.microbatches)), list(y.chunk(self.microbatches))
             return self._pipeline_step(xs, ys, False, autocast, None)
-        return self._loss(forward, x, y, autocast)[1]
+        reports = [self._loss(forward, x, y, autocast)[1] for x, y in zip(xs, ys)]
+        return torch.stack(reports).mean()
 
     def _loss(
         self, forward: Forward, x: Tensor, y: Tensor, autocast: ContextFactory
@@ -147,10 +173,12 @@ class ParallelPlan:
 
     def reduce_gradients(self) -> None:
         """What FSDP2 / DDP do not: once per optimizer step, after the last backward."""
-        if self.dims.cp > 1:
-            from depthscale.parallel.context_parallel import cp_all_reduce_grads
+        if self.replicated:
+            from depthscale.parallel.data_parallel import average_replicated_grads
 
-            cp_all_reduce_grads(self.model, self.mesh["cp"].get_group())
+            params = dict(self.model.named_parameters())
+            grads = [params[name] for name in self.replicated]
+            average_replicated_grads(grads, self.mesh["dp_cp"].get_group())
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads(self.model)
         if self.dims.tp > 1:  # norms / AttnRes queries saw only this rank's tokens

@@ -74,9 +74,13 @@ class Trainer:
 
         self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
         cfg.resolve_vocab_size(self.data.tokenizer.vocab_size)
-        # Every rank builds the same model from the same seed; parallelizing then only slices it.
-        self.model = Transformer(cfg.model).to(self.device)
-        self.plan = parallelize(self.model, self.layout.mesh, self.layout.dims, cfg)
+        # Built on the meta device: parallelize() splits and shards it, then each rank materialises
+        # and initialises only its own shards (the values one process would draw).
+        with torch.device("meta"):
+            self.model = Transformer(cfg.model)
+        self.plan = parallelize(
+            self.model, self.layout.mesh, self.layout.dims, cfg, device=self.device
+        )
         apply_recompute(
             self.model, cfg.train.recompute
         )  # after parallelize: it may swap block classes

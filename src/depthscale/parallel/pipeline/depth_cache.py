@@ -96,15 +96,18 @@ class DepthCache:
                 mic.blocks.append(_Entry(block, stage))
         return ([state.partial] if state.partial is not None else []) + list(state.blocks)
 
-    def outgoing(self, stage: int, microbatch: int, outputs: list[Tensor]) -> Tensor | None:
-        """The packed hop: partial sum, then the blocks the receiver lacks (None: nothing to send)."""
+    def outgoing(
+        self, stage: int, microbatch: int, outputs: list[Tensor], dtype: torch.dtype
+    ) -> Tensor | None:
+        """The packed hop in the communication dtype `dtype` (what the receiver's buffers hold):
+        partial sum, then the blocks the receiver lacks (None: nothing to send)."""
         has_p = self.partial[stage]
         c = self.cached(stage)
         blocks = outputs[int(has_p) :]
         parts = ([outputs[0]] if has_p else []) + blocks[c:]
         if not parts:
             return None
-        return torch.stack([t.detach() for t in parts]).contiguous()
+        return torch.stack([t.detach().to(dtype) for t in parts]).contiguous()
 
     # -- backward -----------------------------------------------------------------------------
 

@@ -214,7 +214,7 @@ class _Step:
         stats.compute_s += time.perf_counter() - t0
         self.units[(a.microbatch, a.stage)] = unit
         if (Kind.SEND_F, a.microbatch, a.stage) in rt._messages:
-            hop = rt.cache.outgoing(a.stage, a.microbatch, unit.outputs)
+            hop = rt.cache.outgoing(a.stage, a.microbatch, unit.outputs, self.dtype)
             stats.per_hop_bytes.append(0 if hop is None else hop.numel() * hop.element_size())
             self.produce(Kind.SEND_F, a, hop)
 
