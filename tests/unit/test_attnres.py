@@ -262,3 +262,28 @@ def test_too_many_blocks_is_a_clear_error_without_config_validation():
 
     with pytest.raises(ConfigError, match=r"model.attnres_n_blocks=8 must be in 1..4"):
         Transformer(cfg(residual="block", n_layers=2, attnres_n_blocks=8))
+
+
+@pytest.mark.parametrize("residual", ["block", "full"])
+@pytest.mark.parametrize("cpu_kernels", [None, False])  # the C++ kernels (if built) / PyTorch
+def test_bf16_two_phase_reads_save_no_fp32_activations(residual, cpu_kernels):
+    """Under bf16 autocast, phase-1 outputs are bf16 (log-sum-exps fp32): the two-phase reads keep
+    no fp32 [B, T, d] tensor for backward, so AttnRes saves exactly the fp32 [B, T, d] tensors
+    the standard residual's model saves (its norms'), and nothing else in fp32 of that shape."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 61, (2, 8))
+
+    def saved_fp32_activations(model) -> int:
+        seen: dict[int, tuple] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.dtype)
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with kernels.use_cpu_kernels(cpu_kernels), torch.autocast("cpu", torch.bfloat16), hooks:
+            cross_entropy(model(tokens), tokens)
+        return sum(v == ((2, 8, 32), torch.float32) for v in seen.values())
+
+    attnres = Transformer(cfg(residual=residual, attnres_block_size=2))
+    assert saved_fp32_activations(attnres) == saved_fp32_activations(Transformer(cfg()))

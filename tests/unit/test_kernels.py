@@ -7,13 +7,14 @@ check their determinism (bitwise), the chained gradient sums, the dispatch, the 
 fallback when the build fails.
 
 Tolerances: kernels and reference do the same fp32 arithmetic on the same inputs in a different
-order, so fp32 results — also for bf16/fp16 inputs: out, lse, d_queries, d_inter_out, d_lse — differ
-by at most `fp32_sum_bound` of the op's reduction chain (`read_terms`, `merge_terms`; see
+order, so fp32 results — lse, d_queries, d_lse, and for fp32 phase-1 outputs out and d_inter_out —
+differ by at most `fp32_sum_bound` of the op's reduction chain (`read_terms`, `merge_terms`; see
 tests/tolerances.py), relative to the tensor's largest entry (d_queries sums over tokens and sources:
 its rounding error scales with the terms, which the chain's length covers). Results stored in bf16
-(fp16) — d_sources, h, d_partial — can round to a neighbouring value: one ulp, at most 2^-7 (2^-10)
-relative, so they are compared at two ulps, rtol 2^-6 (2^-9), with atol 1e-4 × the largest entry for
-entries that cancel to near zero.
+(fp16) — out (phase-1 outputs are in the sources' dtype), d_sources, h, d_partial, d_inter_out — can
+round to a neighbouring value: one ulp, at most 2^-7 (2^-10) relative, so they are compared at two
+ulps, rtol 2^-6 (2^-9), with atol 1e-4 × the largest entry for entries that cancel to near zero.
+The bf16 two-phase read against the fp32 reference has its own derived bound (`bf16_bounds`).
 """
 
 import importlib.util
@@ -30,11 +31,14 @@ if not torch.cuda.is_available():
 from depthscale import kernels  # noqa: E402
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.attnres_ops import (  # noqa: E402
+    depth_read,
     inter_block_read,
     inter_block_read_chained,
+    kernel_paths,
     merge_partial,
     merge_partial_chained,
     multi_query_read,
+    reset_kernel_paths,
 )
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
 from tolerances import check, fp32_model_bound, fp32_sum_bound, scaled_err  # noqa: E402
@@ -448,3 +452,229 @@ def test_failed_build_falls_back_once_with_a_warning(monkeypatch, caplog):
     assert all(p.grad is not None for n, p in model.named_parameters() if "layers.1" in n)
     with kernels.use_cpu_kernels(True), pytest.raises(RuntimeError, match="did not build"):
         multi_query_read([torch.randn(1, 2, 8)] * 2, torch.randn(1, 8), EPS)
+
+
+# ---- bf16: phase-1 outputs in the sources' dtype, against the fp32 reference ---------------------
+
+U_BF16 = 2.0**-8
+"""bf16 unit roundoff: an 8-bit significand rounded to nearest, |fl(x) − x| ≤ 2^-8·|x|."""
+U_BF16_TRUNCATED = 2.0**-7
+"""Triton's interpreter (numpy) converts fp32 to bf16 by truncation: |fl(x) − x| < 2^-7·|x|."""
+PATHS = {"torch": (False, False), "cpu": (False, True), "triton": (True, False)}
+"""path -> (use_triton, use_cpu_kernels)."""
+
+
+def two_phase(path, blocks, partial, queries):
+    """A block's reads as the model runs them: phase 1 for its S queries (chained), the first
+    sublayer's output straight from it, then S − 1 merges with the partial sum (chained)."""
+    use_triton, use_cpu = PATHS[path]
+    with kernels.use_triton(use_triton), kernels.use_cpu_kernels(use_cpu):
+        out, lse, _ = inter_block_read_chained(blocks, queries, EPS)
+        outs, p = [out[0]], partial
+        for s in range(1, len(out)):
+            h, p = merge_partial_chained(out[s], lse[s], p, queries[s], EPS)
+            outs.append(h)
+    return out, lse, outs
+
+
+def bf16_bounds(blocks, partial, queries, upstream, u=U_BF16):
+    """The fp32 reference (`depth_read` on the same bf16 values, unrounded) of the two-phase read's
+    outputs and of the gradients of Σ_s upstream_s · h_s w.r.t. blocks, partial and queries, with
+    the largest difference bf16 storage allows, derived from its roundings (each ≤ u relative,
+    u = 2^-8; first order):
+
+    forward: the phase-1 output o_s is rounded once (≤ u|o_s|) before the merge uses it and h_s
+      once more when stored (≤ u|h_s|); o_s, h_s and the reference are convex combinations of the
+      sources, so |h_s − ref_s| ≤ 2u·M (M = max |source|), u·M for h_0 = o_0 (no merge).
+    backward (upstream exactly representable in bf16, so dh is not rounded): the roundings along a
+      gradient's path, each at most u of the magnitude A of what it sums — Σ over the outputs of
+      |their contributions|, for the queries also Σ over tokens (a rounding of o_s moves dα =
+      α(1−α) dh·(o_s − p) by at most u of the same size):
+      blocks 3 (o_s through dα; d_o_s = α dh_s; the stored gradient),
+      partial S (o_s through dα; each merge's gradient stored; S − 2 bf16 sums of S − 1 merges),
+      queries 2 (fp32: o_s through dα; d_o_s).
+    Plus the fp32 reduction error (`fp32_sum_bound`) of the whole chain on the same magnitudes."""
+    B, T, d = partial.shape
+    m, S = len(blocks), queries.shape[0]
+    blocks32 = [b.detach().float().requires_grad_() for b in blocks]
+    p32 = partial.detach().float().requires_grad_()
+    q32 = queries.detach().float().requires_grad_()
+    outs = [depth_read([*blocks32, p32][: m + (s > 0)], q32[s], None, EPS) for s in range(S)]
+    inputs = [*blocks32, p32, q32]
+    contribs = [
+        torch.autograd.grad((o * up).sum(), inputs, retain_graph=True, allow_unused=True)
+        for o, up in zip(outs, upstream)
+    ]
+    grads = [sum(c[k] for c in contribs if c[k] is not None) for k in range(m + 2)]
+    magnitude = [sum(c[k].abs() for c in contribs if c[k] is not None).max().item()
+                 for k in range(m + 1)]  # fmt: skip
+    q_terms = torch.zeros_like(q32)  # Σ over tokens of |one token's contribution|
+    for s, (o, up) in enumerate(zip(outs, upstream)):
+        for b in range(B):
+            for t in range(T):
+                (g,) = torch.autograd.grad((o[b, t] * up[b, t]).sum(), q32, retain_graph=True)
+                q_terms[s] += g[s].abs()
+    magnitude.append(q_terms.max().item())
+    fp32 = fp32_sum_bound(read_terms(m + 1, S, B, T, d) + merge_terms(B, T, d))
+    M = max(t.detach().abs().max().item() for t in [*blocks, partial])
+    out_bounds = [((1 if s == 0 else 2) * u + fp32) * M for s in range(S)]
+    roundings = [3] * m + [S, 2]
+    grad_bounds = [(k * u + fp32) * a for k, a in zip(roundings, magnitude)]
+    return [o.detach() for o in outs], grads, out_bounds, grad_bounds
+
+
+def bf16_case(device="cpu"):
+    torch.manual_seed(3)
+    m, S, B, T, d = 3, 4, 2, 5, 24
+    blocks = [(torch.randn(B, T, d, device=device) * (1 + 0.3 * i)).bfloat16().requires_grad_()
+              for i in range(m)]  # fmt: skip
+    partial = (torch.randn(B, T, d, device=device) * 2).bfloat16().requires_grad_()
+    queries = (torch.randn(S, d, device=device) * 0.5).requires_grad_()
+    upstream = [torch.randn(B, T, d, device=device).bfloat16().float() for _ in range(S)]
+    return blocks, partial, queries, upstream
+
+
+@pytest.mark.parametrize("path", ["torch", "cpu", pytest.param("triton", marks=needs_triton)])
+def test_two_phase_bf16_within_rounding_bound_of_fp32_reference(request, path):
+    """bf16 sources, fp32 queries: phase-1 outputs come out (and are saved) in bf16, log-sum-exps
+    in fp32, and outputs and gradients stay within `bf16_bounds` of the fp32 reference on every
+    path; the fused paths take the bf16 phase-1 outputs (no fallback)."""
+    if path == "cpu":
+        request.getfixturevalue("cpu_ops")
+    blocks, partial, queries, upstream = bf16_case(DEVICE if path == "triton" else "cpu")
+    reset_kernel_paths()
+    out, lse, outs = two_phase(path, blocks, partial, queries)
+    assert kernel_paths() == {"phase1": path, "merge": path}
+    assert {o.dtype for o in out} == {torch.bfloat16} and {x.dtype for x in lse} == {torch.float32}
+    interpreted = path == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    u = U_BF16_TRUNCATED if interpreted else U_BF16
+    ref_outs, ref_grads, out_bounds, grad_bounds = bf16_bounds(
+        blocks, partial, queries, upstream, u
+    )
+    for s, (h, ref, bound) in enumerate(zip(outs, ref_outs, out_bounds)):
+        assert h.dtype == torch.bfloat16
+        check((h.float() - ref).abs().max().item(), bound, f"{path}: h{s}")
+    inputs = [*blocks, partial, queries]
+    names = [*(f"d_block{i}" for i in range(len(blocks))), "d_partial", "d_queries"]
+    for g, ref, bound, name in zip(grads_of(outs, upstream, inputs), ref_grads, grad_bounds, names):
+        check((g.float() - ref).abs().max().item(), bound, f"{path}: {name}")
+
+
+def test_two_phase_bf16_cpu_kernels_match_pytorch(cpu_ops):
+    """Both are within `bf16_bounds` of the same fp32 reference, so within twice it of each other."""
+    blocks, partial, queries, upstream = bf16_case()
+    _, out_bounds, grad_bounds = bf16_bounds(blocks, partial, queries, upstream)[1:]
+    inputs = [*blocks, partial, queries]
+    runs = {}
+    for path in ("cpu", "torch"):
+        outs = two_phase(path, blocks, partial, queries)[2]
+        runs[path] = [*outs, *grads_of(outs, upstream, inputs)]
+    for i, (a, b, bound) in enumerate(zip(*runs.values(), [*out_bounds, *grad_bounds])):
+        assert a.dtype == b.dtype
+        check((a.float() - b.float()).abs().max().item(), 2 * bound, f"cpu vs torch, result {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", ["cpu", pytest.param("triton", marks=needs_triton)])
+def test_merge_takes_inter_out_in_the_partial_dtype(request, path, dtype):
+    """A phase-1 output in the partial sum's dtype is read as such by the fused merges (no
+    fallback), and its gradient comes back in that dtype; same results as the PyTorch op."""
+    if path == "cpu":
+        request.getfixturevalue("cpu_ops")
+    device = DEVICE if path == "triton" else "cpu"
+    B, T, d = 2, 7, 40
+    inter_out = (torch.randn(B, T, d, device=device)).to(dtype).requires_grad_()
+    partial = torch.randn(B, T, d, device=device).to(dtype).requires_grad_()
+    inter_lse = (torch.randn(B, T, device=device) * 3).requires_grad_()
+    query = (torch.randn(d, device=device) * 0.5).requires_grad_()
+    inputs = [inter_out, inter_lse, partial, query]
+    use_triton, use_cpu = PATHS[path]
+    reset_kernel_paths()
+    with kernels.use_triton(use_triton), kernels.use_cpu_kernels(use_cpu):
+        got = merge_partial(*inputs, EPS)
+    assert kernel_paths() == {"merge": path}
+    want = pytorch(merge_partial, *inputs, EPS)
+    terms = merge_terms(B, T, d)
+    assert_close(got, want, "h", terms)
+    upstream = [torch.randn_like(want, dtype=torch.float32)]
+    got_grads, want_grads = grads_of([got], upstream, inputs), grads_of([want], upstream, inputs)
+    assert got_grads[0].dtype == dtype
+    for g, w, name in zip(got_grads, want_grads, ["d_inter_out", "d_lse", "d_partial", "d_query"]):
+        assert_close(g, w, name, terms)
+
+
+# ---- which kernel path ran (`kernel_paths`, logged once per path and reason) ----------------------
+
+
+def test_kernel_paths_and_fallback_reasons_are_recorded_and_logged_once(cpu_ops, caplog):
+    blocks, partial, queries, _ = bf16_case()
+    mixed = [blocks[0].float(), *blocks[1:]]  # an fp32 embedding before bf16 blocks
+    reset_kernel_paths()
+    with caplog.at_level("INFO", logger="depthscale.kernels"):
+        for _ in range(2):
+            two_phase("cpu", blocks, partial, queries)
+        assert kernel_paths() == {"phase1": "cpu", "merge": "cpu"}
+        for _ in range(2):
+            out, lse, _ = two_phase("cpu", mixed, partial, queries)
+    assert out[0].dtype == torch.float32  # mixed: sources[0]'s dtype; the merge takes fp32 too
+    assert kernel_paths() == {"phase1": "cpu+torch", "merge": "cpu"}
+    assert (
+        kernel_paths(reasons=True)["phase1"] == "cpu+torch (mixed source dtypes float32/bfloat16)"
+    )
+    messages = [r.getMessage() for r in caplog.records if r.name == "depthscale.kernels"]
+    assert messages == [
+        "AttnRes phase1 path: cpu",
+        "AttnRes merge path: cpu",
+        "AttnRes phase1 path: torch (mixed source dtypes float32/bfloat16)",
+    ]
+
+    class Sharded(torch.Tensor):  # stands in for a DTensor query (tp + dp)
+        pass
+
+    reset_kernel_paths()
+    multi_query_read(blocks, queries.detach().as_subclass(Sharded), EPS)
+    multi_query_read([b.double() for b in blocks], queries.double(), EPS)
+    with kernels.use_cpu_kernels(False):
+        merge_partial(out[1].bfloat16(), lse[1], partial, queries[1], EPS)
+    assert kernel_paths(reasons=True) == {
+        "read": "torch (Sharded query)+torch (float64 source)",
+        "merge": "torch (use_cpu_kernels(False))",
+    }
+
+
+def test_bf16_autocast_model_runs_the_fused_cpu_kernels(cpu_ops):
+    """Under bf16 autocast the whole depth state is bf16 (the embedding included), so every
+    two-phase read and merge of a Block AttnRes model runs the C++ kernels, forward and backward."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, max_seq_len=16,
+                      residual="block", attnres_block_size=2)  # fmt: skip
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 128, (2, 8))
+    reset_kernel_paths()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cross_entropy(model(tokens), tokens)
+    loss.backward()
+    assert kernel_paths() == {"phase1": "cpu", "merge": "cpu"}
+    assert all(p.grad is not None for n, p in model.named_parameters() if "residual" in n)
+
+
+def test_kernel_paths_under_torch_compile_cost_no_graph_break_or_recompile():
+    """Recording runs once while dynamo traces (assume_constant_result): one graph, no recompile."""
+    from torch._dynamo.testing import CompileCounter
+
+    blocks, partial, queries, _ = bf16_case()
+    counter = CompileCounter()
+
+    def reads(blocks, partial, queries):
+        out, lse, _ = inter_block_read_chained(blocks, queries, EPS)
+        return merge_partial_chained(out[1], lse[1], partial, queries[1], EPS)[0]
+
+    compiled = torch.compile(reads, backend=counter, fullgraph=True)
+    reset_kernel_paths()
+    for _ in range(2):
+        compiled(blocks, partial, queries).float().sum().backward()
+    assert counter.frame_count == 1
+    assert kernel_paths(reasons=True) == {
+        "phase1": "torch (torch.compile tracing)",
+        "merge": "torch (torch.compile tracing)",
+    }

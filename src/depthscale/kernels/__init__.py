@@ -5,7 +5,8 @@ The AttnRes ops in `model/attnres_ops.py` use `attnres_triton` for CUDA inputs w
 imports, and `attnres_cpu` (C++, built on first use) for CPU inputs when it builds.
 `use_triton` / `use_cpu_kernels` override those choices: to test the Triton kernels on CPU under
 `TRITON_INTERPRET=1`, or to compare either with the PyTorch ops. DEPTHSCALE_CPU_KERNELS=0 turns
-the CPU kernels off for a whole process.
+the CPU kernels off for a whole process. `model.attnres_ops.kernel_paths()` says which path ran
+(and why the PyTorch ops did, where they did).
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@
 //   (target_clones; the loader picks one per machine, so the cached binary is portable). FMA
 //   contraction is on (-ffp-contract=fast): results are bitwise reproducible on a machine; two
 //   machines that pick different clones may differ by rounding.
-// - Arithmetic is fp32 for fp32/bf16/fp16 sources; stores round to the output's dtype.
+// - Arithmetic is fp32 for fp32/bf16/fp16 sources; stores round to the output's dtype. Phase-1
+//   outputs (and their gradients) are in the sources' dtype: fp32 is the accumulator, not storage.
+//   The merge takes a phase-1 output in the partial sum's dtype or in fp32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -298,15 +300,15 @@ constexpr int kGroup = 4;
 // ---- phase 1: S queries over m sources ----------------------------------------------------------
 //
 // Per token n: r_i = (mean(v_i²) + eps)^-½, z_si = r_i (v_i · w_s), a_si = softmax_i z_si,
-// out_s = Σ_i a_si v_i, lse_s = logsumexp_i z_si. Saved per token (when `save`): r [m], z and a
-// [S, m], token-major so that a token's scalars are contiguous.
+// out_s = Σ_i a_si v_i (stored in the sources' dtype), lse_s = logsumexp_i z_si (fp32). Saved per
+// token (when `save`): r [m], z and a [S, m], token-major so that a token's scalars are contiguous.
 
 struct ReadArgs {
   const void* const* src;  // m source rows' bases, [N, d] each
   int64_t m, S, d;
   const float* w;  // [S, d]
   float eps;
-  float* const* out;  // S outputs [N, d]
+  void* const* out;   // S outputs [N, d], the sources' dtype
   float* const* lse;  // S log-sum-exps [N]
   float* r_save;      // [N, m] or null
   float* z_save;      // [N, S, m] or null
@@ -341,7 +343,7 @@ template <typename T>
 DS_INLINE void read_forward_body(const ReadArgs& p, int64_t n0, int64_t n1) {
   constexpr bool f32 = std::is_same_v<T, float>;
   const int64_t m = p.m, S = p.S, d = p.d;
-  std::vector<float> buf(f32 ? 0 : m * d);
+  std::vector<float> buf(f32 ? 0 : m * d), obuf(f32 ? 0 : S * d);
   std::vector<const float*> rows(m), w_rows(S);
   std::vector<float*> o_rows(S);
   std::vector<float> r(m), z(S * m), a(S * m), zi(S + 1);
@@ -370,9 +372,10 @@ DS_INLINE void read_forward_body(const ReadArgs& p, int64_t n0, int64_t n1) {
     }
     for (int64_t s = 0; s < S; ++s) {
       p.lse[s][n] = softmax(z.data() + s * m, m, a.data() + s * m);
-      o_rows[s] = p.out[s] + n * d;
+      o_rows[s] = out_row(static_cast<T*>(p.out[s]) + n * d, obuf.data() + (f32 ? 0 : s * d));
     }
     DS_FOR_GROUPS(S, weighted_sums<G>(rows.data(), m, a.data() + s0 * m, d, o_rows.data() + s0))
+    for (int64_t s = 0; s < S; ++s) store_row(static_cast<T*>(p.out[s]) + n * d, o_rows[s], d);
     if (p.r_save != nullptr) {
       std::copy(r.begin(), r.end(), p.r_save + n * m);
       std::copy(z.begin(), z.end(), p.z_save + n * S * m);
@@ -403,7 +406,7 @@ struct ReadGradArgs {
   const float* r;  // [N, m]
   const float* z;  // [N, S, m]
   const float* a;  // [N, S, m]
-  const float* const* d_out;  // S entries [N, d], null = zero
+  const void* const* d_out;   // S entries [N, d] (sources' dtype), null = zero
   const float* const* d_lse;  // S entries [N], null = zero
   const void* const* d_up;    // m chained gradients [N, d] (sources' dtype) to add, null = none
   void* const* d_src;         // m gradients [N, d], the sources' dtype
@@ -512,7 +515,7 @@ template <typename T>
 DS_INLINE void read_backward_body(const ReadGradArgs& p, int64_t n0, int64_t n1, float* dw) {
   constexpr bool f32 = std::is_same_v<T, float>;
   const int64_t m = p.m, S = p.S, d = p.d;
-  std::vector<float> buf(f32 ? 0 : m * d), tmp(d), zeros(d, 0.0f);
+  std::vector<float> buf(f32 ? 0 : m * d), dobuf(f32 ? 0 : S * d), tmp(d), zeros(d, 0.0f);
   std::vector<const float*> rows(m), dos(S), ws(S);
   std::vector<float*> dws(S);
   std::vector<float> P(S * m), g(S * m), c(m), Pi(S);
@@ -524,7 +527,12 @@ DS_INLINE void read_backward_body(const ReadGradArgs& p, int64_t n0, int64_t n1,
     const float* r = p.r + n * m;
     const float* z = p.z + n * S * m;
     const float* a = p.a + n * S * m;
-    for (int64_t s = 0; s < S; ++s) dos[s] = p.d_out[s] == nullptr ? zeros.data() : p.d_out[s] + n * d;
+    for (int64_t s = 0; s < S; ++s) {
+      dos[s] = p.d_out[s] == nullptr
+                   ? zeros.data()
+                   : as_float(static_cast<const T*>(p.d_out[s]) + n * d,
+                              dobuf.data() + (f32 ? 0 : s * d), d);
+    }
     for (int64_t i = 0; i < m; ++i) {
       const T* row = static_cast<const T*>(p.src[i]) + n * d;
       rows[i] = as_float(row, buf.data() + (f32 ? 0 : i * d), d);
@@ -580,9 +588,10 @@ DS_CLONES void read_backward_f16(const ReadGradArgs& p, int64_t n0, int64_t n1, 
 // Per token: r = (mean(p²) + eps)^-½, z = r (p · w), α = sigmoid(lse − z), h = lerp(p, o, α).
 // Backward from dh: dα = α(1−α) dh · (o − p) = d_lse, dz = −dα,
 //   d_o = α dh,  d_p = (1−α) dh + dz r w − dz z r² / d · p,  dw = Σ_tokens dz r p.
+// T: the partial sum's dtype; O: the phase-1 output's (and d_o's), T or fp32.
 
 struct MergeArgs {
-  const float* o;    // [N, d]
+  const void* o;     // [N, d], O
   const float* lse;  // [N]
   const void* p;     // [N, d], partial's dtype
   const float* w;    // [d]
@@ -594,13 +603,14 @@ struct MergeArgs {
   float* r_save;  // [N] each, or null
 };
 
-template <typename T>
+template <typename T, typename O>
 DS_INLINE void merge_forward_body(const MergeArgs& q, int64_t n0, int64_t n1) {
   const int64_t d = q.d;
   std::vector<float> buf(std::is_same_v<T, float> ? 0 : d), tmp(d);
+  std::vector<float> obuf(std::is_same_v<O, float> ? 0 : d);
   for (int64_t n = n0; n < n1; ++n) {
     const float* pr = as_float(static_cast<const T*>(q.p) + n * d, buf.data(), d);
-    const float* o = q.o + n * d;
+    const float* o = as_float(static_cast<const O*>(q.o) + n * d, obuf.data(), d);
     const float r = inv_rms(pr, d, q.eps);
     const float z = r * dot(pr, q.w, d);
     const float alpha = 1.0f / (1.0f + std::exp(z - q.lse[n]));
@@ -627,17 +637,23 @@ DS_INLINE void merge_forward_body(const MergeArgs& q, int64_t n0, int64_t n1) {
 }
 
 DS_CLONES void merge_forward_f32(const MergeArgs& q, int64_t n0, int64_t n1) {
-  merge_forward_body<float>(q, n0, n1);
+  merge_forward_body<float, float>(q, n0, n1);
 }
 DS_CLONES void merge_forward_bf16(const MergeArgs& q, int64_t n0, int64_t n1) {
-  merge_forward_body<c10::BFloat16>(q, n0, n1);
+  merge_forward_body<c10::BFloat16, c10::BFloat16>(q, n0, n1);
+}
+DS_CLONES void merge_forward_bf16_o32(const MergeArgs& q, int64_t n0, int64_t n1) {
+  merge_forward_body<c10::BFloat16, float>(q, n0, n1);
 }
 DS_CLONES void merge_forward_f16(const MergeArgs& q, int64_t n0, int64_t n1) {
-  merge_forward_body<c10::Half>(q, n0, n1);
+  merge_forward_body<c10::Half, c10::Half>(q, n0, n1);
+}
+DS_CLONES void merge_forward_f16_o32(const MergeArgs& q, int64_t n0, int64_t n1) {
+  merge_forward_body<c10::Half, float>(q, n0, n1);
 }
 
 struct MergeGradArgs {
-  const float* o;
+  const void* o;  // O
   const void* p;
   const float* w;
   const float* alpha;
@@ -646,27 +662,29 @@ struct MergeGradArgs {
   const void* dh;    // partial's dtype
   const void* d_up;  // chained gradient of the partial sum to add (partial's dtype), or null
   int64_t d;
-  float* d_o;
+  void* d_o;  // O
   float* d_lse;
   void* d_p;  // partial's dtype
 };
 
-template <typename T>
+template <typename T, typename O>
 DS_INLINE void merge_backward_body(const MergeGradArgs& q, int64_t n0, int64_t n1, float* dw) {
   constexpr bool f32 = std::is_same_v<T, float>;
   const int64_t d = q.d;
   std::vector<float> pbuf(f32 ? 0 : d), dhbuf(f32 ? 0 : d), tmp(d);
+  std::vector<float> obuf(std::is_same_v<O, float> ? 0 : d), dobuf(obuf.size());
   for (int64_t n = n0; n < n1; ++n) {
     const float* pr = as_float(static_cast<const T*>(q.p) + n * d, pbuf.data(), d);
     const float* dh = as_float(static_cast<const T*>(q.dh) + n * d, dhbuf.data(), d);
-    const float* o = q.o + n * d;
+    const float* o = as_float(static_cast<const O*>(q.o) + n * d, obuf.data(), d);
     const float alpha = q.alpha[n], z = q.z[n], r = q.r[n];
     const float d_alpha = (dot(dh, o, d) - dot(dh, pr, d)) * alpha * (1.0f - alpha);
     q.d_lse[n] = d_alpha;
     const float coef = -d_alpha * r;
     const float rms = -d_alpha * z * r * r / static_cast<float>(d);
     const float beta = 1.0f - alpha;
-    float* d_o = q.d_o + n * d;
+    O* d_o_dst = static_cast<O*>(q.d_o) + n * d;
+    float* d_o = out_row(d_o_dst, dobuf.data());
     T* dst = static_cast<T*>(q.d_p) + n * d;
     float* t = out_row(dst, tmp.data());
     const float* w = q.w;
@@ -682,18 +700,27 @@ DS_INLINE void merge_backward_body(const MergeGradArgs& q, int64_t n0, int64_t n
       t[k] = beta * dh[k] + coef * w[k] - rms * pr[k];
       dw[k] += coef * pr[k];
     }
+    store_row(d_o_dst, d_o, d);
     store_grad(dst, t, q.d_up, n * d, d);
   }
 }
 
 DS_CLONES void merge_backward_f32(const MergeGradArgs& q, int64_t n0, int64_t n1, float* dw) {
-  merge_backward_body<float>(q, n0, n1, dw);
+  merge_backward_body<float, float>(q, n0, n1, dw);
 }
 DS_CLONES void merge_backward_bf16(const MergeGradArgs& q, int64_t n0, int64_t n1, float* dw) {
-  merge_backward_body<c10::BFloat16>(q, n0, n1, dw);
+  merge_backward_body<c10::BFloat16, c10::BFloat16>(q, n0, n1, dw);
+}
+DS_CLONES void merge_backward_bf16_o32(const MergeGradArgs& q, int64_t n0, int64_t n1,
+                                       float* dw) {
+  merge_backward_body<c10::BFloat16, float>(q, n0, n1, dw);
 }
 DS_CLONES void merge_backward_f16(const MergeGradArgs& q, int64_t n0, int64_t n1, float* dw) {
-  merge_backward_body<c10::Half>(q, n0, n1, dw);
+  merge_backward_body<c10::Half, c10::Half>(q, n0, n1, dw);
+}
+DS_CLONES void merge_backward_f16_o32(const MergeGradArgs& q, int64_t n0, int64_t n1,
+                                      float* dw) {
+  merge_backward_body<c10::Half, float>(q, n0, n1, dw);
 }
 
 // ---- drivers ----------------------------------------------------------------------------------
@@ -760,11 +787,12 @@ std::tuple<std::vector<Tensor>, std::vector<Tensor>, Tensor, Tensor, Tensor> rea
   auto shape = s0.sizes().vec();
   auto token_shape = std::vector<int64_t>(shape.begin(), shape.end() - 1);
   std::vector<Tensor> out(S), lse(S);
-  std::vector<float*> out_p(S), lse_p(S);
+  std::vector<void*> out_p(S);
+  std::vector<float*> lse_p(S);
   for (int64_t s = 0; s < S; ++s) {
-    out[s] = at::empty(shape, opts);
+    out[s] = at::empty(shape, s0.options());
     lse[s] = at::empty(token_shape, opts);
-    out_p[s] = out[s].data_ptr<float>();
+    out_p[s] = out[s].data_ptr();
     lse_p[s] = lse[s].data_ptr<float>();
   }
   Tensor r = at::empty({save ? N : 0, m}, opts);
@@ -815,14 +843,15 @@ std::tuple<std::vector<Tensor>, Tensor> read_backward(
       up_p[i] = keep.back().data_ptr();
     }
   }
-  std::vector<const float*> dout_p(S, nullptr), dlse_p(S, nullptr);
+  std::vector<const void*> dout_p(S, nullptr);
+  std::vector<const float*> dlse_p(S, nullptr);
   auto token_shape = std::vector<int64_t>(s0.sizes().begin(), s0.sizes().end() - 1);
   for (int64_t s = 0; s < S; ++s) {
     std::optional<Tensor> g = d_out.get(s);
-    if (g.has_value() && g->defined()) {
-      keep.push_back(g->to(at::kFloat).contiguous());
+    if (g.has_value() && g->defined()) {  // the outputs' (= sources') dtype: no copy
+      keep.push_back(g->to(dt).contiguous());
       check_rows(keep.back(), s0, "read_backward d_out");
-      dout_p[s] = keep.back().data_ptr<float>();
+      dout_p[s] = keep.back().data_ptr();
     }
     std::optional<Tensor> gl = d_lse.get(s);
     if (gl.has_value() && gl->defined()) {
@@ -851,19 +880,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> merge_forward(const Tensor& o, const 
                                                          double eps, bool save) {
   const auto dt = partial.scalar_type();
   check_dtype(dt);
-  TORCH_CHECK(o.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
+  const bool o32 = o.scalar_type() == at::kFloat;
+  TORCH_CHECK((o32 || o.scalar_type() == dt) && lse.scalar_type() == at::kFloat &&
                   w.scalar_type() == at::kFloat,
-              "merge_forward: fp32 phase-1 output, lse and query");
+              "merge_forward: phase-1 output in fp32 or the partial sum's dtype, fp32 lse and query");
   check_rows(o, partial, "merge_forward inter_out");
   check_rows(partial, partial, "merge_forward partial");
   const int64_t d = partial.size(-1), N = partial.numel() / d;
   TORCH_CHECK(lse.numel() == N && lse.is_contiguous() && w.numel() == d && w.is_contiguous(),
               "merge_forward: lse [N] and query [d]");
-  auto opts = o.options();
+  auto opts = lse.options();
   Tensor h = at::empty_like(partial);
   Tensor alpha = at::empty({save ? N : 0}, opts), z = at::empty({save ? N : 0}, opts),
          r = at::empty({save ? N : 0}, opts);
-  MergeArgs q{o.data_ptr<float>(), lse.data_ptr<float>(), partial.data_ptr(), w.data_ptr<float>(),
+  MergeArgs q{o.data_ptr(), lse.data_ptr<float>(), partial.data_ptr(), w.data_ptr<float>(),
               d, static_cast<float>(eps), h.data_ptr(),
               save ? alpha.data_ptr<float>() : nullptr, save ? z.data_ptr<float>() : nullptr,
               save ? r.data_ptr<float>() : nullptr};
@@ -871,9 +901,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> merge_forward(const Tensor& o, const 
     if (dt == at::kFloat) {
       merge_forward_f32(q, n0, n1);
     } else if (dt == at::kBFloat16) {
-      merge_forward_bf16(q, n0, n1);
+      o32 ? merge_forward_bf16_o32(q, n0, n1) : merge_forward_bf16(q, n0, n1);
     } else {
-      merge_forward_f16(q, n0, n1);
+      o32 ? merge_forward_f16_o32(q, n0, n1) : merge_forward_f16(q, n0, n1);
     }
   });
   return {h, alpha, z, r};
@@ -889,6 +919,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> merge_backward(const Tensor& o, const
   const int64_t d = partial.size(-1), N = partial.numel() / d;
   TORCH_CHECK(alpha.numel() == N && z.numel() == N && r.numel() == N,
               "merge_backward: saved scalars do not match");
+  const bool o32 = o.scalar_type() == at::kFloat;
+  TORCH_CHECK(o32 || o.scalar_type() == dt,
+              "merge_backward: phase-1 output in fp32 or the partial sum's dtype");
+  check_rows(o, partial, "merge_backward inter_out");
   Tensor dh = dh_in.to(dt).contiguous();
   check_rows(dh, partial, "merge_backward dh");
   Tensor d_up;
@@ -897,19 +931,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> merge_backward(const Tensor& o, const
     check_rows(d_up, partial, "merge_backward d_up");
   }
   Tensor d_o = at::empty_like(o);
-  Tensor d_lse = at::empty(alpha.sizes(), o.options());
+  Tensor d_lse = at::empty(alpha.sizes(), alpha.options());
   Tensor d_p = at::empty_like(partial);
-  MergeGradArgs q{o.data_ptr<float>(), partial.data_ptr(), w.data_ptr<float>(),
+  MergeGradArgs q{o.data_ptr(), partial.data_ptr(), w.data_ptr<float>(),
                   alpha.data_ptr<float>(), z.data_ptr<float>(), r.data_ptr<float>(),
                   dh.data_ptr(), d_up.defined() ? d_up.data_ptr() : nullptr, d,
-                  d_o.data_ptr<float>(), d_lse.data_ptr<float>(), d_p.data_ptr()};
+                  d_o.data_ptr(), d_lse.data_ptr<float>(), d_p.data_ptr()};
   Tensor dw = chunked_with_dw(N, d, [&](int64_t n0, int64_t n1, float* part) {
     if (dt == at::kFloat) {
       merge_backward_f32(q, n0, n1, part);
     } else if (dt == at::kBFloat16) {
-      merge_backward_bf16(q, n0, n1, part);
+      o32 ? merge_backward_bf16_o32(q, n0, n1, part) : merge_backward_bf16(q, n0, n1, part);
     } else {
-      merge_backward_f16(q, n0, n1, part);
+      o32 ? merge_backward_f16_o32(q, n0, n1, part) : merge_backward_f16(q, n0, n1, part);
     }
   });
   return {d_o, d_lse, d_p, dw};

@@ -28,7 +28,9 @@ Design:
   pass rereads rows this program has just read (mostly L2 hits).
 - dw: a fixed number of backward programs stride over the token blocks, each writes its partial sum,
   and a torch `.sum` over programs finishes it: deterministic, no atomics.
-- Arithmetic is fp32 throughout; results are stored in their tensors' dtypes.
+- Arithmetic is fp32 throughout; results are stored in their tensors' dtypes: phase-1 outputs in
+  the sources' dtype (lse in fp32), so a bf16 model saves bf16, not fp32, [B, T, d] tensors; the
+  merge reads a phase-1 output of any float dtype.
 - `torch.compiler.disable`: the address table needs `data_ptr()`, which dynamo cannot trace, so
   under `torch.compile` each call is an eager island (a graph break).
 """
@@ -85,7 +87,7 @@ def _read_fwd_kernel(addresses, src0, w_ptr, out_ptr, lse_ptr, m, S, N, d, eps,
     q_rows = qs[:, None].to(tl.int64) * N
     tl.store(
         out_ptr + (q_rows * d)[:, :, None] + tile[None, :, :],
-        acc / run_sum[:, :, None],
+        (acc / run_sum[:, :, None]).to(out_ptr.dtype.element_ty),
         mask=(qs[:, None, None] < S) & tile_ok[None, :, :],
     )
     tl.store(
@@ -120,7 +122,7 @@ def _read_bwd_kernel(addresses, src0, w_ptr, lse_ptr, dout_ptr, dlse_ptr, dw_ptr
             dout_ptr + (q_rows * d)[:, :, None] + tile[None, :, :],
             mask=(qs[:, None, None] < S) & tile_ok[None, :, :],
             other=0.0,
-        )
+        ).to(tl.float32)
         D = tl.zeros((S_PAD, BLOCK_N), tl.float32)  # D_s = do_s · o_s = Σ_i a_si P_si
         for i in range(m):
             v, r, z = _source(addresses, i, src0, tile, tile_ok, w, d, eps, ALIGNED)
@@ -148,7 +150,7 @@ def _merge_fwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, h_ptr, N, d, eps,
     cols = tl.arange(0, BLOCK_D)
     tile = rows[:, None].to(tl.int64) * d + cols[None, :]
     tile_ok = (rows[:, None] < N) & (cols[None, :] < d)
-    o = tl.load(o_ptr + tile, mask=tile_ok, other=0.0)
+    o = tl.load(o_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < d, other=0.0)
     lse = tl.load(lse_ptr + rows, mask=rows < N, other=0.0)
@@ -171,7 +173,7 @@ def _merge_bwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, dh_ptr, do_ptr, dlse_ptr, dp
         rows = start + tl.arange(0, BLOCK_N)
         tile = rows[:, None].to(tl.int64) * d + cols[None, :]
         tile_ok = (rows[:, None] < N) & (cols[None, :] < d)
-        o = tl.load(o_ptr + tile, mask=tile_ok, other=0.0)
+        o = tl.load(o_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
         p = tl.load(p_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + rows, mask=rows < N, other=0.0)
@@ -187,7 +189,7 @@ def _merge_bwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, dh_ptr, do_ptr, dlse_ptr, dp
         dh_h = alpha * dh_o + beta * dh_p
         g = beta * (dh_p - dh_h) * r  # dz r
         dp = beta[:, None] * dh + g[:, None] * w[None, :] - (g * z * r / d)[:, None] * p
-        tl.store(do_ptr + tile, alpha[:, None] * dh, mask=tile_ok)
+        tl.store(do_ptr + tile, (alpha[:, None] * dh).to(do_ptr.dtype.element_ty), mask=tile_ok)
         tl.store(dlse_ptr + rows, alpha * (dh_o - dh_h), mask=rows < N)
         tl.store(dp_ptr + tile, dp.to(dp_ptr.dtype.element_ty), mask=tile_ok)
         dw += tl.sum(g[:, None] * p, axis=0)
@@ -230,7 +232,7 @@ class _TritonMultiQueryRead(torch.autograd.Function):
         (S, d), N = w.shape, srcs[0].numel() // w.shape[1]
         s_pad = triton.next_power_of_2(S)
         block_d, block_n, warps = _blocks(d, s_pad)
-        out = torch.empty(S, *shape, dtype=torch.float32, device=device)
+        out = torch.empty(S, *shape, dtype=srcs[0].dtype, device=device)
         lse = torch.empty(S, *shape[:-1], dtype=torch.float32, device=device)
         table, aligned = _addresses(srcs, device)
         _read_fwd_kernel[(triton.cdiv(N, block_n),)](
@@ -253,7 +255,8 @@ class _TritonMultiQueryRead(torch.autograd.Function):
         n_prog = _n_programs(triton.cdiv(N, block_n), device)
         dw = torch.empty(n_prog, s_pad, block_d, dtype=torch.float32, device=device)
         table, aligned = _addresses(srcs + d_srcs, device)
-        d_out, d_lse = d_out.float().contiguous(), d_lse.float().contiguous()
+        d_out = d_out.to(srcs[0].dtype).contiguous()  # the output's dtype: no copy
+        d_lse = d_lse.float().contiguous()
         _read_bwd_kernel[(n_prog,)](
             table, srcs[0], w, lse, d_out, d_lse, dw, len(srcs), S, N, d, ctx.eps,
             S_PAD=s_pad, BLOCK_N=block_n, BLOCK_D=block_d, ALIGNED=aligned,
@@ -297,7 +300,8 @@ def triton_multi_query_read(
     sources: list[Tensor], queries: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
     """`attnres_ops.multi_query_read` as fused kernels: S queries [S, d] over m sources [B, T, d]
-    (one dtype: fp32, bf16 or fp16) -> fp32 outputs [S, B, T, d] and log-sum-exps [S, B, T]."""
+    (one dtype: fp32, bf16 or fp16) -> outputs [S, B, T, d] in that dtype and fp32 log-sum-exps
+    [S, B, T]."""
     if len({(s.shape, s.dtype, s.device) for s in sources}) != 1:
         raise ValueError("sources must share shape, dtype and device")
     return _TritonMultiQueryRead.apply(queries.float().contiguous(), eps, *sources)
@@ -307,8 +311,9 @@ def triton_multi_query_read(
 def triton_merge_partial(
     inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float
 ) -> Tensor:
-    """`attnres_ops.merge_partial` as one fused kernel each way: phase-1 output [B, T, d] and lse
-    [B, T] merged with the partial sum [B, T, d] for query [d] -> [B, T, d] in partial's dtype."""
+    """`attnres_ops.merge_partial` as one fused kernel each way: phase-1 output [B, T, d] (any
+    float dtype, read as is: its gradient comes back in that dtype) and lse [B, T] merged with the
+    partial sum [B, T, d] for query [d] -> [B, T, d] in partial's dtype."""
     return _TritonMergePartial.apply(
-        inter_out.float(), inter_lse.float(), partial, query.float().contiguous(), eps
+        inter_out, inter_lse.float(), partial, query.float().contiguous(), eps
     )

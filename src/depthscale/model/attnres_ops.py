@@ -11,23 +11,31 @@ in the sources' dtype.
 - Two-phase (paper §4.2, Algorithm 1), exact in forward and backward:
   `inter_block_read` (phase 1) reads the completed blocks once for all S queries of a block and returns
   normalised outputs and log-sum-exps, one tensor per query; `merge_partial` (phase 2) merges one
-  query's phase-1 result with the running partial sum by online softmax.
+  query's phase-1 result with the running partial sum by online softmax. Phase-1 outputs are stored in
+  the sources' dtype like every other result (the merge saves them for backward: in a bf16 model an
+  fp32 copy would cost two bf16 activations per sublayer), so bf16 rounds them once more than a
+  one-pass read would; log-sum-exps stay fp32.
 
 Kernels: `multi_query_reads` and `merge_partial` run fused Triton kernels
 (`depthscale.kernels.attnres_triton`) for CUDA inputs when triton imports, and fused C++ kernels
 (`depthscale.kernels.attnres_cpu`, one pass over a token's sources, threads over tokens,
 deterministic) for fp32/bf16/fp16 CPU inputs when they build; otherwise, for float64 and under
 torch.compile, the PyTorch ops below. `kernels.use_triton` / `kernels.use_cpu_kernels` override the
-choice, DEPTHSCALE_CPU_KERNELS=0 disables the CPU kernels.
+choice, DEPTHSCALE_CPU_KERNELS=0 disables the CPU kernels. `kernel_paths()` says which path each read
+type took; the first time a (read type, path, fallback reason) occurs it is logged at INFO to
+`depthscale.kernels` (a silent fallback, e.g. for sources of mixed dtypes, costs time and memory).
 """
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("depthscale.kernels")
 
 
 def _acc(t: Tensor) -> Tensor:
@@ -84,9 +92,9 @@ def _inv_rms(v: Tensor, eps: float) -> Tensor:
 
 
 def _multi_query_forward(w: Tensor, eps: float, sources: tuple[Tensor, ...] | list[Tensor]):
-    """Forward of the multi-query read in PyTorch: one output [B, T, d] and one lse [B, T] per query,
-    and the per-token scalars backward needs."""
-    shape = sources[0].shape
+    """Forward of the multi-query read in PyTorch: one output [B, T, d] (sources[0]'s dtype) and one
+    lse [B, T] (accumulation dtype) per query, and the per-token scalars backward needs."""
+    shape, dtype = sources[0].shape, sources[0].dtype
     values = _flat(sources)
     inv_rms = torch.stack([_inv_rms(v, eps) for v in values])  # [m, N]
     logits = torch.stack([(v @ w.T).T for v in values], dim=1) * inv_rms  # [S, m, N]
@@ -97,7 +105,7 @@ def _multi_query_forward(w: Tensor, eps: float, sources: tuple[Tensor, ...] | li
         out = weights[s, 0, :, None] * values[0]
         for i in range(1, len(values)):
             out.addcmul_(weights[s, i, :, None], values[i])  # [N, d]
-        outs.append(out.reshape(shape))
+        outs.append(out.reshape(shape).to(dtype))
         lses.append(lse[s].reshape(shape[:-1]).clone())  # not views of one tensor: own outputs
     return outs, lses, inv_rms, logits, weights
 
@@ -190,14 +198,15 @@ def _merge_forward(
     inv_rms = _inv_rms(p, eps)
     z = (p @ query) * inv_rms
     alpha = torch.sigmoid(inter_lse - z)
-    return torch.lerp(p, inter_out, alpha[..., None]), alpha, z, inv_rms
+    return torch.lerp(p, _acc(inter_out), alpha[..., None]), alpha, z, inv_rms
 
 
 class _MergePartial(torch.autograd.Function):
     """Phase 2 as a gate: h = α·o + (1−α)·p with α = sigmoid(lse − z), z the partial sum's logit.
-    Saves per-token scalars only (α, z, inverse RMS) besides o and p, which are alive anyway.
-    `ops`: the CPU kernels, or None for PyTorch. `chain`: also return p as an alias whose gradient
-    backward adds to p's own (see `_MultiQueryRead`)."""
+    Saves per-token scalars only (α, z, inverse RMS) besides o and p, as they come (o in the
+    sources' dtype: no fp32 copy of a [B, T, d] tensor is kept for backward). `ops`: the CPU
+    kernels, or None for PyTorch. `chain`: also return p as an alias whose gradient backward adds
+    to p's own (see `_MultiQueryRead`)."""
 
     @staticmethod
     def forward(
@@ -237,7 +246,7 @@ class _MergePartial(torch.autograd.Function):
             return d_o, d_alpha.reshape(ctx.lse_shape), d_partial, d_query, None, None, None
         p = _acc(partial)
         dh = dh.to(p.dtype)
-        d_alpha = torch.linalg.vecdot(dh, inter_out - p) * alpha * (1 - alpha)  # d(lse − z)
+        d_alpha = torch.linalg.vecdot(dh, _acc(inter_out) - p) * alpha * (1 - alpha)  # d(lse − z)
         dz = -d_alpha
         coef = (dz * inv_rms)[..., None]
         d_partial = (1 - alpha)[..., None] * dh + coef * query
@@ -246,7 +255,8 @@ class _MergePartial(torch.autograd.Function):
         if d_up is not None:
             d_partial = d_up + d_partial
         d_query = (coef * p).reshape(-1, p.shape[-1]).sum(0)
-        return alpha[..., None] * dh, d_alpha, d_partial, d_query, None, None, None
+        d_o = (alpha[..., None] * dh).to(inter_out.dtype)
+        return d_o, d_alpha, d_partial, d_query, None, None, None
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -276,13 +286,13 @@ def _triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _cpu_ops(values: list[Tensor], *fp32: Tensor) -> Any:
+def _cpu_ops(values: list[Tensor], *fp32: Tensor, inter_out: Tensor | None = None) -> Any:
     """The CPU kernels' ops when they apply, else None: plain CPU tensors (not DTensors, e.g. the
     AttnRes queries under tp + dp, nor other subclasses: the ops have no sharding rules), `values`
-    of one dtype among fp32/bf16/fp16 and the `fp32` tensors (queries, phase-1 results) in fp32 (so
-    float64, e.g. gradcheck, runs in PyTorch), not under `use_cpu_kernels(False)`, and not while
-    torch.compile traces (the compiler fuses the PyTorch ops itself; an opaque op would break the
-    graph)."""
+    of one dtype among fp32/bf16/fp16, the `fp32` tensors (queries, log-sum-exps) in fp32 (so
+    float64, e.g. gradcheck, runs in PyTorch), a phase-1 `inter_out` in the values' dtype or fp32,
+    not under `use_cpu_kernels(False)`, and not while torch.compile traces (the compiler fuses the
+    PyTorch ops itself; an opaque op would break the graph)."""
     from depthscale import kernels
 
     if kernels.cpu_kernels_override() is False or torch.compiler.is_compiling():
@@ -296,18 +306,141 @@ def _cpu_ops(values: list[Tensor], *fp32: Tensor) -> Any:
     for t in fp32:
         if type(t) not in _PLAIN or not t.is_cpu or t.dtype != torch.float32:
             return None
+    if inter_out is not None and (
+        type(inter_out) not in _PLAIN
+        or not inter_out.is_cpu
+        or (inter_out.dtype != dtype and inter_out.dtype != torch.float32)
+    ):
+        return None
     return kernels.load_attnres_cpu()
 
 
+# ---------------------------------------------------------------------------------------------
+# Which path ran. `_record` runs on every read: one tuple and one dict lookup, no formatting (the
+# reason is a constant string or a tuple of a %-format and its arguments, formatted when first
+# logged). It is marked constant for torch.compile: dynamo runs it once while tracing (the read is
+# recorded then) and leaves it out of the graph, so it neither breaks the graph nor recompiles.
+
+_paths: dict[tuple[str, str, Any], None] = {}
+"""(read type, path, fallback reason or None) in the order first seen."""
+
+
+def _describe(reason: Any) -> str:
+    def name(x: Any) -> str:
+        if isinstance(x, torch.dtype):
+            return str(x).removeprefix("torch.")
+        if isinstance(x, type):
+            return x.__name__
+        if isinstance(x, tuple):
+            return "/".join(name(y) for y in x)
+        return str(x)
+
+    if isinstance(reason, tuple):
+        return reason[0] % tuple(name(x) for x in reason[1:])
+    return str(reason)
+
+
+@torch.compiler.assume_constant_result
+def _record(kind: str, path: str, reason: Any = None) -> bool:
+    """Note that a `kind` read took `path` (with the fallback `reason`); log it the first time."""
+    key = (kind, path, reason)
+    if key not in _paths:
+        _paths[key] = None
+        if reason is None:
+            log.info("AttnRes %s path: %s", kind, path)
+        else:
+            log.info("AttnRes %s path: %s (%s)", kind, path, _describe(reason))
+    return True
+
+
+def kernel_paths(reasons: bool = False) -> dict[str, str]:
+    """The paths the AttnRes reads took so far in this process, per read type ("phase1": two-phase
+    inter-block reads, "merge": two-phase merges, "read": memory-efficient reads): "triton", "cpu"
+    (the C++ kernels) or "torch", several joined by "+" in the order first taken. reasons=True:
+    torch entries carry why, e.g. "torch (mixed source dtypes float32/bfloat16)"."""
+    found: dict[str, list[str]] = {}
+    for kind, path, reason in list(_paths):  # a snapshot: reads may record meanwhile
+        label = f"{path} ({_describe(reason)})" if reasons and reason is not None else path
+        labels = found.setdefault(kind, [])
+        if label not in labels:
+            labels.append(label)
+    return {kind: "+".join(labels) for kind, labels in found.items()}
+
+
+def reset_kernel_paths() -> None:
+    """Forget the paths seen (tests; each is then logged again the next time it is taken)."""
+    _paths.clear()
+
+
+def _fallback_reason(
+    values: list[Tensor],
+    query: Tensor,
+    lse: Tensor | None = None,
+    inter_out: Tensor | None = None,
+) -> Any:
+    """Why neither kernel took a read (called on the PyTorch path only): the Triton kernels'
+    reason for tensors off the CPU, the CPU kernels' for CPU tensors, in the order they check."""
+    from depthscale import kernels
+    from depthscale.kernels import attnres_cpu
+
+    role = "source" if lse is None else "partial sum"
+    named = [(role, v) for v in values] + [("query", query)]
+    named += [
+        (r, t) for r, t in (("phase-1 lse", lse), ("phase-1 output", inter_out)) if t is not None
+    ]
+    on_cpu = values[0].is_cpu
+    if on_cpu:
+        if kernels.cpu_kernels_override() is False:
+            return "use_cpu_kernels(False)"
+        if torch.compiler.is_compiling():
+            return "torch.compile tracing"
+    elif kernels.triton_override() is False:
+        return "use_triton(False)"
+    for r, t in named:
+        if type(t) not in _PLAIN:
+            return ("%s %s", type(t), r)
+    for r, t in named:
+        if t.is_cpu != on_cpu:
+            return ("%s on %s, sources on %s", r, t.device.type, values[0].device.type)
+    dtypes = tuple(dict.fromkeys(v.dtype for v in values))
+    if len(dtypes) > 1:
+        return ("mixed %s dtypes %s", role, dtypes)
+    for r, t in named:
+        if t.dtype == torch.float64:
+            return ("float64 %s", r)
+    if not on_cpu:
+        if kernels.triton_override() is None and not values[0].is_cuda:
+            return ("%s tensors", values[0].device.type)
+        return "triton not installed"
+    if dtypes[0] not in _CPU_KERNEL_DTYPES:
+        return ("%s %s", dtypes[0], role)
+    for r, t in named[len(values) : len(values) + 2]:  # query, lse: fp32
+        if t.dtype != torch.float32:
+            return ("%s %s", t.dtype, r)
+    if inter_out is not None and inter_out.dtype not in (dtypes[0], torch.float32):
+        return ("phase-1 output %s, partial sum %s", inter_out.dtype, dtypes[0])
+    if not attnres_cpu.enabled_by_env():
+        return "DEPTHSCALE_CPU_KERNELS=0"
+    return "CPU kernels not built"
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 def _reads(
-    sources: list[Tensor], queries: Tensor, eps: float, chain: bool
+    sources: list[Tensor], queries: Tensor, eps: float, chain: bool, kind: str
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     ops = _triton_ops(sources, queries)
     if ops is not None:  # no chaining: autograd accumulates the sources' gradients
+        _record(kind, "triton")
         out, lse = ops.triton_multi_query_read(sources, queries, eps)
         return list(out.unbind(0)), list(lse.unbind(0)), list(sources)
     w = _acc(queries).contiguous()
     cpu = _cpu_ops(sources, w)
+    if cpu is not None:
+        _record(kind, "cpu")
+    else:
+        _record(kind, "torch", _fallback_reason(sources, w))
     if not torch.is_grad_enabled():  # inference: nothing to save (and simpler for torch.compile)
         if cpu is not None:
             outs, lses, *_ = cpu.read_forward(_contiguous(sources), w, eps, False)
@@ -324,9 +457,10 @@ def multi_query_reads(
     sources: list[Tensor], queries: Tensor, eps: float
 ) -> tuple[list[Tensor], list[Tensor]]:
     """S queries [S, d] (gain already folded in) over m sources [B, T, d] -> per query, an output
-    [B, T, d] and a log-sum-exp [B, T] (fp32, fp64 for fp64 inputs), with a backward that saves only
-    per-token scalars. Separate tensors, not stacked: consumers take one query's result each."""
-    outs, lses, _ = _reads(sources, queries, eps, chain=False)
+    [B, T, d] in the sources' dtype (sources[0]'s if they are mixed) and a log-sum-exp [B, T] in
+    fp32 (fp64 for fp64 inputs), with a backward that saves only per-token scalars. Separate
+    tensors, not stacked: consumers take one query's result each."""
+    outs, lses, _ = _reads(sources, queries, eps, chain=False, kind="read")
     return outs, lses
 
 
@@ -335,6 +469,7 @@ def multi_query_read(sources: list[Tensor], queries: Tensor, eps: float) -> tupl
     benchmarks compare implementations through this form)."""
     ops = _triton_ops(sources, queries)
     if ops is not None:
+        _record("read", "triton")
         return ops.triton_multi_query_read(sources, queries, eps)
     outs, lses = multi_query_reads(sources, queries, eps)
     return torch.stack(outs), torch.stack(lses)
@@ -347,15 +482,16 @@ def depth_read_efficient(
     if len(sources) == 1:
         return sources[0]
     outs, _ = multi_query_reads(sources, _query(query, key_weight)[None], eps)
-    return outs[0].to(sources[0].dtype)
+    return outs[0]
 
 
 def inter_block_read(
     blocks: list[Tensor], queries: Tensor, eps: float
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Phase 1: all S queries of a block [S, d] over its completed blocks, one pass over memory;
-    per query an output [B, T, d] and a log-sum-exp [B, T]."""
-    return multi_query_reads(blocks, queries, eps)
+    per query an output [B, T, d] in the blocks' dtype and an fp32 log-sum-exp [B, T]."""
+    outs, lses, _ = _reads(blocks, queries, eps, chain=False, kind="phase1")
+    return outs, lses
 
 
 def inter_block_read_chained(
@@ -366,7 +502,7 @@ def inter_block_read_chained(
     block's gradients from several reads in a buffer of its own (an extra pass over memory per
     read and block). Numerically identical to reading `blocks` again (the sums run in autograd's
     order). Where no kernel supports it (Triton, inference) the blocks come back unchanged."""
-    return _reads(blocks, queries, eps, chain=True)
+    return _reads(blocks, queries, eps, chain=True, kind="phase1")
 
 
 def _merge(
@@ -374,9 +510,14 @@ def _merge(
 ) -> tuple[Tensor, Tensor]:
     ops = _triton_ops([partial], inter_out, inter_lse, query)
     if ops is not None:
+        _record("merge", "triton")
         return ops.triton_merge_partial(inter_out, inter_lse, partial, query, eps), partial
     w = _acc(query)
-    cpu = _cpu_ops([partial], inter_out, inter_lse, w)
+    cpu = _cpu_ops([partial], inter_lse, w, inter_out=inter_out)
+    if cpu is not None:
+        _record("merge", "cpu")
+    else:
+        _record("merge", "torch", _fallback_reason([partial], w, inter_lse, inter_out))
     if not torch.is_grad_enabled():
         if cpu is not None:
             h = cpu.merge_forward(
@@ -397,8 +538,9 @@ def _merge(
 def merge_partial(
     inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float
 ) -> Tensor:
-    """Phase 2: merge a phase-1 result (fp32 output [B,T,d], lse [B,T]) with the partial sum's
-    one-source term by online softmax; exact, elementwise over tokens."""
+    """Phase 2: merge a phase-1 result (output [B,T,d] in the partial sum's dtype or fp32, fp32 lse
+    [B,T]) with the partial sum's one-source term by online softmax; exact, elementwise over
+    tokens."""
     return _merge(inter_out, inter_lse, partial, query, eps, chain=False)[0]
 
 

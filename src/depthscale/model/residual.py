@@ -62,7 +62,7 @@ class DepthState:
 @dataclass
 class InterBlock:
     members: list[AttnResidual]
-    out: list[Tensor]  # S × [B, T, d] fp32, normalised phase-1 outputs
+    out: list[Tensor]  # S × [B, T, d] normalised phase-1 outputs, in the blocks' dtype
     lse: list[Tensor]  # S × [B, T] fp32
 
     def slot(self, member: AttnResidual) -> int | None:
@@ -150,7 +150,7 @@ class AttnResidual(nn.Module):
             state.inter = inter = InterBlock(members, out, lse)
             slot = 0
         if state.partial is None:
-            return inter.out[slot].to(state.blocks[0].dtype)
+            return inter.out[slot]  # already in the blocks' dtype
         h, state.partial = merge_partial_chained(
             inter.out[slot], inter.lse[slot], state.partial, self.query(), self.eps
         )
