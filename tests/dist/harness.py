@@ -69,6 +69,20 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     destroy_distributed()
 
 
+_MESHES: dict = {}
+
+
+def cached_mesh(dims):
+    """`dims.build_mesh("cpu")`, once per layout per worker process. Every mesh creates process
+    groups, and each gloo group keeps threads alive (and polling) until the process ends: building
+    one per test call left ~900 threads per worker and slowed the whole suite several-fold."""
+    if dims not in _MESHES:
+        import torch.distributed as dist
+
+        _MESHES[dims] = dims.validate(dist.get_world_size()).build_mesh("cpu")
+    return _MESHES[dims]
+
+
 class DistPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size

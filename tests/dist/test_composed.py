@@ -15,6 +15,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from harness import cached_mesh
 from torch.distributed.tensor import DTensor
 
 from depthscale.config import Config
@@ -54,7 +55,7 @@ def _setup(residual: str, dims_kw: dict, chunks: int, offload: bool = False, **m
         setattr(cfg.parallel, name, value)
     cfg.parallel.pp_virtual = virtual
     cfg.train.offload_params = offload
-    mesh = dims.build_mesh("cpu")
+    mesh = cached_mesh(dims)
     torch.manual_seed(0)
     ref = Transformer(cfg.model)
     torch.manual_seed(0)
@@ -186,9 +187,7 @@ def _composed_pp(residual: str, dims_kw: dict, tie: bool, steps: int = 3):
     pp_group = mesh["pp"].get_group()
     micro = rows.stop - rows.start
     cache = DepthCache(cfg, split_layers(cfg.n_layers, pp * virtual), pp, enabled=True)
-    runtime = PipelineRuntime(
-        stages, interleaved_1f1b(pp, virtual, micro), pp_group, cache
-    )
+    runtime = PipelineRuntime(stages, interleaved_1f1b(pp, virtual, micro), pp_group, cache)
     tied_group = tied_embedding_group(cfg, mesh)
     g = torch.Generator().manual_seed(1)
     losses, ref_losses, norms, ref_norms = [], [], [], []
@@ -308,7 +307,9 @@ def _through_plan(residual: str, dims_kw: dict, tie: bool, steps: int = 3, offlo
 
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         offloaded = [
-            p.offload_to_cpu for u in units for p in u._get_fsdp_state()._fsdp_param_group.fsdp_params
+            p.offload_to_cpu
+            for u in units
+            for p in u._get_fsdp_state()._fsdp_param_group.fsdp_params
         ]
         assert units and all(offloaded), offloaded
     g = torch.Generator().manual_seed(1)
@@ -388,12 +389,14 @@ def test_pipeline_context_and_tensor_or_data_parallel_on_8_ranks(dist_pool, dims
 
 @pytest.mark.parametrize(
     "residual,dims_kw",
-    [("full", {"dp_replicate": 2, "dp_shard": 2}), ("full", {"dp_shard": 4}), ("block", {"dp_replicate": 2, "dp_shard": 2})],
+    [
+        ("full", {"dp_replicate": 2, "dp_shard": 2}),
+        ("full", {"dp_shard": 4}),
+        ("block", {"dp_replicate": 2, "dp_shard": 2}),
+    ],
 )
 def test_zero3_with_cpu_offload_matches_single_process(dist_pool, residual, dims_kw):
     """Full AttnRes without pipelining: ZeRO-3 inside a shard group (HSDP) or over all ranks, with
     FSDP2's CPU offload of parameters, gradients and optimizer states (`train.offload_params`),
     through the trainer's plan: the same bounds as one process."""
-    _check_plan_run(
-        dist_pool(4).run(_through_plan, residual, dims_kw, True, 3, True), residual
-    )
+    _check_plan_run(dist_pool(4).run(_through_plan, residual, dims_kw, True, 3, True), residual)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from harness import cached_mesh
 
 from depthscale.config import ModelConfig
 from depthscale.model.layers import attention_mask, sdpa_attention
@@ -265,7 +266,7 @@ def _cfg(residual, window, chunk):
 
 def _model_parity(residual, window, chunk, mode, T, declared):
     rank, world = dist.get_rank(), dist.get_world_size()
-    cp_mesh = ParallelDims(cp=world).validate(world).build_mesh("cpu")["cp"]
+    cp_mesh = cached_mesh(ParallelDims(cp=world))["cp"]
     cfg = _cfg(residual, window, chunk)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 64, (B, T), generator=g)

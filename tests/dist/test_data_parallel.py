@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from harness import cached_mesh
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -72,14 +73,9 @@ PLACEMENTS = {  # what the parameters look like after parallelizing
 # ---------------------------------------------------------------------------------------------
 # Helpers (run on every rank)
 
-_MESHES: dict = {}
-
 
 def _mesh(dims: ParallelDims):
-    """One DeviceMesh per layout per worker process: building a mesh creates process groups."""
-    if dims not in _MESHES:
-        _MESHES[dims] = dims.validate(dist.get_world_size()).build_mesh("cpu")
-    return _MESHES[dims]
+    return cached_mesh(dims)
 
 
 def _cfg(residual: str = "block", n_layers: int = 2, n_blocks: int = 2, **kw) -> ModelConfig:

@@ -678,3 +678,16 @@ def test_kernel_paths_under_torch_compile_cost_no_graph_break_or_recompile():
         "phase1": "torch (torch.compile tracing)",
         "merge": "torch (torch.compile tracing)",
     }
+
+
+def test_importing_the_model_imports_neither_dynamo_nor_triton():
+    """Triton reads TRITON_INTERPRET when it is imported: the model must import it only when a
+    Triton read runs (an import at collection time broke every later interpreted test)."""
+    import subprocess
+
+    code = (
+        "import sys, depthscale.model.transformer, depthscale.model.attnres_ops;"
+        "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

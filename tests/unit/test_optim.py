@@ -9,7 +9,7 @@ from torch import nn
 
 from depthscale.config import OptimConfig
 from depthscale.train.optim import LAMB, build_optimizer, param_groups
-from tolerances import fp32_sum_bound
+from tolerances import U32, fp32_sum_bound, gamma
 
 LR, B1, B2, EPS, WD = 0.1, 0.9, 0.99, 1e-6, 0.01
 
@@ -139,6 +139,154 @@ def test_lamb_state_dict_round_trip_gives_identical_next_step(dtype):
     for pa, pb in zip(a, b):
         assert torch.equal(pa, pb)
         assert torch.equal(opt_a.state[pa]["exp_avg_sq"], opt_b.state[pb]["exp_avg_sq"])
+
+
+class PerTensorLAMB(LAMB):
+    """The per-parameter loop LAMB.step used to be: the reference for the multi-tensor step. Also
+    records the largest step |lr·r·u| taken and whether the clamp bit."""
+
+    largest_step = 0.0
+    clamped = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            max_trust, adaptive = group["max_trust_ratio"], group["adaptive"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                step = float(state["step"])
+                grad = p.grad.float()
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.lerp_(grad, 1.0 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                m_hat = exp_avg / (1.0 - beta1**step)
+                v_hat = exp_avg_sq / (1.0 - beta2**step)
+                p32 = p.float()
+                update = m_hat / (v_hat.sqrt() + eps)
+                if wd != 0.0:
+                    update.add_(p32, alpha=wd)
+                trust = torch.ones(())
+                if adaptive:
+                    w_norm, u_norm = torch.linalg.vector_norm(p32), torch.linalg.vector_norm(update)
+                    ok = (w_norm > 0) & (u_norm > 0)
+                    trust = torch.where(ok, w_norm / torch.where(ok, u_norm, 1.0), 1.0)
+                    if max_trust is not None:
+                        self.clamped |= bool(trust > max_trust)
+                        trust = trust.clamp(max=max_trust)
+                delta = (lr * trust) * update if adaptive else lr * update
+                self.largest_step = max(self.largest_step, delta.abs().max().item())
+                p.copy_(p32 - delta)
+
+
+def _lamb_case(opt_cls, dtype, device, max_trust, **kw):
+    """Parameters that exercise every branch: decay; ‖p‖ = 0 (zero init); ‖u‖ = 0 (zero gradient,
+    no decay); r far above the clamp (large weights, no decay); a first gradient only at step 2
+    (its own bias correction); a non-adaptive vector; a parameter that never gets a gradient."""
+    g = torch.Generator().manual_seed(0)
+
+    def new(*shape, scale=1.0):
+        t = scale * torch.randn(*shape, generator=g)
+        return t.to(device=device, dtype=dtype).requires_grad_(True)
+
+    params = {
+        "w": new(6, 8),
+        "zero": new(5, scale=0.0),
+        "late": new(7, 3),
+        "still": new(3),
+        "big": new(4, 4, scale=100.0),
+        "vec": new(8),
+        "unused": new(2, 2),
+    }
+    groups = [
+        {"params": [params[k] for k in ("w", "zero", "late")], "weight_decay": 0.1},
+        {"params": [params[k] for k in ("still", "big", "unused")], "weight_decay": 0.0},
+        {"params": [params["vec"]], "adaptive": False},
+    ]
+    opt = opt_cls(groups, lr=0.05, betas=(B1, B2), eps=EPS, max_trust_ratio=max_trust, **kw)
+    return params, opt
+
+
+def _lamb_grads(params: dict, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for name, p in params.items():
+        if name == "unused" or (name == "late" and step == 0):
+            p.grad = None
+        elif name == "still":
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad = torch.randn(p.shape, generator=g).to(p)
+
+
+# the device the suite runs on: CUDA's foreach kernels where there is a GPU, else the CPU (no
+# skipped variants: CI counts a skip as a missing test)
+DEVICES = ["cuda" if torch.cuda.is_available() else "cpu"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_fn", [None, torch.linalg.vector_norm], ids=["multi", "norm_fn"])
+@pytest.mark.parametrize("max_trust", [10.0, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lamb_multi_tensor_step_matches_per_tensor_loop(dtype, max_trust, norm_fn, device):
+    steps = 4
+    params, opt = _lamb_case(LAMB, dtype, device, max_trust, norm_fn=norm_fn)
+    ref_params, ref = _lamb_case(PerTensorLAMB, dtype, device, max_trust)
+    for t in range(steps):
+        _lamb_grads(params, t)
+        _lamb_grads(ref_params, t)
+        opt.step()
+        ref.step()
+    assert ref.clamped == (max_trust is not None)  # the clamp bit (r ≈ 100 on "big")
+    assert params["unused"].grad is None and not opt.state[params["unused"]]
+    # Same fp32 operations in the same order on the same tensors. On CPU the foreach ops run the
+    # per-tensor kernels, so the results are bitwise equal (seen). On CUDA the foreach kernels may
+    # round differently: a scalar division as a product with the reciprocal, and _foreach_norm
+    # sums in another order. Per step that moves u by a few roundings of its ~10 elementwise
+    # operations (≤ 20u relative, both sides), each norm by ≤ γ_n (n ≤ 48 elements) and the ratio
+    # r by ≤ 4γ_n + 2u, so the step lr·r·u by ≤ (4γ_n + 22u) of its size, and p by one more
+    # rounding u·|p|; over `steps` steps (the feedback through wd·p and ‖p‖ is ≤ lr·r·wd ≈ 0.05
+    # per step, covered by the factor 2). bf16 parameters: an fp32 difference that straddles a bf16
+    # rounding boundary flips the result by one bf16 ulp, ≤ 2^-7·|p| per step.
+    rel_step = 4 * gamma(48) + 22 * U32
+    atol = 2 * steps * rel_step * ref.largest_step
+    rtol = 2 * steps * (U32 if dtype == torch.float32 else 2.0**-7)
+    for name, p in params.items():
+        q = ref_params[name]
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if opt.state[p]:  # moments: elementwise only, a few roundings per step
+                torch.testing.assert_close(
+                    opt.state[p][key], ref.state[q][key], rtol=2 * steps * 20 * U32, atol=0.0
+                )
+        assert bool(opt.state[p].get("step", 0) == ref.state[q].get("step", 0))
+
+
+def test_lamb_loads_a_state_dict_saved_by_the_per_tensor_step():
+    """The state-dict format is unchanged: a checkpoint of the old loop resumes bit-identically."""
+    params, old = _lamb_case(PerTensorLAMB, torch.float32, "cpu", 10.0)
+    for t in range(2):
+        _lamb_grads(params, t)
+        old.step()
+    saved = copy.deepcopy(old.state_dict())
+    resumed_params, new = _lamb_case(LAMB, torch.float32, "cpu", 10.0)
+    with torch.no_grad():
+        for name, p in resumed_params.items():
+            p.copy_(params[name])
+    new.load_state_dict(saved)
+    _lamb_grads(params, 2)
+    _lamb_grads(resumed_params, 2)
+    old.step()
+    new.step()
+    for name, p in resumed_params.items():
+        assert torch.equal(p, params[name]), name
 
 
 class Tiny(nn.Module):

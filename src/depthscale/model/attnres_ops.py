@@ -340,7 +340,6 @@ def _describe(reason: Any) -> str:
     return str(reason)
 
 
-@torch.compiler.assume_constant_result
 def _record(kind: str, path: str, reason: Any = None) -> bool:
     """Note that a `kind` read took `path` (with the fallback `reason`); log it the first time."""
     key = (kind, path, reason)
@@ -351,6 +350,12 @@ def _record(kind: str, path: str, reason: Any = None) -> bool:
         else:
             log.info("AttnRes %s path: %s (%s)", kind, path, _describe(reason))
     return True
+
+
+# What `torch.compiler.assume_constant_result` does (torch 2.11–2.13), without importing dynamo at
+# import time: that would import triton too, before a test can choose TRITON_INTERPRET=1, and add
+# a second to every `import depthscale.model`.
+_record._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def kernel_paths(reasons: bool = False) -> dict[str, str]:

@@ -140,13 +140,12 @@ def apply_ddp(
     Plain parameters (pure data parallelism): `torch.distributed._composable.replicate`, which installs
     DDP's reducer on the module itself instead of wrapping it, so the module also keeps its own
     methods (`embed`/`head`). DDP fires each gradient bucket's all-reduce as soon as all its grads are
-    in; parameters stay plain tensors, identical on all replicas. `static_graph=True` because some
-    parameters legitimately get no gradient: with the reference/efficient AttnRes reads the first
-    sublayer reads the embedding alone, so its query is unused, and plain DDP then fails on the next
-    step ("Expected to have finished reduction ..."); `find_unused_parameters` would walk the autograd
-    graph every step. A static graph learns the unused set in the first iteration (whose all-reduce
-    therefore waits for the end of backward) and overlaps from then on; unused parameters keep
-    `grad=None`, as in one process.
+    in; parameters stay plain tensors, identical on all replicas. The layers' AttnRes queries are
+    left out, as FSDP leaves them out (returned; the caller averages their gradients): they are the
+    only parameters that may get no gradient (with the reference/efficient reads the first sublayer
+    reads the embedding alone), so DDP's reducer needs neither `find_unused_parameters` (a walk of
+    the autograd graph every step) nor a static graph (which cannot skip a sync in its first
+    iteration, so gradient accumulation could not defer the all-reduce).
 
     DTensor parameters (tensor parallelism applied first): DDP's reducer cannot hold DTensors (the
     forward fails on mixed Tensor/DTensor), and its `device_mesh` workaround turns TP weights into
@@ -165,8 +164,14 @@ def apply_ddp(
     if roots is None and not any(isinstance(p, DTensor) for p in model.parameters()):
         from torch.distributed._composable import replicate
 
-        replicate(model, process_group=dp_mesh.get_group(), static_graph=True)
-        return []
+        queries = depth_query_params(model)
+        ignored = [
+            m
+            for m in model.modules()
+            if any(p is q for p in m.parameters(recurse=False) for q in queries)
+        ]
+        replicate(model, process_group=dp_mesh.get_group(), ignored_modules=ignored)
+        return queries
     from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensor
 
     queries = depth_query_params(model)

@@ -7,9 +7,10 @@
   `parallel_sublayer`), which every layout's block runs through.
 - `full` recompute keeps only each layer's input depth state (the blocks and the partial sum, which
   live anyway) and re-runs the whole layer, depth reads included, in backward.
-- Offloading moves the tensors autograd saves for backward to host memory while a microbatch waits
-  for its backward (pipeline in-flight microbatches) and brings them back on use. On a CPU-only run
-  the copy is a no-op, but the mechanism and its byte accounting are the same.
+- Offloading moves the activations autograd saves for backward to host memory while a microbatch
+  waits for its backward (pipeline in-flight microbatches) and brings them back ahead of use, both
+  copies on side CUDA streams. Parameters (and their casts) and tiny tensors stay. On a CPU-only
+  run the copy is a no-op, but the classification, ordering and byte accounting are the same.
 
 Modules are patched through their instance `forward`, so parameter names and checkpoints are unchanged.
 """
@@ -17,8 +18,9 @@ Modules are patched through their instance `forward`, so parameter names and che
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -71,38 +73,229 @@ def apply_recompute(model: Transformer, mode: str) -> None:
                 setattr(layer, name, _checkpointed(getattr(layer, name)))
 
 
+DEFAULT_MIN_BYTES = 64 * 1024
+"""Saved device tensors smaller than this stay on the device. Each offloaded tensor costs a pinned
+host allocation, two copy launches, two events and a stream wait: some tens of microseconds whatever
+its size, about the time PCIe takes to move 64 KiB. Below that the fixed cost dominates and the
+device memory given back is negligible. CPU tensors are never copied, so by default none is tiny."""
+
+DEFAULT_PREFETCH = 2
+"""How many offloaded tensors backward brings back ahead of use: enough to hide one copy behind the
+node that runs before it, few enough that the device holds only a handful of early copies."""
+
+
 @dataclass
 class OffloadStats:
+    """What the pack hook did with each tensor saved for backward. `tensors`/`bytes` are the ones
+    moved to host memory (the trainer logs `bytes` as `offloaded_mb`); the others stayed where they
+    were, by reason. `prefetch_hits` counts unpacks whose copy back was already under way."""
+
     tensors: int = 0
     bytes: int = 0
+    param_tensors: int = 0
+    param_bytes: int = 0
+    """Parameters, their views and autocast casts: weight-sized, and a parameter lives anyway."""
+    tiny_tensors: int = 0
+    tiny_bytes: int = 0
+    """Below `min_bytes`: the per-copy overhead would dominate."""
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
 
     def reset(self) -> None:
-        self.tensors = self.bytes = 0
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+
+_AccumulateGrad = torch._C._functions.AccumulateGrad
+
+
+def _is_parameter(t: torch.Tensor, exclude: set[int]) -> bool:
+    """A parameter, a view of one, or an autocast dtype cast of one (grad_fn ToCopyBackward0 fed by
+    the parameter's AccumulateGrad). `exclude` holds storage pointers of parameters that need no
+    grad (frozen weights, which look like any other leaf). A few attribute reads per tensor."""
+    base = t if t._base is None else t._base
+    if base.is_leaf and base.requires_grad:
+        return True
+    fn = base.grad_fn
+    if (
+        fn is not None
+        and type(fn).__name__ == "ToCopyBackward0"
+        and isinstance(fn.next_functions[0][0], _AccumulateGrad)
+    ):
+        return True
+    if exclude:
+        try:
+            return t.untyped_storage().data_ptr() in exclude
+        except RuntimeError:  # a wrapper subclass (DTensor) has no storage of its own
+            return False
+    return False
+
+
+class _Offloaded:
+    """One saved tensor in host memory. `stored` is the CUDA event after its copy out, `pending`
+    its copy back to the device once started and `ready` the event after that copy (events are None
+    off CUDA; on CPU `host` is the tensor itself and so is its "copy")."""
+
+    __slots__ = ("device", "host", "stored", "index", "pending", "ready", "used", "__weakref__")
+
+    def __init__(
+        self, device: torch.device, host: torch.Tensor, stored: torch.cuda.Event | None = None
+    ) -> None:
+        self.device, self.host, self.stored = device, host, stored
+        self.index = -1
+        self.pending: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
+        self.used = False
+
+
+class _PackOrder:
+    """Offloaded tensors in pack order, and which to bring back when backward unpacks one.
+
+    Backward needs saved tensors roughly in reverse pack order, so on unpacking entry i the next
+    ones it will want are i-1, i-2, ...: the `ahead` nearest that are still alive and not yet used
+    are fetched now. Weak references only, so an entry dies with the graph node that saved it.
+    No CUDA in here: it is unit-tested on CPU."""
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self._entries: list[weakref.ref[_Offloaded]] = []
+
+    def add(self, entry: _Offloaded) -> None:
+        entry.index = len(self._entries)
+        self._entries.append(weakref.ref(entry))
+
+    def to_fetch(self, entry: _Offloaded) -> list[_Offloaded]:
+        """`entry` unless its copy is already under way, then the upcoming entries not yet fetched."""
+        out = [] if entry.pending is not None else [entry]
+        i, window = entry.index - 1, 0
+        while i >= 0 and window < self.ahead:
+            e = self._entries[i]()
+            i -= 1
+            if e is None or e.used:
+                continue
+            window += 1
+            if e.pending is None:
+                out.append(e)
+        return out
+
+
+_side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device, direction: str) -> torch.cuda.Stream:
+    """One stream per device and direction, shared by every offload block: copies out (a forward)
+    never queue behind copies in (a backward), which a pipeline schedule interleaves."""
+    key = (device, direction)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device=device)
+    return _side_streams[key]
+
+
+class _Offloader:
+    """The pack/unpack hooks. On CUDA the copies run on side streams: device to pinned host once the
+    compute stream has written the tensor, host to device ahead of backward; the compute stream
+    waits for a copy's event only where it uses the tensor. CPU tensors are not copied (same
+    bookkeeping)."""
+
+    def __init__(
+        self,
+        stats: OffloadStats,
+        params: Iterable[torch.Tensor],
+        min_bytes: int | None,
+        prefetch: int,
+        pin: bool,
+    ) -> None:
+        self.stats, self.min_bytes, self.pin = stats, min_bytes, pin
+        self.exclude = {p.untyped_storage().data_ptr() for p in params}
+        self.order = _PackOrder(prefetch)
+
+    def pack(self, t: torch.Tensor) -> object:
+        s, nbytes = self.stats, t.numel() * t.element_size()
+        # kept tensors are returned detached: a node saving its own output would otherwise form a
+        # cycle (node -> saved tensor -> grad_fn) that outlives a graph dropped without backward
+        if _is_parameter(t, self.exclude):
+            s.param_tensors += 1
+            s.param_bytes += nbytes
+            return t.detach()
+        limit = self.min_bytes
+        if limit is None:
+            limit = 0 if t.device.type == "cpu" else DEFAULT_MIN_BYTES
+        if nbytes < limit:
+            s.tiny_tensors += 1
+            s.tiny_bytes += nbytes
+            return t.detach()
+        s.tensors += 1
+        s.bytes += nbytes
+        entry = self._to_host(t)
+        self.order.add(entry)
+        return entry
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        if not isinstance(packed, _Offloaded):
+            return packed  # type: ignore[return-value]
+        if packed.pending is None:
+            self.stats.prefetch_misses += 1
+        else:
+            self.stats.prefetch_hits += 1
+        for e in self.order.to_fetch(packed):
+            self._fetch(e)
+        return self._take(packed)
+
+    def _to_host(self, t: torch.Tensor) -> _Offloaded:
+        if t.device.type != "cuda":  # CPU: no copy; another device: a plain synchronous one
+            return _Offloaded(t.device, t.detach() if t.device.type == "cpu" else t.detach().cpu())
+        out = _side_stream(t.device, "out")
+        out.wait_stream(torch.cuda.current_stream(t.device))  # t is written by then
+        with torch.cuda.stream(out):
+            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
+            host.copy_(t, non_blocking=self.pin)
+            stored = torch.cuda.Event()
+            stored.record(out)
+        t.record_stream(out)  # its block is not reused before the copy has read it
+        return _Offloaded(t.device, host, stored)
+
+    def _fetch(self, e: _Offloaded) -> None:
+        if e.stored is None:
+            e.pending = e.host if e.device.type == "cpu" else e.host.to(e.device)
+            return
+        back = _side_stream(e.device, "in")
+        back.wait_event(e.stored)  # the host copy is complete
+        with torch.cuda.stream(back):  # allocated on the side stream: no wait on compute
+            e.pending = e.host.to(e.device, non_blocking=self.pin)
+            e.ready = torch.cuda.Event()
+            e.ready.record(back)
+
+    def _take(self, e: _Offloaded) -> torch.Tensor:
+        t, e.pending, e.used = e.pending, None, True
+        assert t is not None
+        if e.ready is not None:
+            current = torch.cuda.current_stream(e.device)
+            current.wait_event(e.ready)
+            t.record_stream(current)  # the side stream does not reuse it while compute reads it
+            e.ready = None
+        return t
 
 
 @contextlib.contextmanager
 def offload_activations(
-    stats: OffloadStats | None = None, pin_memory: bool = True
+    stats: OffloadStats | None = None,
+    pin_memory: bool = True,
+    *,
+    params: Iterable[torch.Tensor] = (),
+    min_bytes: int | None = None,
+    prefetch: int = DEFAULT_PREFETCH,
 ) -> Iterator[OffloadStats]:
-    """Within the block, every tensor saved for backward is kept in host memory (pinned when a GPU is
-    present) and moved back to its device when backward unpacks it."""
+    """Within the block, activations saved for backward go to host memory (pinned when a GPU is
+    present) and come back when backward unpacks them, `prefetch` tensors ahead.
+
+    Stay where they are (counted in `stats` by reason): leaves that require grad (parameters, or
+    inputs the caller holds), their views and autocast dtype casts — a parameter lives anyway, so
+    moving it frees nothing, and a cast is weight-sized, not activation-sized, and cached by
+    autocast for the forward; `params` adds parameters that need no grad, which look like any other
+    leaf. Also tensors below `min_bytes` (None: `DEFAULT_MIN_BYTES` for device tensors, 0 on CPU)."""
     stats = stats if stats is not None else OffloadStats()
-    pin = pin_memory and torch.cuda.is_available()
-
-    def pack(t: torch.Tensor):
-        stats.tensors += 1
-        stats.bytes += t.numel() * t.element_size()
-        if t.device.type == "cpu":
-            return t.device, t
-        host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=pin)
-        host.copy_(t, non_blocking=pin)
-        return t.device, host
-
-    def unpack(packed):
-        device, t = packed
-        return t if t.device == device else t.to(device, non_blocking=True)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    hooks = _Offloader(stats, params, min_bytes, prefetch, pin_memory and torch.cuda.is_available())
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         yield stats
 
 

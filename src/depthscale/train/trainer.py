@@ -24,6 +24,7 @@ from depthscale.config import Config, ConfigError, to_toml
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import CheckpointError, TrainingError
+from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.parallelize import init_layout, parallelize
@@ -239,6 +240,8 @@ class Trainer:
                     return history
                 t0 = time.perf_counter()
                 metrics = self.train_step()
+                if not history:  # which AttnRes kernels the first step ran, once
+                    _print_kernel_paths()
                 self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
                 metrics |= self.throughput.rate()
                 history.append(metrics)
@@ -311,6 +314,14 @@ class Trainer:
             + (f"; the newest checkpoint is {latest}" if latest is not None else "")
             + ". Lower optim.lr, raise optim.warmup_steps or keep train.grad_clip > 0"
         )
+
+
+def _print_kernel_paths() -> None:
+    """One line naming the AttnRes read paths this rank took (fused Triton / CPU kernels, or the
+    PyTorch fallback with its reason): a silent fallback is how a slow bf16 run goes unnoticed."""
+    paths = kernel_paths(reasons=True)
+    if paths:
+        _print("AttnRes kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(paths.items())))
 
 
 def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
