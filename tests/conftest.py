@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+# Triton reads TRITON_INTERPRET once, when it is first imported, and torch modules some tests use
+# import it at collection time (torch._dynamo, CommDebugMode): choose the interpreter here, before
+# any test module is collected, so the Triton kernel tests run interpreted wherever there is no GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _intra_op_threads() -> int:
     """$OMP_NUM_THREADS when set (a stress run varies it: 1, 2, 4, and thread counts change how some
