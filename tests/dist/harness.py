@@ -69,6 +69,22 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     destroy_distributed()
 
 
+def small_config(residual: str, dims_kw: dict, batch: int = 4, seq: int = 16, vocab: int = 64):
+    """A `Config` for the layout tests: 4 layers, d = 32, 4 heads (2 KV), `batch` sequences of
+    `seq` tokens per step in one-row micro-batches, AttnRes in 2 blocks, the layout in `dims_kw`
+    (ParallelConfig fields)."""
+    from depthscale.config import Config
+
+    cfg = Config()
+    m = cfg.model
+    m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads = vocab, 32, 4, 4, 2
+    m.max_seq_len, m.residual, m.attnres_n_blocks = seq, residual, 2
+    cfg.train.batch_size, cfg.train.micro_batch_size = batch, 1
+    for name, value in dims_kw.items():
+        setattr(cfg.parallel, name, value)
+    return cfg
+
+
 _MESHES: dict = {}
 
 

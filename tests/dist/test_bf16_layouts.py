@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from harness import cached_mesh
+from harness import cached_mesh, small_config
 
 from depthscale.config import Config
 from depthscale.model.transformer import Transformer
@@ -38,22 +38,9 @@ U_BF16 = 2.0**-8
 
 
 def _config(residual: str, dims_kw: dict) -> Config:
-    cfg = Config()
-    m = cfg.model
-    m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.max_seq_len = (
-        VOCAB,
-        32,
-        4,
-        4,
-        2,
-        SEQ,
-    )
-    m.residual, m.attnres_n_blocks = residual, 2
-    cfg.train.batch_size, cfg.train.micro_batch_size = BATCH, 1
+    cfg = small_config(residual, dims_kw, BATCH, SEQ, VOCAB)
     cfg.train.dtype = "bfloat16"
     cfg.optim.lr, cfg.optim.weight_decay = 1e-2, 0.0
-    for name, value in dims_kw.items():
-        setattr(cfg.parallel, name, value)
     return cfg
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import cached_mesh
+from harness import cached_mesh, small_config
 from torch.distributed.tensor import DTensor
 
 from depthscale.config import Config
@@ -19,21 +19,9 @@ BATCH, SEQ, VOCAB = 4, 16, 64
 
 
 def _config(residual: str, dims_kw: dict, offload: bool) -> Config:
-    cfg = Config()
-    m = cfg.model
-    m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.max_seq_len = (
-        VOCAB,
-        32,
-        4,
-        4,
-        2,
-        SEQ,
-    )
-    m.residual, m.attnres_n_blocks, m.tie_embeddings = residual, 2, True
-    cfg.train.batch_size, cfg.train.micro_batch_size = BATCH, 1
+    cfg = small_config(residual, dims_kw, BATCH, SEQ, VOCAB)
+    cfg.model.tie_embeddings = True
     cfg.train.offload_params = offload
-    for name, value in dims_kw.items():
-        setattr(cfg.parallel, name, value)
     return cfg
 
 
