@@ -164,10 +164,12 @@ class TrainConfig:
     run_dir: str = "runs/{name}"
     name: str = "tiny"
     deterministic: bool = False
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation per layer. selective: attention and MLP internals are re-run in
-    backward, each sublayer's input (so the AttnRes read) stays saved; full: only each layer's input
-    depth state stays, the whole layer is re-run."""
+    recompute: Literal["none", "selective", "sublayer", "full"] = "none"
+    """Activation recomputation per layer (`model/recompute.py`). selective: op-level — GEMM and
+    attention outputs stay saved, the memory-bound ops between them (norms, RoPE, activations,
+    AttnRes reads) are re-run in backward; sublayer: attention and MLP bodies are re-run, each
+    sublayer's input (so the AttnRes read) stays saved; full: only each layer's input depth state
+    stays, the whole layer is re-run. `benchmarks/recompute.py` measures what each keeps."""
     offload_params: bool = False
     """FSDP2 CPU offload (needs parallel.dp_shard × cp > 1, tp = pp = 1): sharded parameters, gradients and optimizer
     states live in host memory and the optimizer steps there; each unit's shard is copied to the
@@ -370,6 +372,19 @@ class Config:
                 f"train.offload_params=true is for data and context parallelism (ZeRO-3 / HSDP "
                 f"over dp_shard × cp), but parallel.tp={p.tp}, pp={p.pp}; allowed: tp = pp = 1, "
                 "or train.offload_params=false"
+            )
+        if t.offload_activations and t.recompute == "selective":
+            raise ConfigError(
+                "train.offload_activations=true with train.recompute='selective': what selective "
+                "recompute keeps (GEMM and attention outputs) lives in the recompute cache, which "
+                "offload cannot move; allowed with offload: recompute 'none', 'sublayer' or 'full'"
+            )
+        if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
+            raise ConfigError(
+                f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "
+                f"chunks of each rank's sequence shard, each gathered in "
+                f"parallel.tp_overlap_chunks={p.tp_overlap_chunks} pieces; allowed: a multiple of "
+                f"{p.tp_overlap_chunks}, or 0"
             )
         dp = self.dp_degree
         if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):

@@ -23,7 +23,7 @@ from depthscale.parallel.pipeline.stage import (
     sync_tied_grads,
     tied_embedding_ranks,
 )
-from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
+from depthscale.train.memory import OffloadStats, offload_activations
 from tolerances import check, fp32_model_bound, scaled_err
 
 MICRO, SEQ = 4, 16
@@ -88,7 +88,7 @@ def _pipeline_parity(
     runtime = PipelineRuntime(
         stages, build_schedule(schedule, world, virtual, MICRO), dist.group.WORLD, depth_cache
     )
-    apply_recompute(model, recompute)
+    model.set_recompute(recompute)
     if offload is not None:
         runtime.forward_context = lambda: offload_activations(offload)
     loss, stats = runtime.step(
@@ -203,13 +203,15 @@ def _pipeline_memory(residual, virtual, recompute):
 
 @pytest.mark.parametrize("residual,virtual", [("block", 2), ("full", 1), ("standard", 2)])
 def test_recompute_and_offload_under_pipeline(dist_pool, residual, virtual):
-    """Selective/full recompute and activation offload of in-flight micro-batches: same loss and
-    gradients as one process; the bytes kept for backward (all offloaded, so all counted) fall
-    from none to selective to full on every rank."""
+    """Recompute (every mode) and activation offload of in-flight micro-batches: same loss and
+    gradients as one process. The bytes autograd saves through its hooks (all offloaded, so all
+    counted) fall from none to sublayer to full on every rank. Under `selective` the kept GEMM
+    outputs live in the recompute cache, which saved-tensor hooks never see, so offload moves only
+    what is saved outside the layers (the config refuses the pair)."""
     offloaded = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "sublayer", "full", "selective"):
         results = dist_pool(2).run(_pipeline_memory, residual, virtual, mode)
         _check_parity(results, residual, 4)
         offloaded[mode] = [r[3] for r in results]
-    for none, sel, full in zip(*offloaded.values()):
+    for none, sel, full, _ in zip(*offloaded.values()):
         assert none > sel > full > 0, offloaded

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from depthscale.config import ModelConfig
 from depthscale.errors import ConfigError
-from depthscale.model.transformer import Transformer, cross_entropy
+from depthscale.model.transformer import Transformer, TransformerBlock, cross_entropy
 from depthscale.parallel.loss import TokenLoss, vocab_parallel_cross_entropy
 from depthscale.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -25,7 +25,7 @@ from depthscale.parallel.tensor_parallel import (
     tp_sync_replicated_grads,
 )
 from depthscale.parallel.tp_comm import comm_counter
-from depthscale.train.memory import apply_recompute, saved_activation_bytes
+from depthscale.train.memory import saved_activation_bytes
 from tolerances import check, copy_params_, fp32_model_bound
 
 TP = 2
@@ -114,9 +114,13 @@ def _parity(
     cfg = _cfg(**cfg_kw)
     ref, tpm = _build(cfg, dtype), _build(cfg, dtype)
     apply_tensor_parallel(tpm, _tp_mesh(), chunks=chunks)
-    apply_recompute(tpm, recompute)
+    tpm.set_recompute(recompute)
     assert list(tpm.state_dict()) == list(ref.state_dict())
     assert isinstance(tpm.layers["0"].attention.wq.weight, DTensor)
+    # one model: tp changes no class and installs its collectives through the projections seam
+    assert type(tpm) is Transformer
+    assert all(type(block) is TransformerBlock for block in tpm.layers.values())
+    assert f"projections=sequence_parallel(tp={TP}, chunks={chunks})" in repr(tpm)
     tokens, labels = _batch()
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
     opt_tp = torch.optim.SGD(tpm.parameters(), lr=LR)
@@ -150,9 +154,18 @@ def _parity(
 def _expected_collectives(cfg: ModelConfig, chunks: int, recompute: str) -> dict:
     """Selective recompute re-runs each sublayer's forward collectives in backward."""
     counts = collectives_per_step(cfg, chunks)
-    if recompute == "selective":
+    if recompute != "none":
         counts["all_gather"] += chunks * cfg.n_sublayers
         counts["reduce_scatter"] += chunks * cfg.n_sublayers
+    pieces = -(-(T // TP) // cfg.ffn_chunk_size) if cfg.ffn_chunk_size else 1
+    if pieces > 1 and not cfg.parallel_block:
+        # a blockwise MLP gathers / scatters once per piece of the sequence shard (forward and
+        # backward), and its checkpointed pieces replay their forward in backward. Unfused
+        # (chunks = 1) the replay stops once the saved tensors are back (checkpoint's early stop),
+        # before the reduce-scatter; the fused chunked operator replays it with its GEMM.
+        counts["all_gather"] += (3 * pieces - 2) * chunks * cfg.n_layers
+        replayed = pieces if chunks > 1 else 0
+        counts["reduce_scatter"] += (2 * pieces - 2 + replayed) * chunks * cfg.n_layers
     return counts
 
 
@@ -192,6 +205,7 @@ CASES = {
     "block-parallel-gqa": dict(
         residual="block", attnres_n_blocks=2, parallel_block=True, n_kv_heads=2
     ),
+    "block-blockwise-ffn": dict(residual="block", attnres_n_blocks=2, ffn_chunk_size=4),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
@@ -203,7 +217,8 @@ def test_tp_matches_single_process(dist_pool, case, dtype):
 
 
 @pytest.mark.parametrize(
-    ("case", "chunks"), [("block", 2), ("block-parallel-gqa", 4), ("standard-gqa", 4)]
+    ("case", "chunks"),
+    [("block", 2), ("block-parallel-gqa", 4), ("standard-gqa", 4), ("block-blockwise-ffn", 2)],
 )
 def test_chunked_overlap_matches_single_process(dist_pool, case, chunks):
     _check(
@@ -425,7 +440,7 @@ def _selective_saves_less(cfg_kw: dict) -> dict:
     for mode in ("none", "selective"):
         m = _build(cfg)
         apply_tensor_parallel(m, _tp_mesh())
-        apply_recompute(m, mode)
+        m.set_recompute(mode)
         params = [p.to_local() if isinstance(p, DTensor) else p for p in m.parameters()]
         saved[mode] = saved_activation_bytes(lambda m=m: m(tokens), params)
     return saved

@@ -287,3 +287,28 @@ def test_bf16_two_phase_reads_save_no_fp32_activations(residual, cpu_kernels):
 
     attnres = Transformer(cfg(residual=residual, attnres_block_size=2))
     assert saved_fp32_activations(attnres) == saved_fp32_activations(Transformer(cfg()))
+
+
+@pytest.mark.parametrize("read", ["reference", "efficient", "two_phase"])
+def test_depth_reads_leave_their_argument_unchanged(read):
+    """`h, state = res.read(state)`: a read hands its memo and aliases on in the state it returns;
+    the state it was given keeps its blocks, partial sum and memo, so reading it again (recompute,
+    a pipeline cache, a second consumer) gives the same input."""
+    model = Transformer(cfg(residual="block", attnres_block_size=3, attnres_read=read))
+    with torch.no_grad():
+        for layer in model.layers.values():
+            for res in layer.residuals():
+                res.pseudo_query.normal_()
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(2, 5, 32, generator=g) for _ in range(2)]
+    state = DepthState(list(blocks), torch.randn(2, 5, 32, generator=g))
+    before = (list(state.blocks), state.partial, state.inter)
+    res = model.layers["1"].residuals()[0]  # a sublayer inside a block, with a partial sum
+    h1, new = res.read(state)
+    assert (list(state.blocks), state.partial, state.inter) == before
+    assert all(a is b for a, b in zip(state.blocks, before[0], strict=True))
+    h2, _ = res.read(state)
+    torch.testing.assert_close(h1, h2, atol=0, rtol=0)
+    assert isinstance(new, DepthState)
+    if read == "two_phase":
+        assert new.inter is not None and state.inter is None

@@ -101,7 +101,7 @@ def test_toml_round_trip(tmp_path):
         (
             "",
             ["--train.recompute", "some"],
-            r"train.recompute: 'some' is not allowed; allowed: 'none', 'selective', 'full'",
+            r"train.recompute: 'some' is not allowed; allowed: 'none', 'selective', 'sublayer', 'full'",
         ),
         (
             "",

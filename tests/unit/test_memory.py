@@ -14,8 +14,8 @@ from depthscale.train.memory import (
     OffloadStats,
     _Offloaded,
     _PackOrder,
-    apply_recompute,
     offload_activations,
+    retained_bytes,
     saved_activation_bytes,
 )
 
@@ -33,39 +33,59 @@ def _model(residual, recompute):
         attnres_block_size=3,
     )
     model = Transformer(cfg)
-    apply_recompute(model, recompute)
+    model.set_recompute(recompute)
     return model
-
-
-def _saved_bytes(model, tokens):
-    losses = []
-    saved = saved_activation_bytes(
-        lambda: losses.append(cross_entropy(model(tokens), tokens)), list(model.parameters())
-    )
-    return losses[0], saved
 
 
 @pytest.mark.parametrize("residual", ["standard", "full", "block"])
 def test_recompute_is_exact_and_saves_memory(residual):
+    """Every mode gives bitwise the loss and gradients of `none`, and keeps less for backward, in
+    the order of what it recomputes: selective (the ops between GEMMs) < sublayer (whole bodies) <
+    full (whole layers, reads included). Bytes are everything the forward left allocated."""
     tokens = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(3))
     results = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "sublayer", "full"):
         model = _model(residual, mode)
-        loss, saved = _saved_bytes(model, tokens)
-        loss.backward()
+        kept = []
+        held = retained_bytes(lambda m=model, k=kept: k.append(cross_entropy(m(tokens), tokens)))
+        kept[0].backward()
         results[mode] = (
-            loss.item(),
+            kept[0].item(),
             {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
-            saved,
+            held,
         )
-    base_loss, base_grads, base_saved = results["none"]
-    for mode in ("selective", "full"):
+    base_loss, base_grads, base_held = results["none"]
+    for mode in ("selective", "sublayer", "full"):
         loss, grads, _ = results[mode]
         assert loss == base_loss
         assert grads.keys() == base_grads.keys()
         for name, g in base_grads.items():
             torch.testing.assert_close(grads[name], g, atol=0, rtol=0, msg=f"{mode}: {name}")
-    assert results["full"][2] < results["selective"][2] < base_saved
+    held = {mode: r[2] for mode, r in results.items()}
+    assert held["full"] < held["sublayer"] < held["selective"] < 0.8 * held["none"], held
+
+
+def test_recompute_is_part_of_the_layer():
+    """Set on the model before any wrapper, shown by print(model), and a bad mode is refused."""
+    model = _model("block", "selective")
+    assert all(layer.recompute == "selective" for layer in model.layers.values())
+    assert "recompute=selective" in repr(model)
+    assert type(model.layers["0"]).forward is type(model.layers["0"]).__dict__["forward"]
+    assert "forward" not in vars(model.layers["0"])  # no instance patch
+    with pytest.raises(ValueError, match="allowed: 'none', 'selective', 'sublayer', 'full'"):
+        model.set_recompute("some")
+
+
+def test_retained_bytes_counts_what_is_left_allocated():
+    kept = []
+
+    def fn():
+        a = torch.ones(1000, 250)  # 1 MB, kept
+        b = torch.ones(500, 250)  # 0.5 MB, freed
+        kept.append(a * 2)  # 1 MB, kept
+        del a, b
+
+    assert retained_bytes(fn) == 1_000_000
 
 
 def _grads(model):

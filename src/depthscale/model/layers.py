@@ -9,7 +9,7 @@ module knowing its local head count.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +130,33 @@ def sdpa_attention(
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, int], Tensor]
 
 
+class Projections:
+    """How a sublayer applies its linear projections: `column` maps one input through a group of
+    linears that read it (q, k, v; gate, up), `row` sums the outputs of the linears that write the
+    sublayer's result (wo; w_down; both in the parallel block). Here each is a plain linear.
+
+    This is the one seam a layout changes to shard the projections: tensor parallelism installs
+    `parallel.tensor_parallel.SequenceParallelProjections`, which gathers the sequence once per
+    column group and reduce-scatters the summed row outputs, overlapped with the GEMMs. The block,
+    attention and MLP code stays the same."""
+
+    def column(self, x: Tensor, linears: Sequence[nn.Module]) -> list[Tensor]:
+        return [linear(x) for linear in linears]
+
+    def row(self, ys: Sequence[Tensor], linears: Sequence[nn.Module]) -> Tensor:
+        out = linears[0](ys[0])
+        for y, linear in zip(ys[1:], linears[1:], strict=True):
+            out = out + linear(y)
+        return out
+
+    def __repr__(self) -> str:
+        return "local"
+
+
+LOCAL = Projections()
+"""The single-process projections (stateless, shared)."""
+
+
 class KVCache(nn.Module):
     """Preallocated keys and values of one attention layer, for incremental decoding."""
 
@@ -180,9 +207,10 @@ class Attention(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        proj: Projections = LOCAL,
     ) -> Tensor:
-        y = self.attend(self.wq(x), self.wk(x), self.wv(x), cos, sin, positions, cache, start)
-        return self.wo(y)
+        q, k, v = proj.column(x, (self.wq, self.wk, self.wv))
+        return proj.row((self.attend(q, k, v, cos, sin, positions, cache, start),), (self.wo,))
 
     def attend(
         self,
@@ -223,15 +251,20 @@ class SwiGLU(nn.Module):
         self.w_up = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.w_down = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
-    def mlp(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+    @staticmethod
+    def activation(gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
 
-    def forward(self, x: Tensor) -> Tensor:
+    def mlp(self, x: Tensor, proj: Projections = LOCAL) -> Tensor:
+        gate, up = proj.column(x, (self.w_gate, self.w_up))
+        return proj.row((self.activation(gate, up),), (self.w_down,))
+
+    def forward(self, x: Tensor, proj: Projections = LOCAL) -> Tensor:
         if self.chunk_size <= 0 or x.dim() < 2 or x.shape[-2] <= self.chunk_size:
-            return self.mlp(x)
+            return self.mlp(x, proj)
         chunks = x.split(self.chunk_size, dim=-2)
         if torch.is_grad_enabled() and (x.requires_grad or self.w_up.weight.requires_grad):
-            outs = [checkpoint(self.mlp, c, use_reentrant=False) for c in chunks]
+            outs = [checkpoint(self.mlp, c, proj, use_reentrant=False) for c in chunks]
         else:
-            outs = [self.mlp(c) for c in chunks]
+            outs = [self.mlp(c, proj) for c in chunks]
         return torch.cat(outs, dim=-2)

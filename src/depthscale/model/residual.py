@@ -1,6 +1,8 @@
 """The residual stream as one object, the depth state, read and written by every sublayer.
 
-A sublayer does `h = res.read(state)`, `y = f(norm(h))`, `state = res.write(state, y)`.
+A sublayer does `h, state = res.read(state)`, `y = f(norm(h))`, `state = res.write(state, y)`. Both
+return a new state and leave their argument as it was: what a read hands on (the two-phase memo, the
+aliases below) is in the state it returns, never a side effect.
 
 - standard (PreNorm): the state is the hidden tensor; read returns it, write adds y.
 - Block AttnRes: the state is the completed sources `blocks = [b_0 (embedding), b_1, ...]` plus the
@@ -12,8 +14,8 @@ A sublayer does `h = res.read(state)`, `y = f(norm(h))`, `state = res.write(stat
 Reads come in three exact implementations (`model.attnres_read`): the plain-autograd reference, the
 memory-efficient one, and the paper's two-phase computation, where the first sublayer of a block reads
 the completed blocks once for all queries of the block (phase 1) and every sublayer merges that result
-with the running partial sum (phase 2). Phase-1 results ride along in `DepthState.inter`, and these
-reads hand the blocks and the partial sum on as aliases, so that each block's gradients are summed
+with the running partial sum (phase 2). Phase-1 results ride along in the returned state's `inter`,
+and these reads hand the blocks and the partial sum on as aliases, so that each block's gradients are summed
 inside the reads' backward (one pass) instead of in autograd's buffers (see `attnres_ops`).
 
 Pipeline stages send and receive `DepthState`s (blocks and partial only); nothing inside attention or
@@ -47,8 +49,8 @@ class DepthState:
     partial: Tensor | None = None
     inter: InterBlock | None = None
     """Two-phase memo: phase-1 results for the remaining sublayers of the current block."""
-    # A two-phase read also replaces `blocks` / `partial` by aliases (same values and storage) that
-    # its backward accumulates gradients through (`attnres_ops.inter_block_read_chained`).
+    # The state a two-phase read returns holds aliases of `blocks` / `partial` (same values and
+    # storage) that its backward accumulates gradients through (`attnres_ops.inter_block_read_chained`).
 
     @property
     def seq_len(self) -> int:
@@ -98,8 +100,8 @@ def block_assignment(cfg: ModelConfig) -> list[int]:
 class StandardResidual(nn.Module):
     """PreNorm residual: x_{l+1} = x_l + f(norm(x_l))."""
 
-    def read(self, state: DepthState) -> Tensor:
-        return state.partial
+    def read(self, state: DepthState) -> tuple[Tensor, DepthState]:
+        return state.partial, state
 
     def write(self, state: DepthState, y: Tensor) -> DepthState:
         return DepthState(state.blocks, state.partial + y)
@@ -131,30 +133,31 @@ class AttnResidual(nn.Module):
     def query(self) -> Tensor:
         return self.pseudo_query if self.key_norm is None else self.pseudo_query * self.key_norm
 
-    def read(self, state: DepthState) -> Tensor:
+    def read(self, state: DepthState) -> tuple[Tensor, DepthState]:
+        """This sublayer's input and the state to carry on (the argument is left as it was)."""
         if self.read_impl == "reference":
-            return depth_read(state.sources(), self.pseudo_query, self.key_norm, self.eps)
+            return depth_read(state.sources(), self.pseudo_query, self.key_norm, self.eps), state
         if self.read_impl == "efficient":
-            return depth_read_efficient(state.sources(), self.pseudo_query, self.key_norm, self.eps)
+            h = depth_read_efficient(state.sources(), self.pseudo_query, self.key_norm, self.eps)
+            return h, state
         return self._two_phase_read(state)
 
-    def _two_phase_read(self, state: DepthState) -> Tensor:
-        inter = state.inter
+    def _two_phase_read(self, state: DepthState) -> tuple[Tensor, DepthState]:
+        blocks, partial, inter = state.blocks, state.partial, state.inter
         slot = inter.slot(self) if inter is not None else None
         if (
             slot is None
         ):  # first sublayer of the block here: phase 1 for it and the rest of the block
             members = self.group[next(i for i, m in enumerate(self.group) if m is self) :]
             queries = torch.stack([m.query() for m in members])
-            out, lse, state.blocks = inter_block_read_chained(state.blocks, queries, self.eps)
-            state.inter = inter = InterBlock(members, out, lse)
-            slot = 0
-        if state.partial is None:
-            return inter.out[slot]  # already in the blocks' dtype
-        h, state.partial = merge_partial_chained(
-            inter.out[slot], inter.lse[slot], state.partial, self.query(), self.eps
+            out, lse, blocks = inter_block_read_chained(blocks, queries, self.eps)
+            inter, slot = InterBlock(members, out, lse), 0
+        if partial is None:
+            return inter.out[slot], DepthState(blocks, None, inter)  # already in the blocks' dtype
+        h, partial = merge_partial_chained(
+            inter.out[slot], inter.lse[slot], partial, self.query(), self.eps
         )
-        return h
+        return h, DepthState(blocks, partial, inter)
 
     def write(self, state: DepthState, y: Tensor) -> DepthState:
         partial = y if state.partial is None else state.partial + y

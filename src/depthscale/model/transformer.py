@@ -12,17 +12,21 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from depthscale.config import ModelConfig
 from depthscale.model.init import fill_constant_, fill_seeded_
 from depthscale.model.layers import (
+    LOCAL,
     Attention,
     KVCache,
+    Projections,
     RMSNorm,
     RopeScaling,
     SwiGLU,
     rope_tables,
 )
+from depthscale.model.recompute import LAYER_MODES, RecomputeMode, check_mode, checkpoint_layer
 from depthscale.model.residual import (
     AttnResidual,
     DepthState,
@@ -35,7 +39,12 @@ from depthscale.model.residual import (
 
 class TransformerBlock(nn.Module):
     """Attention then MLP, each a sublayer reading and writing the depth state; or, as a MegaScale
-    parallel block, both reading the same normalized input as one sublayer with summed outputs."""
+    parallel block, both reading the same normalized input as one sublayer with summed outputs.
+
+    Two seams let layouts and memory policies change how it computes without a second forward:
+    `projections` (how the linear projections run: plain, or sharded by tensor parallelism) and
+    `recompute` (what backward recomputes instead of keeping: `model/recompute.py`). Both show in
+    `print(model)`."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -49,6 +58,8 @@ class TransformerBlock(nn.Module):
             self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.attention_residual = make_residual(cfg, 2 * layer_id)
             self.ffn_residual = make_residual(cfg, 2 * layer_id + 1)
+        self.projections: Projections = LOCAL
+        self.recompute: RecomputeMode = "none"
 
     def residuals(self) -> list[nn.Module]:
         """This layer's residual modules in sublayer order."""
@@ -63,18 +74,41 @@ class TransformerBlock(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
     ) -> DepthState:
-        """read → norm → sublayer → write, once per sublayer. The sublayer bodies are methods so
-        that a layout can replace how they compute (tensor parallelism) and a memory policy can
-        wrap them (selective recompute) without touching this sequence."""
+        if self.recompute in LAYER_MODES and torch.is_grad_enabled():
+            return checkpoint_layer(
+                self.sublayers, self.recompute, state, cos, sin, positions, cache, start
+            )
+        return self.sublayers(state, cos, sin, positions, cache, start)
+
+    def sublayers(
+        self,
+        state: DepthState,
+        cos: Tensor,
+        sin: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> DepthState:
+        """read → norm → sublayer → write, once per sublayer."""
+        body = self._body
         if self.parallel:
-            x = self.attention_norm(self.residual.read(state))
-            y = self.parallel_sublayer(x, cos, sin, positions, cache, start)
-            return self.residual.write(state, y)
-        x = self.attention_norm(self.attention_residual.read(state))
-        y = self.attention_sublayer(x, cos, sin, positions, cache, start)
+            h, state = self.residual.read(state)
+            x = self.attention_norm(h)
+            return self.residual.write(
+                state, body(self.parallel_sublayer, x, cos, sin, positions, cache, start)
+            )
+        h, state = self.attention_residual.read(state)
+        x = self.attention_norm(h)
+        y = body(self.attention_sublayer, x, cos, sin, positions, cache, start)
         state = self.attention_residual.write(state, y)
-        x = self.ffn_norm(self.ffn_residual.read(state))
-        return self.ffn_residual.write(state, self.mlp_sublayer(x))
+        h, state = self.ffn_residual.read(state)
+        return self.ffn_residual.write(state, body(self.mlp_sublayer, self.ffn_norm(h)))
+
+    def _body(self, sublayer, *args) -> Tensor:
+        """Run a sublayer body, checkpointed under `recompute = "sublayer"`."""
+        if self.recompute == "sublayer" and torch.is_grad_enabled():
+            return checkpoint(sublayer, *args, use_reentrant=False)
+        return sublayer(*args)
 
     def attention_sublayer(
         self,
@@ -85,10 +119,10 @@ class TransformerBlock(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
     ) -> Tensor:
-        return self.attention(x, cos, sin, positions, cache, start)
+        return self.attention(x, cos, sin, positions, cache, start, self.projections)
 
     def mlp_sublayer(self, x: Tensor) -> Tensor:
-        return self.feed_forward(x)
+        return self.feed_forward(x, self.projections)
 
     def parallel_sublayer(
         self,
@@ -99,8 +133,20 @@ class TransformerBlock(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
     ) -> Tensor:
-        """MegaScale's parallel block: attention and MLP on the same input, outputs summed."""
-        return self.attention(x, cos, sin, positions, cache, start) + self.feed_forward(x)
+        """MegaScale's parallel block: attention and MLP on the same input, outputs summed. Their
+        projections form one column group (q, k, v, gate, up) and one row sum (wo, w_down), so a
+        sharded layout gathers and scatters once for both. A blockwise MLP runs chunk by chunk on
+        its own instead (its memory saving is why it was asked for)."""
+        attn, mlp, proj = self.attention, self.feed_forward, self.projections
+        if mlp.chunk_size > 0:
+            return self.attention(x, cos, sin, positions, cache, start, proj) + mlp(x, proj)
+        cols = (attn.wq, attn.wk, attn.wv, mlp.w_gate, mlp.w_up)
+        q, k, v, gate, up = proj.column(x, cols)
+        ya = attn.attend(q, k, v, cos, sin, positions, cache, start)
+        return proj.row((ya, mlp.activation(gate, up)), (attn.wo, mlp.w_down))
+
+    def extra_repr(self) -> str:
+        return f"projections={self.projections!r}, recompute={self.recompute}"
 
 
 class Transformer(nn.Module):
@@ -121,8 +167,18 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, RopeScaling.of(cfg))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.seq_shards = 1
+        """The depth state holds 1/seq_shards of every sequence: sequence parallelism, whose
+        projections gather the whole sequence for attention (set by tensor parallelism)."""
         self.link_depth_groups()
         self.reset_parameters()
+
+    def set_recompute(self, mode: RecomputeMode) -> None:
+        """What backward recomputes in every layer (`model.recompute` modes). Set it before the
+        model is sharded or wrapped: it is part of the layer, not a patch applied afterwards."""
+        check_mode(mode)
+        for layer in self.layers.values():
+            layer.recompute = mode
 
     def link_depth_groups(self) -> None:
         """Group the AttnRes sublayers by block for two-phase reads (again after dropping layers)."""
@@ -178,9 +234,9 @@ class Transformer(nn.Module):
         return self.rope_cos[positions], self.rope_sin[positions]
 
     def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """RoPE tables for the layers that run on `state` (its tokens, or the given positions).
-        A layout that keeps a sequence shard in the depth state overrides this."""
-        return self.rope(positions, state.seq_len)
+        """RoPE tables for the layers that run on `state`: the given positions, or the whole
+        sequence (0..T-1; under sequence parallelism the state holds 1/seq_shards of it)."""
+        return self.rope(positions, state.seq_len * self.seq_shards)
 
     def embed(self, tokens: Tensor) -> DepthState:
         """The initial depth state. Under autocast it holds the compute dtype, like every sublayer
@@ -199,6 +255,10 @@ class Transformer(nn.Module):
         caches: list[KVCache] | None = None,
         start: int = 0,
     ) -> DepthState:
+        if caches is not None and self.seq_shards > 1:
+            raise NotImplementedError(
+                "KV-cache decoding is not sequence-parallel; generate with the single-process model"
+            )
         cos, sin = self.rope_for(state, positions)
         for i, layer in enumerate(self.layers.values()):
             cache = caches[i] if caches is not None else None
@@ -208,7 +268,7 @@ class Transformer(nn.Module):
     def head(self, state: DepthState) -> Tensor:
         """Final depth aggregation (AttnRes), final norm, LM head -> logits."""
         if isinstance(self.output_residual, AttnResidual):
-            h = self.output_residual.read(state)
+            h, _ = self.output_residual.read(state)
         else:
             h = state.partial
         return self.output(self.norm(h))

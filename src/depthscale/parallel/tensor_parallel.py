@@ -55,13 +55,14 @@ input [B, T, d] for the weight gradient (the fused operators do the same, so chu
 
 Limits: training/eval forward only (no KV caches); T must be divisible by tp and T/tp by chunks, the
 vocabulary by tp.
-Module code (`model/`) is untouched: blocks and the model have their class swapped to the sequence-
-parallel subclasses below, which override only the sublayer bodies (`TransformerBlock`'s seams, so
-recompute wraps them the same way) and embed/head; `nn.Linear`s become Column/RowParallelLinear.
+The model keeps its classes and its one forward: the linears become Column/RowParallelLinear, the
+embedding a VocabParallelEmbedding, and each block's `projections` seam the sequence-parallel one
+below; `model.seq_shards = tp` tells it that the depth state holds a sequence shard (for RoPE).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +74,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from depthscale.config import ModelConfig
 from depthscale.errors import ConfigError
-from depthscale.model.layers import KVCache
-from depthscale.model.residual import DepthState
-from depthscale.model.transformer import Transformer, TransformerBlock
+from depthscale.model.layers import Projections
+from depthscale.model.transformer import Transformer
 from depthscale.parallel.tp_comm import (
     all_gather_matmul,
     all_reduce_,
@@ -98,8 +98,8 @@ class TPContext:
 
 class ColumnParallelLinear(nn.Module):
     """Y = X·Wᵀ with W's output features sharded over tp (`weight`: DTensor Shard(0)). Called on its
-    own it takes the sequence shard and all-gathers it; blocks call `all_gather_matmul` on several of
-    these at once to share one gather."""
+    own (the LM head) it takes the sequence shard and all-gathers it; in the blocks,
+    `SequenceParallelProjections` runs a group of these behind one gather."""
 
     def __init__(
         self, linear: nn.Linear, ctx: TPContext, weight: nn.Parameter | None = None
@@ -140,6 +140,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """[B, T] → [B, T/tp, dim]: each rank looks up the tokens in its vocabulary slice (zeros for
         the others) and one reduce-scatter sums the slices and keeps this rank's tokens."""
+        check_seq_len(tokens.shape[1], self.tp.size, self.tp.chunks)
         weight = self.weight.to_local()
         local = tokens - self.tp.rank * weight.shape[0]
         mine = (local >= 0) & (local < weight.shape[0])
@@ -174,88 +175,25 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp.size} (Shard(1))"
 
 
-def _no_cache(cache) -> None:
-    if cache is not None:
-        raise NotImplementedError(
-            "tensor parallelism supports training/eval forward only; KV-cache decoding is not "
-            "sequence-parallel (generate with the single-process model)"
-        )
+class SequenceParallelProjections(Projections):
+    """The block's projections under tensor + sequence parallelism: a column group (q, k, v; gate,
+    up; all five in the parallel block) shares one all-gather of the sequence shard, and the row
+    outputs (wo; w_down) are summed before one reduce-scatter, each overlapped with its GEMMs when
+    `chunks` > 1. The linears are `ColumnParallelLinear` / `RowParallelLinear`."""
 
+    def __init__(self, ctx: TPContext) -> None:
+        self.tp = ctx
 
-class SequenceParallelBlock(TransformerBlock):
-    """A `TransformerBlock` whose depth state is sequence-sharded: its sublayers run tensor-parallel
-    between one all-gather and one reduce-scatter each (the parallel block shares one of each
-    between attention and MLP). The read → norm → sublayer → write sequence is the block's own."""
+    def column(self, x: Tensor, linears: Sequence[nn.Module]) -> list[Tensor]:
+        weights = [linear.local_weight() for linear in linears]
+        return all_gather_matmul(x, weights, self.tp.group, self.tp.chunks)
 
-    tp: TPContext
+    def row(self, ys: Sequence[Tensor], linears: Sequence[nn.Module]) -> Tensor:
+        weights = [linear.local_weight() for linear in linears]
+        return matmul_reduce_scatter(list(ys), weights, self.tp.group, self.tp.chunks)
 
-    def attention_sublayer(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        start: int = 0,
-    ) -> Tensor:
-        _no_cache(cache)
-        attn, g, k = self.attention, self.tp.group, self.tp.chunks
-        q, kk, v = all_gather_matmul(
-            x, [attn.wq.local_weight(), attn.wk.local_weight(), attn.wv.local_weight()], g, k
-        )
-        ya = attn.attend(q, kk, v, cos, sin, positions)
-        return matmul_reduce_scatter([ya], [attn.wo.local_weight()], g, k)
-
-    def mlp_sublayer(self, x: Tensor) -> Tensor:
-        mlp, g, k = self.feed_forward, self.tp.group, self.tp.chunks
-        gate, up = all_gather_matmul(x, [mlp.w_gate.local_weight(), mlp.w_up.local_weight()], g, k)
-        return matmul_reduce_scatter([F.silu(gate) * up], [mlp.w_down.local_weight()], g, k)
-
-    def parallel_sublayer(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        start: int = 0,
-    ) -> Tensor:
-        _no_cache(cache)
-        attn, mlp, g, k = self.attention, self.feed_forward, self.tp.group, self.tp.chunks
-        cols = [getattr(attn, n) for n in COLUMN[:3]] + [mlp.w_gate, mlp.w_up]
-        q, kk, v, gate, up = all_gather_matmul(x, [m.local_weight() for m in cols], g, k)
-        ya = attn.attend(q, kk, v, cos, sin, positions)
-        ym = F.silu(gate) * up
-        return matmul_reduce_scatter(
-            [ya, ym], [attn.wo.local_weight(), mlp.w_down.local_weight()], g, k
-        )
-
-
-class SequenceParallelTransformer(Transformer):
-    """A `Transformer` whose embed keeps this rank's sequence shard, whose layers see RoPE tables of
-    the full sequence (`rope_for`), and whose head returns this rank's vocabulary slice of the
-    logits, [B, T, V/tp] (the loss is vocabulary-parallel: `loss.TokenLoss`). Pipeline stages call
-    these same methods, so tp composes with pp."""
-
-    tp: TPContext
-
-    def embed(self, tokens: Tensor) -> DepthState:
-        check_seq_len(tokens.shape[1], self.tp.size, self.tp.chunks)
-        return super().embed(tokens)
-
-    def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Tables for the full sequence: the layers gather it for attention."""
-        return self.rope(positions, state.seq_len * self.tp.size)
-
-    def run_layers(
-        self,
-        state: DepthState,
-        positions: Tensor | None = None,
-        caches: list[KVCache] | None = None,
-        start: int = 0,
-    ) -> DepthState:
-        _no_cache(caches)
-        return super().run_layers(state, positions)
+    def __repr__(self) -> str:
+        return f"sequence_parallel(tp={self.tp.size}, chunks={self.tp.chunks})"
 
 
 def check_seq_len(seq_len: int, tp: int, chunks: int) -> None:
@@ -311,8 +249,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, chunks: int =
                     setattr(parent, name, ColumnParallelLinear(child, ctx))
                 elif name in ROW:
                     setattr(parent, name, RowParallelLinear(child, ctx))
-        block.__class__ = SequenceParallelBlock
-        block.tp = ctx
+        block.projections = SequenceParallelProjections(ctx)
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, ctx)
     if model.output is not None:
@@ -320,7 +257,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, chunks: int =
         if model.cfg.tie_embeddings and model.tok_embeddings is not None:
             tied = model.tok_embeddings.weight
         model.output = ColumnParallelLinear(model.output, ctx, weight=tied)
-    model.__class__ = SequenceParallelTransformer
+    model.seq_shards = tp
     model.tp = ctx
     model._tp_replicated = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
 

@@ -1,18 +1,12 @@
-"""Activation memory: recomputation and offloading, applied to a model from outside.
+"""Activation memory: offloading saved activations to host memory, and measuring what is kept.
 
-- `selective` recompute re-runs each sublayer's body (attention or MLP: projections, SDPA, the
-  SwiGLU hidden state; under tensor parallelism their collectives too) in backward, but keeps its
-  input: the depth read's sources and the normalized read stay saved, so the AttnRes read itself is
-  never recomputed. It wraps the block's sublayer seams (`attention_sublayer`, `mlp_sublayer`,
-  `parallel_sublayer`), which every layout's block runs through.
-- `full` recompute keeps only each layer's input depth state (the blocks and the partial sum, which
-  live anyway) and re-runs the whole layer, depth reads included, in backward.
-- Offloading moves the activations autograd saves for backward to host memory while a microbatch
-  waits for its backward (pipeline in-flight microbatches) and brings them back ahead of use, both
-  copies on side CUDA streams. Parameters (and their casts) and tiny tensors stay. On a CPU-only
-  run the copy is a no-op, but the classification, ordering and byte accounting are the same.
+Recomputation is a seam of the layer itself (`model/recompute.py`, `Transformer.set_recompute`),
+set before the model is sharded.
 
-Modules are patched through their instance `forward`, so parameter names and checkpoints are unchanged.
+Offloading moves the activations autograd saves for backward to host memory while a microbatch
+waits for its backward (pipeline in-flight microbatches) and brings them back ahead of use, both
+copies on side CUDA streams. Parameters (and their casts) and tiny tensors stay. On a CPU-only run
+the copy is a no-op, but the classification, ordering and byte accounting are the same.
 """
 
 from __future__ import annotations
@@ -23,55 +17,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from depthscale.model.residual import DepthState
-from depthscale.model.transformer import Transformer
-
-
-def _checkpointed(forward):
-    def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
-
-
-def _layer_checkpointed(layer: nn.Module):
-    """Checkpoint a whole layer. The depth state is rebuilt inside the region, so the two-phase memo
-    a read stores on its input state is recomputed too, never reused from the first forward."""
-    forward = layer.forward
-
-    def inner(blocks, partial, inter, *args, **kwargs):
-        return forward(DepthState(list(blocks), partial, inter), *args, **kwargs)
-
-    def run(state: DepthState, *args, **kwargs):
-        return checkpoint(
-            inner,
-            tuple(state.blocks),
-            state.partial,
-            state.inter,
-            *args,
-            use_reentrant=False,
-            **kwargs,
-        )
-
-    return run
-
-
-def apply_recompute(model: Transformer, mode: str) -> None:
-    """mode: 'none' | 'selective' | 'full' (per layer)."""
-    if mode == "none":
-        return
-    if mode not in ("selective", "full"):
-        raise ValueError(f"recompute mode {mode!r}; allowed: 'none', 'selective', 'full'")
-    for layer in model.layers.values():
-        if mode == "full":
-            layer.forward = _layer_checkpointed(layer)
-        else:
-            for name in ("attention_sublayer", "mlp_sublayer", "parallel_sublayer"):
-                setattr(layer, name, _checkpointed(getattr(layer, name)))
-
 
 DEFAULT_MIN_BYTES = 64 * 1024
 """Saved device tensors smaller than this stay on the device. Each offloaded tensor costs a pinned
@@ -316,3 +261,15 @@ def saved_activation_bytes(fn: Callable[[], object], params: list[torch.Tensor])
         out = fn()
     del out
     return sum(seen.values())
+
+
+def retained_bytes(fn: Callable[[], object]) -> int:
+    """Bytes allocated on the CPU while running fn() and still allocated when it returns — with a
+    forward pass whose output fn keeps, everything autograd keeps for backward, whichever way it
+    keeps it (saved tensors, recompute caches, checkpoint inputs). Read from the profiler's memory
+    events, so it is exact and needs no allocator statistic (CPU has none)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.self_cpu_memory_usage for e in prof.events())

@@ -31,7 +31,7 @@ from depthscale.parallel.parallelize import init_layout, parallelize
 from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.faults import maybe_inject_fault
 from depthscale.train.host import keep_freed_host_memory
-from depthscale.train.memory import OffloadStats, apply_recompute, offload_activations
+from depthscale.train.memory import OffloadStats, offload_activations
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
 from depthscale.train.stop import StopSignals
@@ -79,12 +79,10 @@ class Trainer:
         # and initialises only its own shards (the values one process would draw).
         with torch.device("meta"):
             self.model = Transformer(cfg.model)
+        self.model.set_recompute(cfg.train.recompute)  # part of the layers: before sharding
         self.plan = parallelize(
             self.model, self.layout.mesh, self.layout.dims, cfg, device=self.device
         )
-        apply_recompute(
-            self.model, cfg.train.recompute
-        )  # after parallelize: it may swap block classes
         self.offload = OffloadStats() if cfg.train.offload_activations else None
         # static shapes: train and eval batches differ, and dynamic-shape tracing of the custom AttnRes
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
