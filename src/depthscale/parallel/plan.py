@@ -32,9 +32,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.model.transformer import Transformer
+from depthscale.parallel.data_parallel import average_replicated_grads, clip_grad_norm_
 from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.mesh import ParallelDims
+from depthscale.parallel.pipeline.pipeline import Pipeline
 from depthscale.parallel.sequence_layout import SequenceShard
+from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
 Forward = Callable[..., Tensor]
@@ -80,8 +83,6 @@ class ParallelPlan:
         )
         self.pipeline = None
         if stages:
-            from depthscale.parallel.pipeline.pipeline import Pipeline
-
             self.pipeline = Pipeline(model.cfg, mesh, stages, microbatches)
             for stage in stages:
                 stage.loss_fn = lambda logits, labels: self.loss(logits, labels)[0]
@@ -174,16 +175,12 @@ class ParallelPlan:
     def reduce_gradients(self) -> None:
         """What FSDP2 / DDP do not: once per optimizer step, after the last backward."""
         if self.replicated:
-            from depthscale.parallel.data_parallel import average_replicated_grads
-
             params = dict(self.model.named_parameters())
             grads = [params[name] for name in self.replicated]
             average_replicated_grads(grads, self.mesh["dp_cp"].get_group())
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads(self.model)
         if self.dims.tp > 1:  # norms / AttnRes queries saw only this rank's tokens
-            from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
-
             tp_sync_replicated_grads(self.model)
 
     def clip_gradients(self, max_norm: float) -> Tensor:
@@ -194,8 +191,6 @@ class ParallelPlan:
             if max_norm > 0:
                 return nn.utils.clip_grad_norm_(params, max_norm)
             return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
-        from depthscale.parallel.data_parallel import clip_grad_norm_
-
         across, excludes = None, []
         if self.pipeline is not None:  # stages hold different parameters
             across, excludes = self.pipeline.group, self.pipeline.counted_elsewhere(self.model)
