@@ -8,6 +8,10 @@ import torch
 # any test module is collected, so the Triton kernel tests run interpreted wherever there is no GPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Strict kernel dispatch for the whole suite, its worker processes and the CLI runs it starts: a read
+# that misses an available fused kernel raises instead of silently running the PyTorch ops
+# (depthscale/model/kernel_dispatch.py). Tests of the fallback itself turn it off locally.
+os.environ.setdefault("DEPTHSCALE_STRICT_KERNELS", "1")
 
 
 def _intra_op_threads() -> int:

@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
 from depthscale import kernels  # noqa: E402
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.attnres_ops import (  # noqa: E402
+    KernelFallbackError,
     depth_read,
     inter_block_read,
     inter_block_read_chained,
@@ -411,7 +412,8 @@ def test_cpu_dispatch_and_env_switch(cpu_ops, monkeypatch):
     with kernels.use_cpu_kernels(False):
         multi_query_read(sources, queries, EPS)
     multi_query_read([s.double() for s in sources], queries.double(), EPS)  # fp64: PyTorch
-    multi_query_read([sources[0], sources[1].bfloat16()], queries, EPS)  # mixed dtypes: PyTorch
+    with kernels.strict(False):  # a missed kernel: only outside strict mode
+        multi_query_read([sources[0], sources[1].bfloat16()], queries, EPS)  # mixed: PyTorch
 
     class Sharded(torch.Tensor):  # stands in for a DTensor query (tp + dp): no sharding rules
         pass
@@ -443,10 +445,12 @@ def test_failed_build_falls_back_once_with_a_warning(monkeypatch, caplog):
                       residual="block", attnres_block_size=2)  # fmt: skip
     model = Transformer(cfg)
     tokens = torch.randint(0, 61, (2, 7))
-    with caplog.at_level("WARNING", logger=attnres_cpu.__name__):
+    with caplog.at_level("WARNING", logger=attnres_cpu.__name__), kernels.strict(False):
         for _ in range(2):
             cross_entropy(model(tokens), tokens).backward()
     assert attempts == [name for name, _, _ in attnres_cpu.VARIANTS]  # tried once per process
+    with pytest.raises(KernelFallbackError, match="CPU kernels not built"):  # strict: refused
+        cross_entropy(model(tokens), tokens)
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "unrecognized option" in warnings[0].getMessage()
     assert all(p.grad is not None for n, p in model.named_parameters() if "layers.1" in n)
@@ -610,7 +614,7 @@ def test_kernel_paths_and_fallback_reasons_are_recorded_and_logged_once(cpu_ops,
     blocks, partial, queries, _ = bf16_case()
     mixed = [blocks[0].float(), *blocks[1:]]  # an fp32 embedding before bf16 blocks
     reset_kernel_paths()
-    with caplog.at_level("INFO", logger="depthscale.kernels"):
+    with caplog.at_level("INFO", logger="depthscale.kernels"), kernels.strict(False):
         for _ in range(2):
             two_phase("cpu", blocks, partial, queries)
         assert kernel_paths() == {"phase1": "cpu", "merge": "cpu"}
@@ -621,11 +625,13 @@ def test_kernel_paths_and_fallback_reasons_are_recorded_and_logged_once(cpu_ops,
     assert (
         kernel_paths(reasons=True)["phase1"] == "cpu+torch (mixed source dtypes float32/bfloat16)"
     )
-    messages = [r.getMessage() for r in caplog.records if r.name == "depthscale.kernels"]
-    assert messages == [
-        "AttnRes phase1 path: cpu",
-        "AttnRes merge path: cpu",
-        "AttnRes phase1 path: torch (mixed source dtypes float32/bfloat16)",
+    records = [
+        (r.levelname, r.getMessage()) for r in caplog.records if r.name == "depthscale.kernels"
+    ]
+    assert records == [  # once each; the missed kernel as a warning
+        ("INFO", "AttnRes phase1 path: cpu"),
+        ("INFO", "AttnRes merge path: cpu"),
+        ("WARNING", "AttnRes phase1 path: torch (mixed source dtypes float32/bfloat16)"),
     ]
 
     class Sharded(torch.Tensor):  # stands in for a DTensor query (tp + dp)
@@ -636,10 +642,33 @@ def test_kernel_paths_and_fallback_reasons_are_recorded_and_logged_once(cpu_ops,
     multi_query_read([b.double() for b in blocks], queries.double(), EPS)
     with kernels.use_cpu_kernels(False):
         merge_partial(out[1].bfloat16(), lse[1], partial, queries[1], EPS)
-    assert kernel_paths(reasons=True) == {
+    assert kernel_paths(reasons=True) == {  # fallbacks without a kernel: allowed in strict mode
         "read": "torch (Sharded query)+torch (float64 source)",
         "merge": "torch (use_cpu_kernels(False))",
     }
+
+
+def test_strict_mode_refuses_a_missed_kernel(cpu_ops):
+    """Strict (the suite's default): a read that could have run the CPU kernels but did not raises,
+    naming the read, the reason and how to turn it off; the same read falls back outside strict."""
+    blocks, partial, queries, _ = bf16_case()
+    mixed = [blocks[0].float(), *blocks[1:]]
+    with kernels.strict(True), pytest.raises(KernelFallbackError) as err:
+        two_phase("cpu", mixed, partial, queries)
+    message = str(err.value)
+    assert "AttnRes phase1 read" in message and "mixed source dtypes float32/bfloat16" in message
+    assert "DEPTHSCALE_STRICT_KERNELS=0" in message
+    with kernels.strict(False):
+        out, _, _ = two_phase("cpu", mixed, partial, queries)
+    assert out[0].dtype == torch.float32
+    with kernels.strict(True):  # float64 and explicit overrides are not misses
+        multi_query_read([b.double() for b in blocks], queries.double(), EPS)
+        with kernels.use_cpu_kernels(False):
+            multi_query_read(blocks, queries, EPS)
+
+
+def test_suite_runs_strict():
+    assert kernels.strict_mode(), "tests/conftest.py sets DEPTHSCALE_STRICT_KERNELS=1"
 
 
 def test_bf16_autocast_model_runs_the_fused_cpu_kernels(cpu_ops):

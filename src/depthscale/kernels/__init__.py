@@ -6,11 +6,13 @@ imports, and `attnres_cpu` (C++, built on first use) for CPU inputs when it buil
 `use_triton` / `use_cpu_kernels` override those choices: to test the Triton kernels on CPU under
 `TRITON_INTERPRET=1`, or to compare either with the PyTorch ops. DEPTHSCALE_CPU_KERNELS=0 turns
 the CPU kernels off for a whole process. `model.attnres_ops.kernel_paths()` says which path ran
-(and why the PyTorch ops did, where they did).
+(and why the PyTorch ops did, where they did). `strict` (or DEPTHSCALE_STRICT_KERNELS=1) makes a
+read that misses an available kernel raise instead of falling back (`model/kernel_dispatch.py`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -18,6 +20,26 @@ from typing import Any
 
 _override: bool | None = None
 _cpu_override: bool | None = None
+_strict: bool = os.environ.get("DEPTHSCALE_STRICT_KERNELS", "0") not in ("", "0")
+
+
+@contextmanager
+def strict(enabled: bool = True) -> Iterator[None]:
+    """Within the block, True: an AttnRes read that misses an available fused kernel (mixed dtypes,
+    a failed build, triton missing on CUDA, ...) raises `KernelFallbackError` instead of running
+    the PyTorch ops; False: it falls back (and logs a warning once). Outside any block the default
+    is DEPTHSCALE_STRICT_KERNELS (read at import; the test suite sets it to 1)."""
+    global _strict
+    previous, _strict = _strict, enabled
+    try:
+        yield
+    finally:
+        _strict = previous
+
+
+def strict_mode() -> bool:
+    """Whether a missed fused kernel raises here (`strict`)."""
+    return _strict
 
 
 @contextmanager

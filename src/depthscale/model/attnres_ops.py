@@ -21,9 +21,11 @@ Kernels: `multi_query_reads` and `merge_partial` run fused Triton kernels
 (`depthscale.kernels.attnres_cpu`, one pass over a token's sources, threads over tokens,
 deterministic) for fp32/bf16/fp16 CPU inputs when they build; otherwise, for float64 and under
 torch.compile, the PyTorch ops below. `kernels.use_triton` / `kernels.use_cpu_kernels` override the
-choice, DEPTHSCALE_CPU_KERNELS=0 disables the CPU kernels. `kernel_paths()` says which path each read
-type took; the first time a (read type, path, fallback reason) occurs it is logged at INFO to
-`depthscale.kernels` (a silent fallback, e.g. for sources of mixed dtypes, costs time and memory).
+choice, DEPTHSCALE_CPU_KERNELS=0 disables the CPU kernels. One rule picks the path
+(`kernel_dispatch.choose`); `kernel_paths()` says which path each read type took, the first time
+a (read type, path, fallback reason) occurs it is logged to `depthscale.kernels`, and strict mode
+raises where a read misses an available kernel (a silent fallback, e.g. for sources of mixed
+dtypes, costs time and memory).
 """
 
 from __future__ import annotations
@@ -33,13 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from depthscale.model.kernel_dispatch import (  # noqa: F401  (kernel_paths: public here too)
-    cpu_ops,
-    fallback_reason,
+from depthscale.model.kernel_dispatch import (  # noqa: F401  (public here too)
+    KernelFallbackError,
+    choose,
     kernel_paths,
     record,
     reset_kernel_paths,
-    triton_ops,
 )
 
 
@@ -267,17 +268,12 @@ class _MergePartial(torch.autograd.Function):
 def _reads(
     sources: list[Tensor], queries: Tensor, eps: float, chain: bool, kind: str
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    ops = triton_ops(sources, queries)
-    if ops is not None:  # no chaining: autograd accumulates the sources' gradients
-        record(kind, "triton")
+    path, ops = choose(kind, sources, queries)
+    if path == "triton":  # no chaining: autograd accumulates the sources' gradients
         out, lse = ops.triton_multi_query_read(sources, queries, eps)
         return list(out.unbind(0)), list(lse.unbind(0)), list(sources)
     w = _acc(queries).contiguous()
-    cpu = cpu_ops(sources, w)
-    if cpu is not None:
-        record(kind, "cpu")
-    else:
-        record(kind, "torch", fallback_reason(sources, w))
+    cpu = ops if path == "cpu" else None
     if not torch.is_grad_enabled():  # inference: nothing to save (and simpler for torch.compile)
         if cpu is not None:
             outs, lses, *_ = cpu.read_forward(_contiguous(sources), w, eps, False)
@@ -304,9 +300,8 @@ def multi_query_reads(
 def multi_query_read(sources: list[Tensor], queries: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """`multi_query_reads` stacked: outputs [S, B, T, d] and log-sum-exps [S, B, T] (tests and
     benchmarks compare implementations through this form)."""
-    ops = triton_ops(sources, queries)
-    if ops is not None:
-        record("read", "triton")
+    path, ops = choose("read", sources, queries)
+    if path == "triton":
         return ops.triton_multi_query_read(sources, queries, eps)
     outs, lses = multi_query_reads(sources, queries, eps)
     return torch.stack(outs), torch.stack(lses)
@@ -345,16 +340,11 @@ def inter_block_read_chained(
 def _merge(
     inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float, chain: bool
 ) -> tuple[Tensor, Tensor]:
-    ops = triton_ops([partial], inter_out, inter_lse, query)
-    if ops is not None:
-        record("merge", "triton")
+    path, ops = choose("merge", [partial], query, inter_lse, inter_out)
+    if path == "triton":
         return ops.triton_merge_partial(inter_out, inter_lse, partial, query, eps), partial
     w = _acc(query)
-    cpu = cpu_ops([partial], inter_lse, w, inter_out=inter_out)
-    if cpu is not None:
-        record("merge", "cpu")
-    else:
-        record("merge", "torch", fallback_reason([partial], w, inter_lse, inter_out))
+    cpu = ops if path == "cpu" else None
     if not torch.is_grad_enabled():
         if cpu is not None:
             h = cpu.merge_forward(

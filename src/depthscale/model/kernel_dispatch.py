@@ -1,20 +1,36 @@
 """Which implementation runs an AttnRes read, and a record of what ran.
 
-`triton_ops` / `cpu_ops` return the fused kernels' module when they apply to the given tensors
-(else None, and the read runs the PyTorch ops in `attnres_ops`); every read records the path it took
-(`record`), so `kernel_paths()` can say — and the log says once — which kernels a run used and, for
-the PyTorch fallback, why (`fallback_reason`). A silent fallback is how a slow bf16 run goes
-unnoticed.
+One rule, `choose(kind, values, query, lse, inter_out)`, picks the path of every read: the Triton
+kernels (`triton`) for plain CUDA tensors when triton imports (any device under
+`kernels.use_triton(True)`), else the C++ CPU kernels (`cpu`) for plain CPU tensors of one dtype
+among fp32/bf16/fp16, else the PyTorch ops (`torch`) with the reason. Every choice is recorded
+(`kernel_paths()`), and the first time a (read type, path, reason) occurs it is logged to
+`depthscale.kernels`: INFO for a fused path or a fallback that was asked for, WARNING for a
+fallback that cost a fused kernel (a silent fallback is how a slow bf16 run goes unnoticed).
+
+Fallbacks are of two kinds:
+
+- *chosen or without a kernel* — never an error: `use_triton(False)` / `use_cpu_kernels(False)` /
+  `DEPTHSCALE_CPU_KERNELS=0`, torch.compile tracing (the compiler fuses the PyTorch ops itself),
+  float64 (gradcheck), tensor subclasses such as DTensor queries under tp + dp (the ops have no
+  sharding rules), and devices with no kernel at all (neither CPU nor CUDA);
+- *missed* — a kernel exists for this device, but this read could not use it: mixed source dtypes,
+  a query or log-sum-exp not in fp32, a phase-1 output in a third dtype, tensors on different
+  devices, triton missing on CUDA, CPU kernels that did not build.
+
+Strict mode (`kernels.strict()`, or `DEPTHSCALE_STRICT_KERNELS=1` for a process and its children)
+turns a missed fallback into a `KernelFallbackError`; the test suite runs strict.
 """
 
 from __future__ import annotations
 
 import logging
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from depthscale import kernels
 
 log = logging.getLogger("depthscale.kernels")
 
@@ -22,13 +38,49 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 """Tensor types the kernels take: not DTensors (e.g. AttnRes queries under tp + dp) nor other
 subclasses, which the custom ops have no sharding rules for."""
 
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-def triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
-    """The Triton kernels module when it applies, else None: plain CUDA tensors (any device under
-    `kernels.use_triton(True)`, none under `use_triton(False)`), values of one dtype, no float64
-    (gradcheck), triton importable. Imported lazily: model/ must not need triton."""
-    from depthscale import kernels
 
+class KernelFallbackError(RuntimeError):
+    """A read fell back to the PyTorch ops where a fused kernel exists, in strict mode."""
+
+
+def choose(
+    kind: str,
+    values: list[Tensor],
+    query: Tensor,
+    lse: Tensor | None = None,
+    inter_out: Tensor | None = None,
+) -> tuple[str, Any]:
+    """The path of one read and what runs it: ("triton", the Triton kernels' module), ("cpu", the
+    CPU kernels' ops) or ("torch", None). `values`: the sources (a read) or the partial sum (a
+    merge); `query`: the queries as the caller holds them; `lse` / `inter_out`: a merge's phase-1
+    results. Called per read: attribute checks only, until a fallback needs its reason."""
+    others = [t for t in (inter_out, lse, query) if t is not None]
+    ops = _triton(values, others)
+    if ops is not None:
+        record(kind, "triton")
+        return "triton", ops
+    ops = _cpu(values, query, lse, inter_out)
+    if ops is not None:
+        record(kind, "cpu")
+        return "cpu", ops
+    missed, reason = fallback_reason(values, query, lse, inter_out)
+    record(kind, "torch", reason, missed)
+    if missed and kernels.strict_mode():
+        raise KernelFallbackError(
+            f"AttnRes {kind} read fell back to the PyTorch ops: {_describe(reason)}. A fused "
+            "kernel exists for this device; strict mode (kernels.strict() or "
+            "DEPTHSCALE_STRICT_KERNELS=1) refuses the fallback — fix the inputs, or turn strict "
+            "mode off with kernels.strict(False) / DEPTHSCALE_STRICT_KERNELS=0"
+        )
+    return "torch", None
+
+
+def _triton(values: list[Tensor], others: list[Tensor]) -> Any:
+    """The Triton kernels module when it applies: plain CUDA tensors (any device under
+    `use_triton(True)`, none under `use_triton(False)`), values of one dtype, no float64, triton
+    importable. Imported lazily: model/ must not need triton."""
     override = kernels.triton_override()
     if override is False:
         return None
@@ -42,29 +94,25 @@ def triton_ops(values: list[Tensor], *others: Tensor) -> ModuleType | None:
     return kernels.load_attnres_triton()
 
 
-_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def cpu_ops(values: list[Tensor], *fp32: Tensor, inter_out: Tensor | None = None) -> Any:
-    """The CPU kernels' ops when they apply, else None: plain CPU tensors (not DTensors, e.g. the
-    AttnRes queries under tp + dp, nor other subclasses: the ops have no sharding rules), `values`
-    of one dtype among fp32/bf16/fp16, the `fp32` tensors (queries, log-sum-exps) in fp32 (so
-    float64, e.g. gradcheck, runs in PyTorch), a phase-1 `inter_out` in the values' dtype or fp32,
-    not under `use_cpu_kernels(False)`, and not while torch.compile traces (the compiler fuses the
-    PyTorch ops itself; an opaque op would break the graph)."""
-    from depthscale import kernels
-
+def _cpu(values: list[Tensor], query: Tensor, lse: Tensor | None, inter_out: Tensor | None) -> Any:
+    """The CPU kernels' ops when they apply: plain CPU tensors, `values` of one dtype among
+    fp32/bf16/fp16, a query of any float dtype but float64 (it is taken in fp32), a log-sum-exp in
+    fp32, a phase-1 output in the values' dtype or fp32; not under `use_cpu_kernels(False)` nor
+    while torch.compile traces (an opaque op would break the graph)."""
     if kernels.cpu_kernels_override() is False or torch.compiler.is_compiling():
         return None
     dtype = values[0].dtype
     if dtype not in _CPU_KERNEL_DTYPES:
         return None
-    for v in values:  # called per read: plain attribute checks, no device objects
+    for v in values:
         if type(v) not in _PLAIN or not v.is_cpu or v.dtype != dtype:
             return None
-    for t in fp32:
-        if type(t) not in _PLAIN or not t.is_cpu or t.dtype != torch.float32:
-            return None
+    if type(query) not in _PLAIN or not query.is_cpu or query.dtype == torch.float64:
+        return None
+    if lse is not None and (
+        type(lse) not in _PLAIN or not lse.is_cpu or lse.dtype != torch.float32
+    ):
+        return None
     if inter_out is not None and (
         type(inter_out) not in _PLAIN
         or not inter_out.is_cpu
@@ -99,15 +147,17 @@ def _describe(reason: Any) -> str:
     return str(reason)
 
 
-def record(kind: str, path: str, reason: Any = None) -> bool:
-    """Note that a `kind` read took `path` (with the fallback `reason`); log it the first time."""
+def record(kind: str, path: str, reason: Any = None, missed: bool = False) -> bool:
+    """Note that a `kind` read took `path` (with the fallback `reason`); log it the first time, at
+    WARNING for a `missed` fused kernel."""
     key = (kind, path, reason)
     if key not in _paths:
         _paths[key] = None
         if reason is None:
             log.info("AttnRes %s path: %s", kind, path)
         else:
-            log.info("AttnRes %s path: %s (%s)", kind, path, _describe(reason))
+            level = logging.WARNING if missed else logging.INFO
+            log.log(level, "AttnRes %s path: %s (%s)", kind, path, _describe(reason))
     return True
 
 
@@ -141,10 +191,10 @@ def fallback_reason(
     query: Tensor,
     lse: Tensor | None = None,
     inter_out: Tensor | None = None,
-) -> Any:
-    """Why neither kernel took a read (called on the PyTorch path only): the Triton kernels'
+) -> tuple[bool, Any]:
+    """(missed, reason): why neither kernel took a read (called on the PyTorch path only), and
+    whether a kernel for this device was missed (see the module docstring). The Triton kernels'
     reason for tensors off the CPU, the CPU kernels' for CPU tensors, in the order they check."""
-    from depthscale import kernels
     from depthscale.kernels import attnres_cpu
 
     role = "source" if lse is None else "partial sum"
@@ -155,37 +205,33 @@ def fallback_reason(
     on_cpu = values[0].is_cpu
     if on_cpu:
         if kernels.cpu_kernels_override() is False:
-            return "use_cpu_kernels(False)"
+            return False, "use_cpu_kernels(False)"
         if torch.compiler.is_compiling():
-            return "torch.compile tracing"
+            return False, "torch.compile tracing"
     elif kernels.triton_override() is False:
-        return "use_triton(False)"
+        return False, "use_triton(False)"
     for r, t in named:
         if type(t) not in _PLAIN:
-            return ("%s %s", type(t), r)
+            return False, ("%s %s", type(t), r)
+    if not on_cpu and kernels.triton_override() is None and not values[0].is_cuda:
+        return False, ("%s tensors", values[0].device.type)
     for r, t in named:
         if t.is_cpu != on_cpu:
-            return ("%s on %s, sources on %s", r, t.device.type, values[0].device.type)
-    dtypes = tuple(dict.fromkeys(v.dtype for v in values))
-    if len(dtypes) > 1:
-        return ("mixed %s dtypes %s", role, dtypes)
+            return True, ("%s on %s, sources on %s", r, t.device.type, values[0].device.type)
     for r, t in named:
         if t.dtype == torch.float64:
-            return ("float64 %s", r)
+            return False, ("float64 %s", r)
+    dtypes = tuple(dict.fromkeys(v.dtype for v in values))
+    if len(dtypes) > 1:
+        return True, ("mixed %s dtypes %s", role, dtypes)
     if not on_cpu:
-        if kernels.triton_override() is None and not values[0].is_cuda:
-            return ("%s tensors", values[0].device.type)
-        return "triton not installed"
+        return True, "triton not installed"
     if dtypes[0] not in _CPU_KERNEL_DTYPES:
-        return ("%s %s", dtypes[0], role)
-    for r, t in named[len(values) : len(values) + 2]:  # query, lse: fp32
-        if t.dtype != torch.float32:
-            return ("%s %s", t.dtype, r)
+        return False, ("%s %s", dtypes[0], role)
+    if lse is not None and lse.dtype != torch.float32:
+        return True, ("%s phase-1 lse", lse.dtype)
     if inter_out is not None and inter_out.dtype not in (dtypes[0], torch.float32):
-        return ("phase-1 output %s, partial sum %s", inter_out.dtype, dtypes[0])
+        return True, ("phase-1 output %s, partial sum %s", inter_out.dtype, dtypes[0])
     if not attnres_cpu.enabled_by_env():
-        return "DEPTHSCALE_CPU_KERNELS=0"
-    return "CPU kernels not built"
-
-
-# ---------------------------------------------------------------------------------------------
+        return False, "DEPTHSCALE_CPU_KERNELS=0"
+    return True, "CPU kernels not built"
