@@ -93,7 +93,12 @@ def apply_fsdp(
     """
     policies = {
         "mesh": dp_mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        # cast_forward_inputs=False: under autocast the depth state already holds the compute
+        # dtype (Transformer.embed), and FSDP's cast would also turn the fp32 log-sum-exps a
+        # two-phase read hands to the next layer (DepthState.inter) into bf16
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+        ),
         "reshard_after_forward": reshard_after_forward,
     }
     if offload:
