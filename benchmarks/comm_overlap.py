@@ -7,7 +7,7 @@ rank 0: the median training-step time (forward + backward + replicated-gradient 
 sequence-parallel model with `chunks=1` (one all-gather before the column-parallel GEMMs, one
 reduce-scatter after the row-parallel GEMMs) and with `chunks=--chunks` (collectives fused into the
 GEMMs and pipelined piece by piece), measured in interleaved rounds; their ratio; and the collectives
-each issues per step (from `tp_comm.comm_counter`, checked against `collectives_per_step`).
+each issues per step (from `tp_comm.count_collectives`, checked against `collectives_per_step`).
 
 On CPU with gloo the overlap cannot show GPU-like gains: gloo runs its collectives on CPU threads that
 compete with the GEMMs for the same cores (here two processes already share them), and chunking adds
@@ -52,7 +52,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
         collectives_per_step,
         tp_sync_replicated_grads,
     )
-    from depthscale.parallel.tp_comm import comm_counter
+    from depthscale.parallel.tp_comm import count_collectives
 
     init_distributed("cpu")
     mesh = init_device_mesh("cpu", (args.tp,), mesh_dim_names=("tp",))
@@ -85,9 +85,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
                 p.grad = None
 
         steps[name] = step
-        comm_counter.reset()
-        step()
-        counts[name] = comm_counter.snapshot()
+        with count_collectives() as step_counts:
+            step()
+        counts[name] = dict(step_counts)
         assert counts[name] == collectives_per_step(cfg, chunks), (counts[name], chunks)
     with torch.no_grad():  # both variants compute the same function (on this vocabulary slice)
         a, b = (m(x) for m in models.values())

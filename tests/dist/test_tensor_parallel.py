@@ -24,7 +24,7 @@ from depthscale.parallel.tensor_parallel import (
     collectives_per_step,
     tp_sync_replicated_grads,
 )
-from depthscale.parallel.tp_comm import comm_counter
+from depthscale.parallel.tp_comm import count_collectives
 from depthscale.train.memory import saved_activation_bytes
 from tolerances import check, copy_params_, fp32_model_bound
 
@@ -130,9 +130,9 @@ def _parity(
         if dtype == torch.float32:
             copy_params_(tpm, ref)
         logits_ref, loss_ref = _step(ref, tokens, labels, tp=False)
-        comm_counter.reset()
-        logits_tp, loss_tp = _step(tpm, tokens, labels, tp=True)
-        counts.append(comm_counter.snapshot())
+        with count_collectives() as step_counts:
+            logits_tp, loss_tp = _step(tpm, tokens, labels, tp=True)
+        counts.append(dict(step_counts))
         err = {"logits": _rel(logits_tp, logits_ref), "loss": _rel(loss_tp, loss_ref)}
         err["grad"] = max(_rel(_full(tp_params[n].grad), p.grad) for n, p in ref.named_parameters())
         opt_ref.step()
@@ -235,9 +235,9 @@ def _chunked_vs_unchunked(cfg_kw: dict, chunks: int) -> dict:
     apply_tensor_parallel(b, _tp_mesh(), chunks=chunks)
     tokens, labels = _batch()
     la, _ = _step(a, tokens, labels, tp=True)
-    comm_counter.reset()
-    lb, _ = _step(b, tokens, labels, tp=True)
-    counts = comm_counter.snapshot()
+    with count_collectives() as step_counts:
+        lb, _ = _step(b, tokens, labels, tp=True)
+    counts = dict(step_counts)
     pb = dict(b.named_parameters())
     grad = max(_rel(_local(pb[n].grad), _local(p.grad)) for n, p in a.named_parameters())
     return {"logits": _rel(lb, la), "grad": grad, "counts": counts}

@@ -20,7 +20,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from depthscale.model.transformer import cross_entropy
-from depthscale.parallel.tp_comm import comm_counter
+from depthscale.parallel.tp_comm import record_collective
 
 IGNORE_INDEX = -100
 
@@ -33,7 +33,7 @@ class _VocabParallelCrossEntropy(Function):
         start = dist.get_rank(group) * local_v
         row_max = z.max(dim=-1).values
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        comm_counter.record("all_reduce")
+        record_collective("all_reduce")
         z = z - row_max.unsqueeze(-1)
         local = labels - start
         mine = (local >= 0) & (local < local_v)  # ignored labels (-100) are never in range
@@ -43,7 +43,7 @@ class _VocabParallelCrossEntropy(Function):
         exp = z.exp_()
         sums = torch.stack([exp.sum(dim=-1), target])
         dist.all_reduce(sums, group=group)
-        comm_counter.record("all_reduce")
+        record_collective("all_reduce")
         sum_exp, target = sums.unbind(0)
         loss = torch.where(labels != IGNORE_INDEX, sum_exp.log() - target, 0.0)
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward

@@ -5,7 +5,7 @@ MegaScale fused collective+GEMM operators that pipeline them in chunks.
 Layout: activations are [B, T, ...]; the sequence shard of tp rank r holds the tokens
 [r·T/tp, (r+1)·T/tp). Every collective runs on a contiguous buffer (gloo wants contiguous tensors and
 the tensor collectives' output as a concatenation along dim 0, so buffers are flattened) and is counted
-in the module-level `comm_counter`.
+inside a `count_collectives()` block.
 
 Operators (forward / backward):
 
@@ -25,7 +25,8 @@ collective each; the model uses the unfused `gather_sequence` / `reduce_scatter_
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -35,31 +36,27 @@ from torch.autograd import Function
 Group = dist.ProcessGroup
 
 
-@dataclass
-class CommCounter:
-    """Collectives issued by this module, by kind ('all_gather', 'reduce_scatter', 'all_reduce').
-
-    Read `counts` (or `total`) around a step; `reset()` between measurements. Counting is all it does:
-    it changes no behaviour."""
-
-    counts: Counter[str] = field(default_factory=Counter)
-
-    def record(self, kind: str) -> None:
-        self.counts[kind] += 1
-
-    def reset(self) -> None:
-        self.counts.clear()
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(self.counts)
+_counters: list[Counter[str]] = []
+"""The open `count_collectives` scopes (a list, not a context variable: backward may run on
+autograd's own threads)."""
 
 
-comm_counter = CommCounter()
-"""Every collective of tensor/sequence parallelism goes through the helpers below and is counted here."""
+@contextmanager
+def count_collectives() -> Iterator[Counter[str]]:
+    """Count the collectives of tensor/sequence parallelism issued inside the block, by kind
+    ('all_gather', 'reduce_scatter', 'all_reduce'): `with count_collectives() as counts: ...`.
+    Outside any block nothing is counted; counting changes no behaviour."""
+    counts: Counter[str] = Counter()
+    _counters.append(counts)
+    try:
+        yield counts
+    finally:
+        _counters.remove(counts)
+
+
+def record_collective(kind: str) -> None:
+    for counts in _counters:
+        counts[kind] += 1
 
 
 # --------------------------------------------------------------------------------- raw collectives
@@ -78,7 +75,7 @@ def all_gather_blocks(x: Tensor, group: Group, async_op: bool = False):
     x = x.contiguous()
     out = x.new_empty((dist.get_world_size(group), *x.shape))
     work = getattr(dist, ALL_GATHER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
-    comm_counter.record("all_gather")
+    record_collective("all_gather")
     return out, work
 
 
@@ -87,14 +84,14 @@ def reduce_scatter_blocks(x: Tensor, group: Group, async_op: bool = False):
     x = x.contiguous()
     out = x.new_empty(x.shape[1:])
     work = getattr(dist, REDUCE_SCATTER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
-    comm_counter.record("reduce_scatter")
+    record_collective("reduce_scatter")
     return out, work
 
 
 def all_reduce_(x: Tensor, group: Group) -> Tensor:
     """In-place sum over the group (x must be contiguous)."""
     dist.all_reduce(x, group=group)
-    comm_counter.record("all_reduce")
+    record_collective("all_reduce")
     return x
 
 
