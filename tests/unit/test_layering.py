@@ -1,0 +1,121 @@
+"""The import rules of ../shared/ARCHITECTURE.md, checked on the source (parsed, never imported):
+imports only point down, and `model/` knows nothing of processes, meshes or the training loop.
+Lazy imports inside functions count as much as module-level ones."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import depthscale
+
+PACKAGE = Path(depthscale.__file__).resolve().parent
+
+FORBIDDEN = {
+    "model": ("parallel", "train", "observe", "cli", "data", "interop"),
+    "kernels": ("model", "parallel", "train", "observe", "cli", "data", "interop"),
+    "data": ("model", "kernels", "parallel", "train", "observe", "cli", "interop"),
+    "parallel": ("train", "observe", "cli", "interop"),
+    "observe": ("train", "cli"),
+    "train": ("cli",),
+}
+"""Layer (subpackage of depthscale) → subpackages it must not import."""
+
+
+def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source`, the file of `module`
+    (dotted, e.g. "depthscale.model.layers"), relative imports resolved."""
+    found = []
+    package = module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+            # `from depthscale import parallel`: the names may be subpackages
+            found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(source: str, module: str) -> list[str]:
+    """The forbidden imports of one module, as 'module:line imports name (layer → layer)'."""
+    parts = module.split(".")
+    if parts[-1] == "__main__":  # an entry point (`python -m depthscale.train`) sits on top
+        return []
+    layer = parts[1] if len(parts) > 2 else None
+    banned = FORBIDDEN.get(layer, ())
+    bad: dict[int, str] = {}  # one per import statement
+    for line, name in imported_modules(source, module):
+        target = name.split(".")
+        if target[0] == "depthscale" and len(target) > 1 and target[1] in banned:
+            bad.setdefault(
+                line, f"{module}:{line} imports {name} ({layer}/ must not import {target[1]}/)"
+            )
+    return list(bad.values())
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        ".".join(("depthscale", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        ): path
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def test_imports_only_point_down():
+    bad = [v for m, path in _modules().items() for v in violations(path.read_text(), m)]
+    assert not bad, "layering violations:\n" + "\n".join(bad)
+
+
+def test_subpackages_form_no_import_cycle():
+    """Edges between depthscale's subpackages (lazy imports included) have no cycle."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        parts = module.split(".")
+        if len(parts) < 3:
+            continue  # top-level modules (cli, config, errors) are not layers
+        for _, name in imported_modules(path.read_text(), module):
+            target = name.split(".")
+            crosses = target[0] == "depthscale" and len(target) > 2 and target[1] != parts[1]
+            if crosses and f"depthscale.{target[1]}" in modules:
+                edges.setdefault(parts[1], set()).add(target[1])
+
+    def cycle_from(node: str, stack: list[str]) -> list[str] | None:
+        if node in stack:
+            return stack[stack.index(node) :] + [node]
+        for nxt in sorted(edges.get(node, ())):
+            found = cycle_from(nxt, [*stack, node])
+            if found:
+                return found
+        return None
+
+    for start in sorted(edges):
+        cycle = cycle_from(start, [])
+        assert cycle is None, "import cycle between subpackages: " + " → ".join(cycle)
+
+
+def test_the_checker_catches_forbidden_imports():
+    """The rules fire on module-level, lazy, relative and `from depthscale import x` forms."""
+    source = (
+        "import torch\n"
+        "from depthscale.parallel.mesh import ParallelDims\n"
+        "def f():\n"
+        "    from ..train import trainer\n"
+        "    from depthscale import observe\n"
+        "from .layers import RMSNorm\n"
+    )
+    bad = violations(source, "depthscale.model.transformer")
+    assert len(bad) == 3, bad
+    assert bad[0] == (
+        "depthscale.model.transformer:2 imports depthscale.parallel.mesh "
+        "(model/ must not import parallel/)"
+    )
+    assert "imports depthscale.train " in bad[1] and "imports depthscale.observe " in bad[2]
+    assert violations(source, "depthscale.train.trainer") == []
