@@ -14,6 +14,7 @@ import os
 import tomllib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -193,6 +194,13 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr (cosine and WSD)."""
     weight_decay: float = 0.1
+    """Decoupled weight decay of the matrices; vectors (norm gains) and AttnRes queries never
+    decay (decaying a zero-initialised query pulls every depth read toward a uniform average)."""
+    decay_embeddings: bool = True
+    """Whether the token embedding (and a tied LM head) decays with the other matrices. True, as in
+    GPT-2 / nanoGPT and Megatron-LM's default: the embedding is one more matrix. OLMo 2 turns it off
+    for training stability; false puts the embedding in a group of its own with weight decay 0
+    (LAMB keeps its trust ratio there)."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -379,13 +387,6 @@ class Config:
                 "recompute keeps (GEMM and attention outputs) lives in the recompute cache, which "
                 "offload cannot move; allowed with offload: recompute 'none', 'sublayer' or 'full'"
             )
-        if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
-            raise ConfigError(
-                f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "
-                f"chunks of each rank's sequence shard, each gathered in "
-                f"parallel.tp_overlap_chunks={p.tp_overlap_chunks} pieces; allowed: a multiple of "
-                f"{p.tp_overlap_chunks}, or 0"
-            )
         dp = self.dp_degree
         if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):
             raise ConfigError(
@@ -420,6 +421,14 @@ class Config:
         ):
             if getattr(p, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+        if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
+            raise ConfigError(
+                f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "
+                f"chunks of each rank's sequence shard, each gathered in "
+                f"parallel.tp_overlap_chunks={p.tp_overlap_chunks} pieces; allowed: a multiple of "
+                f"{p.tp_overlap_chunks}, or 0"
+            )
+        self._check_pipeline_micro_batches()
         if (
             self.checkpoint.resume not in ("auto", "none")
             and not Path(self.checkpoint.resume).exists()
@@ -429,6 +438,44 @@ class Config:
                 "allowed: 'auto', 'none' or an existing checkpoint directory"
             )
         return self
+
+    def _check_pipeline_micro_batches(self) -> None:
+        """Under pp, fewer micro-batches than stages leave most of every step idle (1F1B bubble
+        (pp-1)/(m+pp-1)). The default micro-batch size would silently fall back to one micro-batch
+        when the per-rank batch splits into neither 2·pp nor pp: that is an error naming the fix.
+        An explicit train.micro_batch_size is the user's choice: it only warns."""
+        p, t = self.parallel, self.train
+        if p.pp == 1:
+            return
+        dp = self.dp_degree
+        per_rank = t.batch_size // dp
+        n = per_rank // self.micro_batch_size
+        if n >= p.pp:
+            return
+        bubble = (p.pp - 1) / (n + p.pp - 1)
+        multiple = p.pp * dp
+        example = multiple * max(1, -(-t.batch_size // multiple))
+        fix = (
+            f"set train.batch_size to a multiple of pp × dp = {multiple} (e.g. {example}) or "
+            "choose train.micro_batch_size explicitly"
+        )
+        if not t.micro_batch_size:
+            raise ConfigError(
+                f"parallel.pp={p.pp} with train.batch_size={t.batch_size} over {dp} data-parallel "
+                f"rank(s): the per-rank batch {per_rank} splits into neither {2 * p.pp} nor {p.pp} "
+                f"micro-batches, so the pipeline would run {n} micro-batch(es) per step and idle "
+                f"{bubble:.0%} of it; {fix}"
+            )
+        if per_rank >= p.pp:
+            fix = f"use train.micro_batch_size <= {per_rank // p.pp} for at least {p.pp}"
+        else:
+            fix = f"raise train.batch_size to {multiple} or more for at least {p.pp}"
+        warnings.warn(
+            f"parallel.pp={p.pp} with train.micro_batch_size={t.micro_batch_size}: {n} "
+            f"micro-batch(es) per step for {p.pp} stages, so the pipeline idles {bubble:.0%} of "
+            f"each step; {fix} micro-batches",
+            stacklevel=2,
+        )
 
     @property
     def world_size(self) -> int:

@@ -108,6 +108,44 @@ def test_toml_round_trip(tmp_path):
             ["--checkpoint.resume", "/no/such/dir"],
             r"checkpoint.resume='/no/such/dir' does not exist",
         ),
+        (
+            "",
+            ["--parallel.pp", "4", "--train.batch_size", "6"],
+            r"parallel.pp=4 with train.batch_size=6 over 1 data-parallel rank\(s\): the per-rank "
+            r"batch 6 splits into neither 8 nor 4 micro-batches, so the pipeline would run 1 "
+            r"micro-batch\(es\) per step and idle 75% of it; set train.batch_size to a multiple of "
+            r"pp × dp = 4 \(e.g. 8\)",
+        ),
+        (
+            "",
+            ["--train.offload_activations", "true", "--train.recompute", "selective"],
+            r"train.offload_activations=true with train.recompute='selective'.*allowed with "
+            r"offload: recompute 'none', 'sublayer' or 'full'",
+        ),
+        (
+            "",
+            [
+                "--model.ffn_chunk_size",
+                "6",
+                "--parallel.tp",
+                "2",
+                "--parallel.tp_overlap_chunks",
+                "4",
+            ],
+            r"model.ffn_chunk_size=6 under tensor parallelism .* allowed: a multiple of 4, or 0",
+        ),
+        (
+            "",
+            [
+                "--model.ffn_chunk_size",
+                "6",
+                "--parallel.tp",
+                "2",
+                "--parallel.tp_overlap_chunks",
+                "0",
+            ],
+            r"parallel.tp_overlap_chunks=0 must be >= 1",
+        ),
         ("[model\n", [], r"is not valid TOML"),
         ("model = 3\n", [], r"\[model\] must be a table of keys"),
     ],
@@ -115,6 +153,20 @@ def test_toml_round_trip(tmp_path):
 def test_bad_input_names_key_and_allowed_values(tmp_path, toml, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, toml), overrides)
+
+
+def test_pipeline_micro_batches():
+    """The default splits the per-rank batch into 2·pp (else pp) micro-batches; an explicit size
+    with fewer micro-batches than stages is allowed, with a warning naming the bubble and the fix."""
+    cfg = load_config(None, ["--parallel.pp", "2", "--train.batch_size", "8"])
+    assert cfg.grad_accum_steps == 4
+    cfg = load_config(None, ["--parallel.pp", "4", "--train.batch_size", "4"])
+    assert cfg.grad_accum_steps == 4
+    explicit = ["--parallel.pp", "4", "--train.batch_size", "8", "--train.micro_batch_size", "4"]
+    with pytest.warns(
+        UserWarning, match=r"idles 60% of each step; use train.micro_batch_size <= 2"
+    ):
+        assert load_config(None, explicit).grad_accum_steps == 2
 
 
 def test_missing_file():

@@ -390,3 +390,47 @@ def test_adamw_is_fused_for_plain_parameters_and_matches_the_loop():
         v_hat = state["exp_avg_sq"] / (1 - cfg.beta2**3)
         step = cfg.lr * (m_hat / (v_hat.sqrt() + cfg.eps)).abs().max().item()
         torch.testing.assert_close(a, b, rtol=3 * per_step, atol=3 * per_step * step)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decay_embeddings_option_groups_the_embedding(tied):
+    """optim.decay_embeddings: by default the embedding decays with the matrices; false gives it a
+    group of its own without decay (LAMB's trust ratio kept). A tied head is the embedding; an
+    untied head is a matrix like any other; norms and AttnRes queries never decay."""
+    from depthscale.config import ModelConfig
+    from depthscale.model.transformer import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4,
+                                    residual="block", attnres_n_blocks=2, tie_embeddings=tied))  # fmt: skip
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def groups(decay_embeddings):
+        return [
+            ({names[id(p)] for p in g["params"]}, g["weight_decay"], g.get("adaptive", True))
+            for g in param_groups(model, 0.1, decay_embeddings)
+        ]
+
+    default = groups(True)
+    assert len(default) == 2 and "tok_embeddings.weight" in default[0][0]
+    assert default[0][1] == 0.1 and default[1][1] == 0.0
+    off = groups(False)
+    assert len(off) == 3
+    decay, embeddings, vectors = off
+    assert embeddings == ({"tok_embeddings.weight"}, 0.0, True)
+    assert ("output.weight" in decay[0]) is not tied
+    assert all(".pseudo_query" in n or "norm" in n or "key_norm" in n for n in vectors[0])
+    assert vectors[1:] == (0.0, False)
+    assert decay[0] | embeddings[0] | vectors[0] == set(names.values())
+    cfg = OptimConfig(name="lamb", decay_embeddings=False)
+    assert len(build_optimizer(model, cfg).param_groups) == 3
+
+
+def test_decay_embeddings_in_a_pipeline_last_stage():
+    """A pipeline's last stage holds the tied embedding as `output.weight`: it is the embedding."""
+    from depthscale.config import ModelConfig
+    from depthscale.model.transformer import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4))
+    model.tok_embeddings = None  # what build_stages leaves on the last stage's rank
+    groups = param_groups(model, 0.1, decay_embeddings=False)
+    assert [p is model.output.weight for p in groups[1]["params"]] == [True]

@@ -279,30 +279,50 @@ def _trust_ratio(w_norm: Tensor, u_norm: Tensor, max_trust: float | None) -> Ten
 
 
 def _no_decay(name: str, p: Tensor) -> bool:
-    """Vectors (norm gains, biases) and AttnRes parameters; matrices and embeddings decay."""
+    """Vectors (norm gains, biases) and AttnRes parameters; matrices decay."""
     return p.ndim < 2 or any(fragment in name for fragment in NO_DECAY_NAMES)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """[decay, no-decay] groups of the trainable parameters (a tied weight appears once)."""
-    decay, no_decay = [], []
+def _is_embedding(model: nn.Module, name: str) -> bool:
+    """The token embedding, and a pipeline last stage's copy of it (`output.weight` when tied)."""
+    if name.endswith("tok_embeddings.weight"):
+        return True
+    cfg = getattr(model, "cfg", None)
+    return bool(getattr(cfg, "tie_embeddings", False)) and name.endswith("output.weight")
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, decay_embeddings: bool = True
+) -> list[dict[str, Any]]:
+    """[decay, embeddings without decay, no-decay] groups of the trainable parameters (empty ones
+    dropped; a tied weight appears once). The embedding group exists only with
+    `decay_embeddings=False`; unlike the vectors, it keeps LAMB's trust ratio."""
+    decay, embeddings, no_decay = [], [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if _no_decay(name, p) else decay).append(p)
+        if not p.requires_grad:
+            continue
+        if _no_decay(name, p):
+            no_decay.append(p)
+        elif not decay_embeddings and _is_embedding(model, name):
+            embeddings.append(p)
+        else:
+            decay.append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
+        {"params": embeddings, "weight_decay": 0.0},
         {"params": no_decay, "weight_decay": 0.0, "adaptive": False},
     ]
     return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW or LAMB over two groups: decay (ndim >= 2) and no-decay (vectors, AttnRes params).
+    """AdamW or LAMB over the groups of `param_groups`: decay (matrices, and the embedding unless
+    `optim.decay_embeddings = false`) and no-decay (vectors, AttnRes params).
 
-    The group list depends only on the model's structure, so a resumed run rebuilds the same groups
-    and the checkpointed optimizer state maps back one to one.
+    The group list depends only on the model's structure and the config, so a resumed run rebuilds
+    the same groups and the checkpointed optimizer state maps back one to one.
     """
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
     if not groups:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     betas = (cfg.beta1, cfg.beta2)
