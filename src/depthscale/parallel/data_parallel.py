@@ -19,7 +19,7 @@ broadcast a reference copy, they only slice (FSDP) or check (DDP) what is there.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -166,9 +166,8 @@ def apply_ddp(
     """
     if dp_mesh.ndim != 1:
         raise ValueError(f"apply_ddp needs a 1-D dp_replicate mesh, got {dp_mesh.ndim}-D")
+    replicate, replicate_dtensor = replicate_apis()
     if roots is None and not any(isinstance(p, DTensor) for p in model.parameters()):
-        from torch.distributed._composable import replicate
-
         queries = depth_query_params(model)
         ignored = [
             m
@@ -177,8 +176,6 @@ def apply_ddp(
         ]
         replicate(model, process_group=dp_mesh.get_group(), ignored_modules=ignored)
         return queries
-    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensor
-
     queries = depth_query_params(model)
     ignored = set(queries)
     for layer in model.layers.values() if isinstance(model, Transformer) else []:
@@ -186,6 +183,24 @@ def apply_ddp(
     for root in roots if roots is not None else [model]:
         replicate_dtensor(root, mesh=dp_mesh, ignored_params=ignored)
     return queries
+
+
+def replicate_apis() -> tuple[Callable, Callable]:
+    """torch's composable replicate APIs: `_composable.replicate` (DDP's reducer installed on the
+    module) and `_composable.replicate_with_fsdp.replicate` (FSDP2's replicate, for DTensors).
+    They are private (torchtitan's DDP path uses the first too), so this is the one place that
+    imports them, and tests/unit/test_private_torch_apis.py pins the names and arguments used on
+    every torch the suite runs on (2.11 on the GPU image, 2.13 in CI)."""
+    try:
+        from torch.distributed._composable import replicate
+        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensor
+    except ImportError as err:
+        raise RuntimeError(
+            f"torch {torch.__version__} lacks the composable replicate APIs that "
+            f"parallel.dp_replicate uses without dp_shard ({err}); supported: torch 2.11 to 2.13. "
+            "Use parallel.dp_shard (FSDP2, public API) instead, or a supported torch"
+        ) from err
+    return replicate, replicate_dtensor
 
 
 @torch.no_grad()
