@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a model. Any config field can be overridden as --section.key VALUE "
         "(e.g. --model.dim 256 --optim.name lamb --train.steps 500).",
         epilog="sections: model, data, train, optim, parallel, checkpoint, logging; see configs/*.toml "
-        "and src/depthscale/config.py for every key, its type and default.",
+        "and src/depthscale/config/schema.py for every key, its type and default.",
     )
     train.add_argument("-c", "--config", help="TOML config file (defaults apply to missing keys)")
     train.add_argument(

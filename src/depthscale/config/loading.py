@@ -1,0 +1,170 @@
+"""Loading a config: a TOML file, then dotted command-line overrides, each value checked against
+the field's declared type; and writing one back as TOML (the run directory keeps it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from depthscale.config.schema import Config
+from depthscale.errors import ConfigError
+
+
+def _section_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
+    """Check (TOML) or parse (command line) one value against its declared type."""
+    if get_origin(tp) is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; allowed: " + ", ".join(repr(a) for a in allowed)
+            )
+        return value
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        raise ConfigError(f"{key}: union types are not supported in the config schema")
+    if tp is bool:
+        if from_string and isinstance(value, str):
+            low = value.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a bool (true/false), got {value!r}")
+    if tp is int:
+        if from_string and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an int, got {value!r}")
+    if tp is float:
+        if from_string and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _unknown(kind: str, name: str, allowed: list[str]) -> ConfigError:
+    hint = difflib.get_close_matches(name, allowed, n=1)
+    did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ConfigError(f"unknown {kind} {name!r}{did_you_mean}; allowed: " + ", ".join(allowed))
+
+
+def set_value(cfg: Config, dotted: str, value: Any, from_string: bool = False) -> None:
+    """Set `section.key` on cfg after checking the key exists and the value has the right type."""
+    parts = dotted.split(".")
+    sections = [f.name for f in dataclasses.fields(Config)]
+    if len(parts) != 2:
+        raise ConfigError(
+            f"config key {dotted!r} must look like 'section.key' "
+            f"with section one of: {', '.join(sections)}"
+        )
+    section, key = parts
+    if section not in sections:
+        raise _unknown("config section", section, sections)
+    sec = getattr(cfg, section)
+    hints = _section_types(type(sec))
+    if key not in hints:
+        raise _unknown(f"key in [{section}]", key, list(hints))
+    setattr(sec, key, _coerce(dotted, value, hints[key], from_string))
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            sections = [f.name for f in dataclasses.fields(Config)]
+            if section not in sections:
+                raise _unknown("config section", section, sections)
+            raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+        for key, value in values.items():
+            set_value(cfg, f"{section}.{key}", value)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialize a config as TOML (the run directory keeps one, so a run can be reproduced)."""
+    lines: list[str] = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, str):
+                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            else:
+                text = repr(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """Turn ['--model.dim', '128', '--train.compile=true'] into [('model.dim', '128'), ...]."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(
+                f"unexpected argument {arg!r}; overrides look like --section.key VALUE"
+            )
+        arg = arg[2:]
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{arg} is missing its value")
+            key, value = arg, args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML config file (or the defaults), apply `--section.key value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+    cfg = from_dict(data)
+    for key, value in parse_overrides(overrides or []):
+        set_value(cfg, key, value, from_string=True)
+    return cfg.validate()

@@ -1,0 +1,303 @@
+"""The config tree: one dataclass per section, every field typed, defaulted and documented."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from depthscale.config.validation import validate
+from depthscale.errors import ConfigError
+
+ResidualMode = Literal["standard", "full", "block"]
+RopeScalingKind = Literal["none", "linear", "llama3"]
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0
+    """0: take the tokenizer's vocabulary size, rounded up to a multiple of 64 that parallel.tp
+    divides (the vocabulary is sharded over tp)."""
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0
+    """Grouped-query attention: 0 means n_heads (plain multi-head attention)."""
+    ffn_dim: int = 0
+    """SwiGLU hidden size; 0 means the Llama rule: 8/3·dim rounded up to `multiple_of`."""
+    multiple_of: int = 32
+    ffn_chunk_size: int = 0
+    """Blockwise FFN (BPT): run the MLP over chunks of this many sequence positions, recomputing
+    each chunk in backward, so its [tokens, ffn_dim] intermediates never exist for the whole
+    sequence at once (exact; costs one extra MLP forward in training). 0 = off."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingKind = "none"
+    """RoPE frequency scaling (HF `rope_type`), to run past the pre-training context: 'linear'
+    divides every frequency by rope_scaling_factor (the same as dividing positions); 'llama3'
+    (Llama 3.1+) divides only the low frequencies, keeps the high ones, and blends in between."""
+    rope_scaling_factor: float = 1.0
+    """linear, llama3: how many times the context is stretched (HF `factor`); 1 = unscaled."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above rope_original_max_len / this are divided by the factor (HF
+    `low_freq_factor`)."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below rope_original_max_len / this are kept (HF `high_freq_factor`)."""
+    rope_original_max_len: int = 8192
+    """llama3: the context length the model was pre-trained with (HF
+    `original_max_position_embeddings`)."""
+    max_seq_len: int = 4096
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    parallel_block: bool = False
+    """MegaScale/PaLM parallel block: attention and MLP read the same normalized input; outputs summed."""
+    sliding_window: int = 0
+    """Causal sliding-window attention span in tokens (each token sees itself and window-1 before it); 0 = full."""
+    residual: ResidualMode = "standard"
+    """Residual stream: standard PreNorm, Full AttnRes, or Block AttnRes."""
+    attnres_block_size: int = 0
+    """Block AttnRes: sublayers per block (attention and MLP each count one). 0: use attnres_n_blocks."""
+    attnres_n_blocks: int = 8
+    """Block AttnRes: number of blocks N when attnres_block_size is 0; leftover sublayers join the last block."""
+    attnres_key_norm_gain: bool = True
+    """AttnRes key RMSNorm has a learnable gain (paper-faithful default); False: a plain RMSNorm."""
+    attnres_eps: float = 1e-6
+    attnres_read: Literal["two_phase", "efficient", "reference"] = "two_phase"
+    """How depth reads are computed; all exact. two_phase: batched inter-block read + online-softmax
+    merge (fused Triton kernels on CUDA); efficient: one read per sublayer saving only per-token
+    scalars for backward; reference: plain autograd."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        hidden = int(8 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def n_sublayers(self) -> int:
+        """Sublayers that read the depth state: 2 per layer, 1 with the parallel block."""
+        return self.n_layers * (1 if self.parallel_block else 2)
+
+    def check_rope(self) -> None:
+        """Raise ConfigError for RoPE settings that give NaN, infinite or shrunk frequencies
+        (transformers only warns about them). Comparisons are written so that NaN fails them."""
+        if not 0.0 < self.rope_theta < math.inf:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be a finite number > 0")
+        if not 1.0 <= self.rope_scaling_factor < math.inf:
+            raise ConfigError(
+                f"model.rope_scaling_factor={self.rope_scaling_factor} must be finite and >= 1 "
+                "(scaling stretches the context; 1 = unscaled)"
+            )
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if not 0.0 < low < high < math.inf:
+            raise ConfigError(
+                f"model.rope_low_freq_factor={low} and model.rope_high_freq_factor={high} must "
+                "satisfy 0 < low < high (finite); llama3 blends over the band between them and "
+                "divides by high - low"
+            )
+        if self.rope_original_max_len <= 0:
+            raise ConfigError(
+                f"model.rope_original_max_len={self.rope_original_max_len} must be > 0"
+            )
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"
+    """Corpus: 'stdlib' (the running Python's standard library source), or a .txt, .jsonl or .bin file or a directory of them."""
+    tokenizer: str = "byte"
+    """'byte', 'bpe' (trained on the corpus with HF tokenizers and cached), or a path to a tokenizer.json."""
+    bpe_vocab_size: int = 4096
+    seq_len: int = 128
+    val_fraction: float = 0.01
+    """Fraction of the token stream (taken from its end) held out for evaluation."""
+    max_bytes: int = 0
+    """Read at most this many bytes of raw text from the corpus; 0 = all of it."""
+    bin_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Element type of a pre-tokenized .bin file. auto: the one its sidecar `NAME.bin.json` records
+    (written by `data.sources.write_bin`); a .bin without a sidecar needs it set explicitly."""
+    cache_dir: str = ""
+    """Where tokenized corpora and trained tokenizers are cached; '' = ~/.cache/depthscale."""
+    jsonl_field: str = "text"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16
+    """Global batch: sequences per optimizer step."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on one data-parallel rank; 0 = the rank's whole share of the
+    batch (with pipeline parallelism: 2·pp micro-batches). Accumulation = batch / (dp · micro)."""
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: float32, or bfloat16 autocast (parameters and optimizer state stay float32)."""
+    compile: bool = False
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    eval_every: int = 50
+    eval_batches: int = 4
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    run_dir: str = "runs/{name}"
+    name: str = "tiny"
+    deterministic: bool = False
+    recompute: Literal["none", "selective", "sublayer", "full"] = "none"
+    """Activation recomputation per layer (`model/recompute.py`). selective: op-level — GEMM and
+    attention outputs stay saved, the memory-bound ops between them (norms, RoPE, activations,
+    AttnRes reads) are re-run in backward; sublayer: attention and MLP bodies are re-run, each
+    sublayer's input (so the AttnRes read) stays saved; full: only each layer's input depth state
+    stays, the whole layer is re-run. `benchmarks/recompute.py` measures what each keeps."""
+    offload_params: bool = False
+    """FSDP2 CPU offload (needs parallel.dp_shard × cp > 1, tp = pp = 1): sharded parameters, gradients and optimizer
+    states live in host memory and the optimizer steps there; each unit's shard is copied to the
+    device for its all-gather. With HSDP this is ZeRO-3 inside the shard group plus offload — how
+    full AttnRes trains large models without pipelining."""
+    offload_activations: bool = False
+    """Keep the tensors saved for backward in host memory until backward needs them (with pipeline
+    parallelism: while a micro-batch is in flight). A no-op copy on CPU; its bytes are counted."""
+    keep_host_memory: bool = True
+    """Let glibc malloc reuse freed host memory instead of returning it to the OS, so a step does
+    not page-fault its activations in again (`train.host.keep_freed_host_memory`); RSS then stays
+    at the peak. False leaves the allocator's defaults."""
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "lamb"] = "adamw"
+    lr: float = 3e-3
+    """Peak learning rate. LAMB scales each layer's step by ‖w‖/‖update‖, so its lr is a relative
+    step size: typically 1e-2..1e-1 where AdamW would use 1e-4..3e-3."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine and WSD)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the matrices; vectors (norm gains) and AttnRes queries never
+    decay (decaying a zero-initialised query pulls every depth read toward a uniform average)."""
+    decay_embeddings: bool = True
+    """Whether the token embedding (and a tied LM head) decays with the other matrices. True, as in
+    GPT-2 / nanoGPT and Megatron-LM's default: the embedding is one more matrix. OLMo 2 turns it off
+    for training stability; false puts the embedding in a group of its own with weight decay 0
+    (LAMB keeps its trust ratio there)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2
+    """WSD: the fraction of steps spent in the final decay."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_virtual: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
+    nproc: int = 1
+    """Local worker processes to launch (depthscale train --nproc N)."""
+    tp_overlap_chunks: int = 1
+    """MegaScale TP overlap: split the sequence-parallel all-gather / reduce-scatter around the
+    column- / row-parallel GEMMs into this many chunks, so communication of chunk i+1 overlaps the
+    GEMM of chunk i. 1 = no chunking."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)."""
+    fsdp_defer_reduce_scatter: bool = False
+    """With gradient accumulation, FSDP/HSDP reduce-scatter each micro-batch's gradients (the
+    cross-replica all-reduce of HSDP and DDP's all-reduce always wait for the last micro-batch).
+    True accumulates unsharded gradients and reduce-scatters once per step: accum× fewer
+    reduce-scatters for the memory of one unsharded gradient copy (pipelines always do this)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    """Save every this many steps (and at the end); 0 = only at the end."""
+    keep: int = 2
+    """Keep the newest this many checkpoints; 0 = keep all."""
+    resume: str = "auto"
+    """'auto' (newest checkpoint in the run directory, if any), 'none', or a checkpoint directory."""
+    async_save: bool = False
+    on_signal: bool = True
+    """On SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption notice), finish the current step, save
+    a checkpoint and exit; False exits after the step without saving."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    tensorboard: bool = True
+    progress: bool = True
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s used for MFU; 0 = detect (known GPUs) or measure (CPU matmul)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """train.micro_batch_size, or its default: a data-parallel rank's whole share of the batch,
+        except under pipeline parallelism, where 2·pp micro-batches per rank keep the bubble small."""
+        if self.train.micro_batch_size:
+            return self.train.micro_batch_size
+        per_rank = max(1, self.train.batch_size // self.dp_degree)
+        if self.parallel.pp > 1:
+            for micro in (2 * self.parallel.pp, self.parallel.pp):
+                if per_rank % micro == 0:
+                    return per_rank // micro
+        return per_rank
+
+    def resolve_vocab_size(self, tokenizer_vocab: int) -> None:
+        """model.vocab_size 0 takes the tokenizer's, rounded up to a multiple of 64 (friendlier
+        matmul shapes) that tensor parallelism can split (the vocabulary is sharded over tp)."""
+        m = self.model
+        if m.vocab_size == 0:
+            step = math.lcm(64, self.parallel.tp)
+            m.vocab_size = step * math.ceil(tokenizer_vocab / step)
+        elif m.vocab_size < tokenizer_vocab:
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer_vocab}); allowed: 0 (automatic) or >= {tokenizer_vocab}"
+            )
+
+    @property
+    def dp_degree(self) -> int:
+        return self.parallel.dp_replicate * self.parallel.dp_shard
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return self.train.batch_size // (self.dp_degree * self.micro_batch_size)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.train.run_dir.format(name=self.train.name))
+
+    def validate(self) -> Config:
+        """Per-field and cross-field checks (`config/validation.py`); raises ConfigError naming the
+        key and what is allowed. Returns self."""
+        return validate(self)
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp

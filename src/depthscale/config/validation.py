@@ -1,0 +1,276 @@
+"""Config validation: per-field rules for every field, then cross-field rules, each failing with one
+message that names the key and what is allowed (`Config.validate` calls `validate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from depthscale.errors import ConfigError
+
+if TYPE_CHECKING:
+    from depthscale.config.schema import Config
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks; raises ConfigError naming the key and what is allowed."""
+    m, d, t, o, p = cfg.model, cfg.data, cfg.train, cfg.optim, cfg.parallel
+    _check_fields(cfg)
+    _positive(
+        cfg,
+        "model.dim",
+        "model.n_layers",
+        "model.n_heads",
+        "data.seq_len",
+        "train.steps",
+        "train.batch_size",
+        "optim.lr",
+        "model.max_seq_len",
+    )
+    _non_negative(
+        cfg,
+        "model.vocab_size",
+        "model.n_kv_heads",
+        "model.ffn_dim",
+        "model.ffn_chunk_size",
+        "model.sliding_window",
+        "train.micro_batch_size",
+        "train.grad_clip",
+        "train.eval_every",
+        "optim.warmup_steps",
+        "optim.weight_decay",
+        "checkpoint.every",
+        "checkpoint.keep",
+        "model.attnres_block_size",
+        "data.max_bytes",
+        "logging.peak_tflops",
+    )
+    if m.dim % m.n_heads:
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
+            f"allowed: a divisor of {m.dim}"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.head_dim} must be even for RoPE")
+    m.check_rope()
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if (
+        m.residual == "block"
+        and m.attnres_block_size == 0
+        and not 1 <= m.attnres_n_blocks <= m.n_sublayers
+    ):
+        raise ConfigError(
+            f"model.attnres_n_blocks={m.attnres_n_blocks} must be in 1..{m.n_sublayers} "
+            f"(the number of sublayers) when model.attnres_block_size is 0"
+        )
+    if m.residual == "block" and m.attnres_block_size > m.n_sublayers:
+        raise ConfigError(
+            f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
+            f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
+        )
+    if t.offload_params and p.dp_shard * p.cp == 1:
+        raise ConfigError(
+            "train.offload_params=true offloads FSDP2's sharded states, so it needs FSDP: "
+            f"parallel.dp_shard × cp > 1 (got dp_shard={p.dp_shard}, cp={p.cp}); allowed: "
+            "dp_shard > 1 or cp > 1, or train.offload_params=false"
+        )
+    if t.offload_params and max(p.tp, p.pp) > 1:
+        # their own gradient reductions (tp-replicated sums, tied-embedding sync) would meet
+        # host-memory gradients on NCCL groups, which only reduce GPU tensors
+        raise ConfigError(
+            f"train.offload_params=true is for data and context parallelism (ZeRO-3 / HSDP "
+            f"over dp_shard × cp), but parallel.tp={p.tp}, pp={p.pp}; allowed: tp = pp = 1, "
+            "or train.offload_params=false"
+        )
+    if t.offload_activations and t.recompute == "selective":
+        raise ConfigError(
+            "train.offload_activations=true with train.recompute='selective': what selective "
+            "recompute keeps (GEMM and attention outputs) lives in the recompute cache, which "
+            "offload cannot move; allowed with offload: recompute 'none', 'sublayer' or 'full'"
+        )
+    dp = cfg.dp_degree
+    if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):
+        raise ConfigError(
+            f"train.micro_batch_size={t.micro_batch_size} × data-parallel ranks ({dp}) must divide "
+            f"train.batch_size={t.batch_size}"
+        )
+    if not t.micro_batch_size and t.batch_size % dp:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} must divide evenly over the {dp} data-parallel ranks "
+            "(parallel.dp_replicate × parallel.dp_shard)"
+        )
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    if not 0.0 < o.decay_fraction <= 1.0:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1]")
+    for beta in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, beta) < 1.0:
+            raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
+    if o.warmup_steps > t.steps:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
+    for name in (
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+        "tp",
+        "pp",
+        "pp_virtual",
+        "nproc",
+        "tp_overlap_chunks",
+    ):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
+        raise ConfigError(
+            f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "
+            f"chunks of each rank's sequence shard, each gathered in "
+            f"parallel.tp_overlap_chunks={p.tp_overlap_chunks} pieces; allowed: a multiple of "
+            f"{p.tp_overlap_chunks}, or 0"
+        )
+    _check_pipeline_micro_batches(cfg)
+    if cfg.checkpoint.resume not in ("auto", "none") and not Path(cfg.checkpoint.resume).exists():
+        raise ConfigError(
+            f"checkpoint.resume={cfg.checkpoint.resume!r} does not exist; "
+            "allowed: 'auto', 'none' or an existing checkpoint directory"
+        )
+    return cfg
+
+
+def _check_pipeline_micro_batches(cfg: Config) -> None:
+    """Under pp, fewer micro-batches than stages leave most of every step idle (1F1B bubble
+    (pp-1)/(m+pp-1)). The default micro-batch size would silently fall back to one micro-batch
+    when the per-rank batch splits into neither 2·pp nor pp: that is an error naming the fix.
+    An explicit train.micro_batch_size is the user's choice: it only warns."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        return
+    dp = cfg.dp_degree
+    per_rank = t.batch_size // dp
+    n = per_rank // cfg.micro_batch_size
+    if n >= p.pp:
+        return
+    bubble = (p.pp - 1) / (n + p.pp - 1)
+    multiple = p.pp * dp
+    example = multiple * max(1, -(-t.batch_size // multiple))
+    fix = (
+        f"set train.batch_size to a multiple of pp × dp = {multiple} (e.g. {example}) or "
+        "choose train.micro_batch_size explicitly"
+    )
+    if not t.micro_batch_size:
+        raise ConfigError(
+            f"parallel.pp={p.pp} with train.batch_size={t.batch_size} over {dp} data-parallel "
+            f"rank(s): the per-rank batch {per_rank} splits into neither {2 * p.pp} nor {p.pp} "
+            f"micro-batches, so the pipeline would run {n} micro-batch(es) per step and idle "
+            f"{bubble:.0%} of it; {fix}"
+        )
+    if per_rank >= p.pp:
+        fix = f"use train.micro_batch_size <= {per_rank // p.pp} for at least {p.pp}"
+    else:
+        fix = f"raise train.batch_size to {multiple} or more for at least {p.pp}"
+    warnings.warn(
+        f"parallel.pp={p.pp} with train.micro_batch_size={t.micro_batch_size}: {n} "
+        f"micro-batch(es) per step for {p.pp} stages, so the pipeline idles {bubble:.0%} of "
+        f"each step; {fix} micro-batches",
+        stacklevel=2,
+    )
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+
+
+def _non_negative(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+
+
+# Fields whose only rule is a lower bound, beyond those `validate` checks with the cross-field rules.
+_AT_LEAST_ONE = ("model.multiple_of", "model.attnres_n_blocks", "logging.log_every")
+_POSITIVE_FLOATS = ("model.norm_eps", "model.init_std", "model.attnres_eps", "optim.eps")
+_NON_EMPTY = ("data.path", "data.tokenizer", "data.jsonl_field", "train.name", "train.run_dir")
+_SEED_LIMIT = 2**32  # numpy's seed range
+
+
+def _check_fields(cfg: Config) -> None:
+    """Per-field rules for every field of the tree: floats finite (NaN passes every comparison, so
+    each bound is also written to fail on NaN), counts and sizes in range, strings non-empty, paths
+    usable. Cross-field rules follow in `Config.validate`."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"{section.name}.{f.name}={value} is not allowed; allowed: a finite number"
+                )
+    for key in _AT_LEAST_ONE:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 1")
+    for key in _POSITIVE_FLOATS:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+    for key in _NON_EMPTY:
+        if not _get(cfg, key).strip():
+            raise ConfigError(f"{key} is empty; allowed: a non-empty string")
+    t, d = cfg.train, cfg.data
+    if not 0 <= t.seed < _SEED_LIMIT:
+        raise ConfigError(f"train.seed={t.seed} must be in [0, {_SEED_LIMIT})")
+    if t.eval_every and t.eval_batches < 1:
+        raise ConfigError(
+            f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0 "
+            "(or set train.eval_every 0 to skip evaluation)"
+        )
+    if d.tokenizer == "bpe" and d.bpe_vocab_size < 258:
+        raise ConfigError(
+            f"data.bpe_vocab_size={d.bpe_vocab_size} is too small; allowed: >= 258 "
+            "(256 byte tokens + BOS + EOS)"
+        )
+    try:
+        run_path = Path(t.run_dir.format(name=t.name))
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(
+            f"train.run_dir={t.run_dir!r} is not a valid path template ({err!r}); "
+            "allowed: a path, optionally containing {name} (replaced by train.name)"
+        ) from None
+    _check_dir_creatable("train.run_dir", run_path)
+    if d.cache_dir:
+        _check_dir_creatable("data.cache_dir", Path(d.cache_dir).expanduser())
+
+
+def _check_dir_creatable(key: str, path: Path) -> None:
+    """The directory exists or can be made: nothing on its way is a regular file, and the nearest
+    existing ancestor is writable. Checked up front so a run fails before any work, not at its
+    first write."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}: {str(path)!r} is a file; allowed: a directory path")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ConfigError(
+            f"{key}: {str(path)!r} cannot be created because {str(existing)!r} is a file; "
+            "allowed: a path whose parents are directories"
+        )
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}: {str(path)!r} cannot be written ({str(existing)!r} is not writable)"
+        )
