@@ -3,6 +3,7 @@ fallback when the CPU kernels do not build or triton is missing, the record of p
 logged once, strict mode, and the paths under bf16 autocast and torch.compile."""
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -25,6 +26,7 @@ from depthscale import kernels  # noqa: E402
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.attnres_ops import (  # noqa: E402
     KernelFallbackError,
+    choose,
     inter_block_read_chained,
     kernel_paths,
     merge_partial,
@@ -32,6 +34,7 @@ from depthscale.model.attnres_ops import (  # noqa: E402
     multi_query_read,
     reset_kernel_paths,
 )
+from depthscale.model.kernel_dispatch import describe  # noqa: E402
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
 
 
@@ -127,8 +130,8 @@ def test_failed_build_falls_back_once_with_a_warning(monkeypatch, caplog):
         for _ in range(2):
             cross_entropy(model(tokens), tokens).backward()
     assert attempts == [name for name, _, _ in attnres_cpu.VARIANTS]  # tried once per process
-    with pytest.raises(KernelFallbackError, match="CPU kernels not built"):  # strict: refused
-        cross_entropy(model(tokens), tokens)
+    with kernels.strict(True), pytest.raises(KernelFallbackError, match="CPU kernels not built"):
+        cross_entropy(model(tokens), tokens)  # strict: refused
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "unrecognized option" in warnings[0].getMessage()
     assert all(p.grad is not None for n, p in model.named_parameters() if "layers.1" in n)
@@ -194,7 +197,62 @@ def test_strict_mode_refuses_a_missed_kernel(cpu_ops):
 
 
 def test_suite_runs_strict():
+    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ toolchain: the suite runs (and tests) the CPU fallback, not strict")
+    if not kernels.strict_from_env():
+        pytest.skip("DEPTHSCALE_STRICT_KERNELS turned off by whoever runs the suite")
     assert kernels.strict_mode(), "tests/conftest.py sets DEPTHSCALE_STRICT_KERNELS=1"
+
+
+def test_strict_is_a_setter_and_a_context_manager(monkeypatch):
+    """`kernels.strict(x)` sets strict mode for the process; as a context manager it restores the
+    previous setting on leaving the block, also when the block raises. The default comes from
+    DEPTHSCALE_STRICT_KERNELS."""
+    before = kernels.strict_mode()
+    try:
+        kernels.strict(False)
+        assert not kernels.strict_mode()
+        with kernels.strict():
+            assert kernels.strict_mode()
+            with kernels.strict(False):
+                assert not kernels.strict_mode()
+            assert kernels.strict_mode()
+        assert not kernels.strict_mode()
+        with pytest.raises(ValueError), kernels.strict(True):
+            raise ValueError
+        assert not kernels.strict_mode()
+        kernels.strict(True)
+        assert kernels.strict_mode()
+    finally:
+        kernels.strict(before)
+    for value, expected in [("1", True), ("yes", True), ("0", False), ("off", False), ("", False)]:
+        monkeypatch.setenv("DEPTHSCALE_STRICT_KERNELS", value)
+        assert kernels.strict_from_env() is expected, value
+    monkeypatch.delenv("DEPTHSCALE_STRICT_KERNELS")
+    assert kernels.strict_from_env() is False
+
+
+def test_choose_returns_the_path_and_the_fallback_reason(cpu_ops):
+    """The one rule: (path, ops, reason); a reason only for the PyTorch ops. A missed kernel raises
+    in strict mode before anything runs; reads without a kernel never do."""
+    blocks, partial, queries, _ = bf16_case()
+    mixed = [blocks[0].float(), *blocks[1:]]
+    reset_kernel_paths()
+    assert choose("phase1", blocks, queries) == ("cpu", cpu_ops, None)
+    with kernels.strict(True):
+        with pytest.raises(KernelFallbackError, match="phase1 read .* mixed source dtypes"):
+            choose("phase1", mixed, queries)
+        path, ops, reason = choose("read", [b.double() for b in blocks], queries.double())
+        assert (path, ops, describe(reason)) == ("torch", None, "float64 source")
+        with kernels.use_cpu_kernels(False):
+            assert choose("merge", [partial], queries[0])[::2] == (
+                "torch",
+                "use_cpu_kernels(False)",
+            )
+    with kernels.strict(False):
+        path, ops, reason = choose("phase1", mixed, queries)
+    assert (path, ops, describe(reason)) == ("torch", None, "mixed source dtypes float32/bfloat16")
+    assert kernel_paths() == {"phase1": "cpu+torch", "read": "torch", "merge": "torch"}
 
 
 def test_bf16_autocast_model_runs_the_fused_cpu_kernels(cpu_ops):

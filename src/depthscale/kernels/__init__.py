@@ -6,8 +6,9 @@ imports, and `attnres_cpu` (C++, built on first use) for CPU inputs when it buil
 `use_triton` / `use_cpu_kernels` override those choices: to test the Triton kernels on CPU under
 `TRITON_INTERPRET=1`, or to compare either with the PyTorch ops. DEPTHSCALE_CPU_KERNELS=0 turns
 the CPU kernels off for a whole process. `model.attnres_ops.kernel_paths()` says which path ran
-(and why the PyTorch ops did, where they did). `strict` (or DEPTHSCALE_STRICT_KERNELS=1) makes a
-read that misses an available kernel raise instead of falling back (`model/kernel_dispatch.py`).
+(and why the PyTorch ops did, where they did). `strict(True)` / `with strict():` (or
+DEPTHSCALE_STRICT_KERNELS=1) makes a read that misses an available kernel raise instead of falling
+back (`model/kernel_dispatch.py` says which fallbacks count as missed).
 """
 
 from __future__ import annotations
@@ -18,23 +19,40 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+
+def strict_from_env() -> bool:
+    """DEPTHSCALE_STRICT_KERNELS as a flag: unset, "", 0, false, no, off → False; else True."""
+    value = os.environ.get("DEPTHSCALE_STRICT_KERNELS", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
 _override: bool | None = None
 _cpu_override: bool | None = None
-_strict: bool = os.environ.get("DEPTHSCALE_STRICT_KERNELS", "0") not in ("", "0")
+_strict: bool = strict_from_env()
 
 
-@contextmanager
-def strict(enabled: bool = True) -> Iterator[None]:
-    """Within the block, True: an AttnRes read that misses an available fused kernel (mixed dtypes,
-    a failed build, triton missing on CUDA, ...) raises `KernelFallbackError` instead of running
-    the PyTorch ops; False: it falls back (and logs a warning once). Outside any block the default
-    is DEPTHSCALE_STRICT_KERNELS (read at import; the test suite sets it to 1)."""
-    global _strict
-    previous, _strict = _strict, enabled
-    try:
-        yield
-    finally:
-        _strict = previous
+class strict:  # lower case: used like a function, as torch.set_grad_enabled is
+    """Strict kernel dispatch, True: an AttnRes read that misses an available fused kernel (mixed
+    dtypes, a failed build, triton missing for CUDA tensors, ...) raises `KernelFallbackError`
+    instead of running the PyTorch ops; False: it falls back (and logs a warning once). Reads
+    without a fused kernel (float64, torch.compile tracing, DTensors, `use_triton(False)` /
+    `use_cpu_kernels(False)`) fall back either way; see `model/kernel_dispatch.py`.
+
+    A setter and a context manager, like `torch.set_grad_enabled`: `kernels.strict(True)` sets it
+    for the process; `with kernels.strict():` (or `strict(False)`) sets it for the block and
+    restores the previous setting on leaving it. The default is DEPTHSCALE_STRICT_KERNELS (1 / 0,
+    read at import; the test suite sets 1)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        global _strict
+        self.previous, _strict = _strict, bool(enabled)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        global _strict
+        _strict = self.previous
 
 
 def strict_mode() -> bool:

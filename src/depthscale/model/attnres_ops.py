@@ -266,9 +266,14 @@ class _MergePartial(torch.autograd.Function):
 
 
 def _reads(
-    sources: list[Tensor], queries: Tensor, eps: float, chain: bool, kind: str
+    sources: list[Tensor],
+    queries: Tensor,
+    eps: float,
+    chain: bool,
+    kind: str,
+    chosen: tuple[str, Any, Any] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    path, ops = choose(kind, sources, queries)
+    path, ops, _ = chosen or choose(kind, sources, queries)
     if path == "triton":  # no chaining: autograd accumulates the sources' gradients
         out, lse = ops.triton_multi_query_read(sources, queries, eps)
         return list(out.unbind(0)), list(lse.unbind(0)), list(sources)
@@ -300,10 +305,10 @@ def multi_query_reads(
 def multi_query_read(sources: list[Tensor], queries: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """`multi_query_reads` stacked: outputs [S, B, T, d] and log-sum-exps [S, B, T] (tests and
     benchmarks compare implementations through this form)."""
-    path, ops = choose("read", sources, queries)
-    if path == "triton":
-        return ops.triton_multi_query_read(sources, queries, eps)
-    outs, lses = multi_query_reads(sources, queries, eps)
+    chosen = choose("read", sources, queries)
+    if chosen[0] == "triton":
+        return chosen[1].triton_multi_query_read(sources, queries, eps)
+    outs, lses, _ = _reads(sources, queries, eps, chain=False, kind="read", chosen=chosen)
     return torch.stack(outs), torch.stack(lses)
 
 
@@ -340,7 +345,7 @@ def inter_block_read_chained(
 def _merge(
     inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float, chain: bool
 ) -> tuple[Tensor, Tensor]:
-    path, ops = choose("merge", [partial], query, inter_lse, inter_out)
+    path, ops, _ = choose("merge", [partial], query, inter_lse, inter_out)
     if path == "triton":
         return ops.triton_merge_partial(inter_out, inter_lse, partial, query, eps), partial
     w = _acc(query)

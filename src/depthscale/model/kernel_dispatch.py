@@ -1,25 +1,33 @@
 """Which implementation runs an AttnRes read, and a record of what ran.
 
-One rule, `choose(kind, values, query, lse, inter_out)`, picks the path of every read: the Triton
-kernels (`triton`) for plain CUDA tensors when triton imports (any device under
-`kernels.use_triton(True)`), else the C++ CPU kernels (`cpu`) for plain CPU tensors of one dtype
-among fp32/bf16/fp16, else the PyTorch ops (`torch`) with the reason. Every choice is recorded
-(`kernel_paths()`), and the first time a (read type, path, reason) occurs it is logged to
-`depthscale.kernels`: INFO for a fused path or a fallback that was asked for, WARNING for a
-fallback that cost a fused kernel (a silent fallback is how a slow bf16 run goes unnoticed).
+One rule, `choose(kind, values, query, lse, inter_out)`, picks the path of every read and is the
+only place that decides, records and refuses: the Triton kernels (`triton`) for plain CUDA tensors
+when triton imports (any device under `kernels.use_triton(True)`), else the C++ CPU kernels (`cpu`)
+for plain CPU tensors of one dtype among fp32/bf16/fp16, else the PyTorch ops (`torch`) with the
+reason (`fallback_reason`). `_triton` / `_cpu` are its eligibility checks, nothing more.
+
+Every choice is recorded (`kernel_paths()`), and logged to `depthscale.kernels` the first time a
+read type takes a path for a given reason, so once per read type in a run whose reads all take
+one path (a read type that later takes another path, or falls back for another reason, logs that
+once too: a fallback must never hide behind an earlier fused read). INFO for a fused path or a
+fallback without a kernel, WARNING for a missed kernel (a silent fallback is how a slow bf16 run
+goes unnoticed). After the first time a read costs a tuple and a dict lookup: no formatting.
 
 Fallbacks are of two kinds:
 
 - *chosen or without a kernel* — never an error: `use_triton(False)` / `use_cpu_kernels(False)` /
   `DEPTHSCALE_CPU_KERNELS=0`, torch.compile tracing (the compiler fuses the PyTorch ops itself),
   float64 (gradcheck), tensor subclasses such as DTensor queries under tp + dp (the ops have no
-  sharding rules), and devices with no kernel at all (neither CPU nor CUDA);
-- *missed* — a kernel exists for this device, but this read could not use it: mixed source dtypes,
-  a query or log-sum-exp not in fp32, a phase-1 output in a third dtype, tensors on different
-  devices, triton missing on CUDA, CPU kernels that did not build.
+  sharding rules), source dtypes no kernel takes (e.g. integer), and devices with no kernel at all
+  (neither CPU nor CUDA, e.g. meta);
+- *missed* — a kernel exists for this device and these dtypes, but this read could not use it:
+  mixed source dtypes, a log-sum-exp not in fp32, a phase-1 output in a third dtype, tensors on
+  different devices, triton missing for CUDA tensors, CPU kernels that did not build.
 
-Strict mode (`kernels.strict()`, or `DEPTHSCALE_STRICT_KERNELS=1` for a process and its children)
-turns a missed fallback into a `KernelFallbackError`; the test suite runs strict.
+Strict mode (`kernels.strict(True)` for the process, `with kernels.strict():` for a block, or
+`DEPTHSCALE_STRICT_KERNELS=1` for a process and its children) turns a missed fallback into a
+`KernelFallbackError` naming the read type, the reason and how to turn strict mode off; the other
+kind still falls back. The test suite runs strict (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -51,40 +59,48 @@ def choose(
     query: Tensor,
     lse: Tensor | None = None,
     inter_out: Tensor | None = None,
-) -> tuple[str, Any]:
-    """The path of one read and what runs it: ("triton", the Triton kernels' module), ("cpu", the
-    CPU kernels' ops) or ("torch", None). `values`: the sources (a read) or the partial sum (a
-    merge); `query`: the queries as the caller holds them; `lse` / `inter_out`: a merge's phase-1
-    results. Called per read: attribute checks only, until a fallback needs its reason."""
-    others = [t for t in (inter_out, lse, query) if t is not None]
-    ops = _triton(values, others)
+) -> tuple[str, Any, Any]:
+    """The path of one `kind` read ("read", "phase1", "merge"), what runs it and why: ("triton",
+    the Triton kernels' module, None), ("cpu", the CPU kernels' ops, None) or ("torch", None,
+    the fallback reason: a string, or a %-format and its arguments; `describe` formats it).
+    `values`: the sources (a read) or the partial sum (a merge); `query`: the queries as the
+    caller holds them; `lse` / `inter_out`: a merge's phase-1 results. Records the choice; raises
+    `KernelFallbackError` for a missed kernel in strict mode. Called per read: attribute checks
+    only, until a fallback needs its reason."""
+    ops = _triton(values, query, lse, inter_out)
     if ops is not None:
         record(kind, "triton")
-        return "triton", ops
+        return "triton", ops, None
     ops = _cpu(values, query, lse, inter_out)
     if ops is not None:
         record(kind, "cpu")
-        return "cpu", ops
+        return "cpu", ops, None
     missed, reason = fallback_reason(values, query, lse, inter_out)
     record(kind, "torch", reason, missed)
     if missed and kernels.strict_mode():
         raise KernelFallbackError(
-            f"AttnRes {kind} read fell back to the PyTorch ops: {_describe(reason)}. A fused "
-            "kernel exists for this device; strict mode (kernels.strict() or "
+            f"AttnRes {kind} read fell back to the PyTorch ops: {describe(reason)}. A fused "
+            "kernel exists for this device; strict mode (kernels.strict(True) or "
             "DEPTHSCALE_STRICT_KERNELS=1) refuses the fallback — fix the inputs, or turn strict "
             "mode off with kernels.strict(False) / DEPTHSCALE_STRICT_KERNELS=0"
         )
-    return "torch", None
+    return "torch", None, reason
 
 
-def _triton(values: list[Tensor], others: list[Tensor]) -> Any:
+def _triton(
+    values: list[Tensor], query: Tensor, lse: Tensor | None, inter_out: Tensor | None
+) -> Any:
     """The Triton kernels module when it applies: plain CUDA tensors (any device under
     `use_triton(True)`, none under `use_triton(False)`), values of one dtype, no float64, triton
     importable. Imported lazily: model/ must not need triton."""
     override = kernels.triton_override()
     if override is False:
         return None
-    tensors = [*values, *others]
+    tensors = [*values, query]
+    if lse is not None:
+        tensors.append(lse)
+    if inter_out is not None:
+        tensors.append(inter_out)
     if any(type(t) not in _PLAIN for t in tensors):
         return None
     if override is None and not all(t.is_cuda for t in tensors):
@@ -132,7 +148,9 @@ _paths: dict[tuple[str, str, Any], None] = {}
 """(read type, path, fallback reason or None) in the order first seen."""
 
 
-def _describe(reason: Any) -> str:
+def describe(reason: Any) -> str:
+    """A fallback reason as text, e.g. "mixed source dtypes float32/bfloat16"."""
+
     def name(x: Any) -> str:
         if isinstance(x, torch.dtype):
             return str(x).removeprefix("torch.")
@@ -157,7 +175,7 @@ def record(kind: str, path: str, reason: Any = None, missed: bool = False) -> bo
             log.info("AttnRes %s path: %s", kind, path)
         else:
             level = logging.WARNING if missed else logging.INFO
-            log.log(level, "AttnRes %s path: %s (%s)", kind, path, _describe(reason))
+            log.log(level, "AttnRes %s path: %s (%s)", kind, path, describe(reason))
     return True
 
 
@@ -174,7 +192,7 @@ def kernel_paths(reasons: bool = False) -> dict[str, str]:
     torch entries carry why, e.g. "torch (mixed source dtypes float32/bfloat16)"."""
     found: dict[str, list[str]] = {}
     for kind, path, reason in list(_paths):  # a snapshot: reads may record meanwhile
-        label = f"{path} ({_describe(reason)})" if reasons and reason is not None else path
+        label = f"{path} ({describe(reason)})" if reasons and reason is not None else path
         labels = found.setdefault(kind, [])
         if label not in labels:
             labels.append(label)
