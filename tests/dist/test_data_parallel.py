@@ -128,10 +128,13 @@ def _parallelize(
 ) -> None:
     if dims.tp > 1:
         _toy_tensor_parallel(model, mesh["tp"])
-    if dims.dp_shard > 1:
+    if dims.dp_shard > 1 or dims.tp > 1:  # as `parallelize`: DTensor replicas take FSDP2
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         model._whole = apply_fsdp(
-            model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=reshard
+            model,
+            dp_mesh,
+            param_dtype=param_dtype,
+            reshard_after_forward=reshard and dims.dp_shard > 1,
         )
     else:
         model._whole = apply_ddp(model, mesh["dp_replicate"])
@@ -386,13 +389,15 @@ def test_parity_with_single_process(dist_pool, layout, residual):
 
 
 def test_ddp_after_tensor_parallel(dist_pool):
-    """TP weights are DTensors: apply_ddp keeps them DTensors (2-D: Replicate on dp, TP placement
-    on tp), so clipping and checkpoints see the real shards."""
+    """TP weights are DTensors: replicas of them are FSDP2 on the (dp_replicate, dp_shard) mesh
+    with a shard group of one, which keeps them DTensors (Replicate on dp_replicate, a shard of the
+    whole tensor on the size-1 dp_shard, the TP placement on tp), so clipping and checkpoints see
+    the real shards; the result equals one process."""
     for r in dist_pool(4).run(_parity, "tp+ddp", _cfg("block"), ("sgd",)):
         assert r["placements"] == {
-            "(Replicate(), Shard(dim=0))",  # column-parallel weights
-            "(Replicate(), Shard(dim=1))",  # row-parallel weights
-            "(Replicate(),)",  # embedding, norms: 1-D, on dp only
+            "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))",  # column-parallel weights
+            "(Replicate(), Shard(dim=0), Shard(dim=1))",  # row-parallel weights
+            "(Replicate(), Shard(dim=0))",  # embedding, norms: on dp_replicate × dp_shard only
             "plain",  # the layers' AttnRes queries, whole on every rank
         }
         _check(r, _cfg("block"), ("sgd",))

@@ -115,9 +115,15 @@ CONFIG_CASES = [
             "2",
             "--train.batch_size",
             "3",
+            "--train.micro_batch_size",
+            "1",
         ],
         "interleaved 1F1B (parallel.pp_virtual=2) needs the micro-batches",
     ),  # fmt: skip
+    (
+        ["--nproc", "2", "--parallel.pp", "2", "--train.batch_size", "3"],
+        "the per-rank batch 3 splits into neither 4 nor 2 micro-batches",
+    ),
     (["--nproc", "2"], "but --nproc is 2"),
     (["--parallel.tp", "2"], "add --nproc 2"),
     (["--parallel.pp_virtual", "2"], "parallel.pp_virtual=2 needs parallel.pp > 1"),

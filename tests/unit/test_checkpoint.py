@@ -319,3 +319,41 @@ def test_model_only_checkpoints_verify_and_load_runs_picks_the_newest_verified(t
         load_run(run, str(step_dir(run / "checkpoints", 1)))
     with pytest.raises(CheckpointError, match="another model's checkpoint"):
         verified(step_dir(run / "checkpoints", 0), ModelConfig(vocab_size=64, dim=64))
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+@pytest.mark.parametrize("saved, resumed", [(True, False), (False, True)])
+def test_resume_takes_group_settings_from_the_config_and_state_from_the_checkpoint(
+    tmp_path, name, saved, resumed
+):
+    """A run resumed with optim.decay_embeddings flipped: every parameter's moments load, and each
+    group's weight decay is the config's. (Torch's flattened load alone gives a group its first
+    parameter's saved settings: with the embedding first, false → true left every matrix
+    undecayed.)"""
+    from depthscale.config import OptimConfig
+    from depthscale.train.optim import build_optimizer
+
+    arch = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2)
+
+    def build(decay_embeddings):
+        torch.manual_seed(0)
+        model = Transformer(arch)
+        cfg = OptimConfig(name=name, weight_decay=0.1, decay_embeddings=decay_embeddings)
+        return model, build_optimizer(model, cfg)
+
+    model, optimizer = build(saved)
+    model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+    optimizer.step()
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(), arch)
+    ckpt.save(1, model, optimizer, {"step": 1})
+    moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+
+    model2, optimizer2 = build(resumed)
+    expected = [(len(g["params"]), g["weight_decay"]) for g in optimizer2.param_groups]
+    ckpt.load(step_dir(tmp_path, 1), model2, optimizer2)
+    assert [(len(g["params"]), g["weight_decay"]) for g in optimizer2.param_groups] == expected
+    decayed = {p for g in optimizer2.param_groups if g["weight_decay"] for p in g["params"]}
+    assert (model2.tok_embeddings.weight in decayed) is resumed
+    assert model2.layers["0"].attention.wq.weight in decayed
+    for n, p in model2.named_parameters():
+        torch.testing.assert_close(optimizer2.state[p]["exp_avg"], moments[n], rtol=0, atol=0)

@@ -167,6 +167,52 @@ def test_pipeline_micro_batches():
         UserWarning, match=r"idles 60% of each step; use train.micro_batch_size <= 2"
     ):
         assert load_config(None, explicit).grad_accum_steps == 2
+    tiny_batch = ["--parallel.pp", "4", "--train.batch_size", "2", "--train.micro_batch_size", "1"]
+    with pytest.warns(
+        UserWarning,
+        match=r"2 micro-batch\(es\) per step for 4 stages, so the pipeline idles 60% of each "
+        r"step; set train.micro_batch_size=1 and train.batch_size >= 4 for at least 4",
+    ):
+        assert load_config(None, tiny_batch).grad_accum_steps == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (  # per rank 12 // 2 = 6: neither 8 nor 4 micro-batches
+            ["--parallel.pp", "4", "--parallel.dp_shard", "2", "--train.batch_size", "12"],
+            r"parallel.pp=4 with train.batch_size=12 over 2 data-parallel rank\(s\): the per-rank "
+            r"batch 6 splits into neither 8 nor 4 .* idle 75% of it; set train.batch_size to a "
+            r"multiple of pp × dp = 8 \(e.g. 16\)",
+        ),
+        (  # fewer sequences per rank than stages
+            ["--parallel.pp", "4", "--train.batch_size", "2"],
+            r"the per-rank batch 2 splits into neither 8 nor 4 .* multiple of pp × dp = 4 \(e.g. 4\)",
+        ),
+    ],
+)
+def test_default_split_that_would_starve_the_pipeline_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_pipeline_splits_that_fill_the_stages_pass_silently(recwarn):
+    """What the shipped configs and the suite's pipeline layouts use: no error, no warning."""
+    for overrides, micro in [
+        (["--parallel.pp", "2", "--train.batch_size", "6"], 3),  # 2·pp fails, pp = 2 works
+        (["--parallel.pp", "2", "--parallel.dp_shard", "2", "--train.batch_size", "4"], 1),
+        (["--parallel.pp", "4", "--train.batch_size", "8", "--train.micro_batch_size", "2"], 2),
+    ]:
+        assert load_config(None, overrides).micro_batch_size == micro
+    for path in CONFIGS.glob("*.toml"):
+        load_config(path, ["--parallel.pp", "4"])
+    assert not [w for w in recwarn if "micro-batch" in str(w.message)]
+
+
+@pytest.mark.parametrize("key", ["dp_replicate", "dp_shard", "pp"])
+def test_zero_parallel_size_is_a_config_error_not_a_division_by_zero(key):
+    with pytest.raises(ConfigError, match=rf"parallel.{key}=0 must be >= 1"):
+        load_config(None, [f"--parallel.{key}", "0"])
 
 
 def test_missing_file():

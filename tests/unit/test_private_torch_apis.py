@@ -1,24 +1,45 @@
 """The private torch APIs depthscale relies on, pinned: an upgrade that moves or changes one fails
-here, in CI, with its name — not in a training run. Each entry says where it is used."""
+here, in CI, with its name — not in a training run. Each entry says where it is used. Checked
+against torch 2.11 (the GPU image) and 2.13 (CI); `data_parallel.replicate_api` says why DDP's
+composable replicate has no public replacement yet."""
 
 from __future__ import annotations
 
 import inspect
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from depthscale.parallel.data_parallel import replicate_apis
+from depthscale.parallel.data_parallel import replicate_api
 
 
-def test_composable_replicate_apis():
-    """parallel/data_parallel.apply_ddp: DDP's reducer on the module (plain parameters) and FSDP2's
-    replicate (DTensor parameters), with the arguments it passes."""
-    replicate, replicate_dtensor = replicate_apis()
-    ddp = inspect.signature(replicate).parameters
-    assert "ignored_modules" in ddp
-    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ddp.values())  # process_group=
-    fsdp = inspect.signature(replicate_dtensor).parameters
-    assert {"mesh", "ignored_params"} <= set(fsdp)
+def test_composable_replicate_api():
+    """parallel/data_parallel.apply_ddp: DDP's reducer installed on the module (plain parameters),
+    called with exactly these arguments."""
+    replicate = replicate_api()
+    params = inspect.signature(replicate).parameters
+    assert list(params)[:2] == ["module", "ignored_modules"]
+    # the other keywords go to DistributedDataParallel (at the first forward): process_group=
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    assert "process_group" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+
+
+def test_replicated_module_switches_gradient_sync():
+    """parallel/plan.py holds the gradient all-reduce back until a step's last micro-batch with
+    `set_requires_gradient_sync`, which DDP's replicate mixes into the module's class (lazily: no
+    process group is needed to check it)."""
+    module = replicate_api()(nn.Linear(2, 2), ignored_modules=[])
+    assert isinstance(module, nn.Linear)  # same module: names and state-dict keys unchanged
+    module.set_requires_gradient_sync(False)
+    module.set_requires_gradient_sync(True)
+
+
+def test_device_mesh_flatten():
+    """parallel/mesh.py: `DeviceMesh._flatten(name)` names the flattened dimensions dp_shard_cp
+    and dp_cp (torchtitan does the same; no public equivalent in torch 2.11–2.13)."""
+    params = inspect.signature(DeviceMesh._flatten).parameters
+    assert list(params)[:2] == ["self", "mesh_dim_name"]
 
 
 def test_accumulate_grad_node_type():
@@ -27,3 +48,17 @@ def test_accumulate_grad_node_type():
     accumulate = torch._C._functions.AccumulateGrad
     w = torch.nn.Parameter(torch.ones(2))
     assert isinstance(w.to(torch.bfloat16).grad_fn.next_functions[0][0], accumulate)
+
+
+def test_assume_constant_result_is_a_marker_attribute():
+    """model/kernel_dispatch.py marks `record` as torch.compile-constant by setting the attribute
+    `torch.compiler.assume_constant_result` sets, so that importing the model does not import
+    dynamo (and triton)."""
+    from depthscale.model.kernel_dispatch import record
+
+    def probe() -> bool:
+        return True
+
+    assert torch.compiler.assume_constant_result(probe) is probe
+    assert probe._dynamo_marked_constant is True
+    assert record._dynamo_marked_constant is True

@@ -138,7 +138,9 @@ class TrainConfig:
     """Global batch: sequences per optimizer step."""
     micro_batch_size: int = 0
     """Sequences per forward/backward on one data-parallel rank; 0 = the rank's whole share of the
-    batch (with pipeline parallelism: 2·pp micro-batches). Accumulation = batch / (dp · micro)."""
+    batch, or with pipeline parallelism 2·pp micro-batches (else pp; a per-rank batch that splits
+    into neither is refused). Accumulation = batch / (dp · micro). Set explicitly under pp, fewer
+    micro-batches than stages are allowed with a warning naming the pipeline bubble."""
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (parameters and optimizer state stay float32)."""
@@ -212,7 +214,9 @@ class ParallelConfig:
     column- / row-parallel GEMMs into this many chunks, so communication of chunk i+1 overlaps the
     GEMM of chunk i. 1 = no chunking."""
     fsdp_reshard_after_forward: bool = True
-    """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward (ZeRO-2-like)."""
+    """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward
+    (ZeRO-2-like). Replicas without dp_shard × cp (dp_replicate beside tp or pp) gather nothing
+    and keep their unsharded copies, as DDP does."""
     fsdp_defer_reduce_scatter: bool = False
     """With gradient accumulation, FSDP/HSDP reduce-scatter each micro-batch's gradients (the
     cross-replica all-reduce of HSDP and DDP's all-reduce always wait for the last micro-batch).
@@ -256,7 +260,9 @@ class Config:
     @property
     def micro_batch_size(self) -> int:
         """train.micro_batch_size, or its default: a data-parallel rank's whole share of the batch,
-        except under pipeline parallelism, where 2·pp micro-batches per rank keep the bubble small."""
+        except under pipeline parallelism, where 2·pp (else pp) micro-batches per rank keep the
+        bubble small (`validate` refuses a per-rank batch that splits into neither, rather than run
+        one micro-batch per step)."""
         if self.train.micro_batch_size:
             return self.train.micro_batch_size
         per_rank = max(1, self.train.batch_size // self.dp_degree)

@@ -49,6 +49,19 @@ def validate(cfg: Config) -> Config:
         "data.max_bytes",
         "logging.peak_tflops",
     )
+    # the parallel sizes first: the batch rules below divide by them
+    for name in (
+        "dp_replicate",
+        "dp_shard",
+        "cp",
+        "tp",
+        "pp",
+        "pp_virtual",
+        "nproc",
+        "tp_overlap_chunks",
+    ):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
     if m.dim % m.n_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
@@ -117,18 +130,6 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
-    for name in (
-        "dp_replicate",
-        "dp_shard",
-        "cp",
-        "tp",
-        "pp",
-        "pp_virtual",
-        "nproc",
-        "tp_overlap_chunks",
-    ):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
     if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
         raise ConfigError(
             f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "
@@ -146,10 +147,14 @@ def validate(cfg: Config) -> Config:
 
 
 def _check_pipeline_micro_batches(cfg: Config) -> None:
-    """Under pp, fewer micro-batches than stages leave most of every step idle (1F1B bubble
-    (pp-1)/(m+pp-1)). The default micro-batch size would silently fall back to one micro-batch
-    when the per-rank batch splits into neither 2·pp nor pp: that is an error naming the fix.
-    An explicit train.micro_batch_size is the user's choice: it only warns."""
+    """Under pp, m micro-batches per step leave the fraction (pp-1)/(m+pp-1) of it idle (the 1F1B
+    bubble): with fewer micro-batches than stages, most of it.
+
+    train.micro_batch_size = 0 (the default split: 2·pp, else pp micro-batches per rank) used to
+    fall back silently to one micro-batch when the per-rank batch splits into neither: nobody chose
+    that, so it is a ConfigError naming the batch sizes that work. An explicit micro_batch_size
+    giving fewer micro-batches than stages is a choice the user made (a memory limit, a small debug
+    batch); the run is correct, only slow, so it is allowed with a warning naming the bubble."""
     p, t = cfg.parallel, cfg.train
     if p.pp == 1:
         return
@@ -175,7 +180,7 @@ def _check_pipeline_micro_batches(cfg: Config) -> None:
     if per_rank >= p.pp:
         fix = f"use train.micro_batch_size <= {per_rank // p.pp} for at least {p.pp}"
     else:
-        fix = f"raise train.batch_size to {multiple} or more for at least {p.pp}"
+        fix = f"set train.micro_batch_size=1 and train.batch_size >= {multiple} for at least {p.pp}"
     warnings.warn(
         f"parallel.pp={p.pp} with train.micro_batch_size={t.micro_batch_size}: {n} "
         f"micro-batch(es) per step for {p.pp} stages, so the pipeline idles {bubble:.0%} of "

@@ -9,7 +9,9 @@ Three flavours, chosen by the mesh `parallelize()` hands over:
   groups, so the all-gathers and reduce-scatters stay in the high-bandwidth domain (a node) and only one
   gradient all-reduce per unit crosses the slow links.
 - `apply_ddp` on a 1-D `dp_replicate` mesh: plain replication with gradient all-reduces overlapped
-  with backward (DDP's bucketed reducer; FSDP2's replicate once TP has made parameters DTensors).
+  with backward (DDP's bucketed reducer). Once TP has made parameters DTensors, and for pipeline
+  stages, replication is `apply_fsdp` on a (dp_replicate, dp_shard) mesh whose shard group is one
+  rank: FSDP2's per-unit all-reduce across replicas, issued from each unit's post-backward hook.
 
 Every rank must start from bit-identical weights (same seed, or a seed checkpoint): none of these
 broadcast a reference copy, they only slice (FSDP) or check (DDP) what is there.
@@ -135,72 +137,70 @@ def _chain_prefetch(root: nn.Module, blocks: list[nn.Module]) -> None:
 # Replicated data parallel
 
 
-def apply_ddp(
-    model: nn.Module, dp_mesh: DeviceMesh, roots: list[nn.Module] | None = None
-) -> list[nn.Parameter]:
-    """Replicate `model` over the 1-D `dp_mesh`; gradients are averaged by all-reduces that start
-    while backward is still running. Parameter names and state-dict keys stay those of the plain
-    model in both of the paths below (no wrapper, no `module.` prefix to strip for checkpoints).
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Replicate `model`, whose parameters are plain tensors, over the 1-D `dp_mesh` with DDP's
+    bucketed reducer: each bucket's gradient all-reduce starts as soon as all its gradients are in,
+    while backward is still running. Returns the layers' AttnRes queries, which it leaves out (the
+    caller averages their gradients).
 
-    Plain parameters (pure data parallelism): `torch.distributed._composable.replicate`, which installs
-    DDP's reducer on the module itself instead of wrapping it, so the module also keeps its own
-    methods (`embed`/`head`). DDP fires each gradient bucket's all-reduce as soon as all its grads are
-    in; parameters stay plain tensors, identical on all replicas. The layers' AttnRes queries are
-    left out, as FSDP leaves them out (returned; the caller averages their gradients): they are the
-    only parameters that may get no gradient (with the reference/efficient reads the first sublayer
-    reads the embedding alone), so DDP's reducer needs neither `find_unused_parameters` (a walk of
-    the autograd graph every step) nor a static graph (which cannot skip a sync in its first
-    iteration, so gradient accumulation could not defer the all-reduce).
+    `torch.distributed._composable.replicate` installs the reducer on the module itself instead of
+    wrapping it: parameter names and state-dict keys stay those of the plain model (no `module.`
+    prefix to strip for checkpoints), the module keeps its own methods (`embed`/`head`), and the
+    trainer calls the model as it is. Parameters stay plain tensors, identical on all replicas
+    (so the optimizer can take torch's fused AdamW). The AttnRes queries are left out as FSDP leaves
+    them out: they are the only parameters that may get no gradient (with the reference/efficient
+    reads the first sublayer reads the embedding alone), so the reducer needs neither
+    `find_unused_parameters` (a walk of the autograd graph every step) nor a static graph (which
+    cannot skip a sync in its first iteration, so gradient accumulation could not defer the
+    all-reduce).
 
-    DTensor parameters (tensor parallelism applied first): DDP's reducer cannot hold DTensors (the
-    forward fails on mixed Tensor/DTensor), and its `device_mesh` workaround turns TP weights into
-    local shards outside forward, which silently breaks gradient clipping and checkpoints. These take
-    FSDP2's replicate instead (`replicate_with_fsdp`): parameters become 2-D DTensors
-    (Replicate on dp, TP placement on tp), unit by unit like `apply_fsdp`, and each unit's gradient
-    all-reduce is issued from its post-backward hook. As there, the layers' AttnRes queries are
-    left out and returned (the caller averages their gradients); the first path returns none.
-
-    `roots` (pipeline stages, see `apply_fsdp`): the modules whose forward actually runs. DDP's reducer
-    is prepared in the model's forward, which never runs under pipeline parallelism, so stages always
-    take FSDP2's replicate, each stage a root.
+    DTensor parameters (tensor parallelism) and pipeline stages take FSDP2 instead (`parallelize`):
+    `apply_fsdp` on the (dp_replicate, dp_shard) mesh with a shard group of one, which replicates.
+    DDP's reducer cannot hold DTensors, and it is prepared in the model's forward, which never runs
+    under pipeline parallelism.
     """
     if dp_mesh.ndim != 1:
         raise ValueError(f"apply_ddp needs a 1-D dp_replicate mesh, got {dp_mesh.ndim}-D")
-    replicate, replicate_dtensor = replicate_apis()
-    if roots is None and not any(isinstance(p, DTensor) for p in model.parameters()):
-        queries = depth_query_params(model)
-        ignored = [
-            m
-            for m in model.modules()
-            if any(p is q for p in m.parameters(recurse=False) for q in queries)
-        ]
-        replicate(model, process_group=dp_mesh.get_group(), ignored_modules=ignored)
-        return queries
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            "apply_ddp replicates plain parameters; for DTensor parameters (tensor parallelism) "
+            "use apply_fsdp on a (dp_replicate, dp_shard) mesh whose dp_shard has size 1"
+        )
+    replicate = replicate_api()
     queries = depth_query_params(model)
-    ignored = set(queries)
-    for layer in model.layers.values() if isinstance(model, Transformer) else []:
-        replicate_dtensor(layer, mesh=dp_mesh, ignored_params=ignored)
-    for root in roots if roots is not None else [model]:
-        replicate_dtensor(root, mesh=dp_mesh, ignored_params=ignored)
+    ignored = [
+        m
+        for m in model.modules()
+        if any(p is q for p in m.parameters(recurse=False) for q in queries)
+    ]
+    replicate(model, process_group=dp_mesh.get_group(), ignored_modules=ignored)
     return queries
 
 
-def replicate_apis() -> tuple[Callable, Callable]:
-    """torch's composable replicate APIs: `_composable.replicate` (DDP's reducer installed on the
-    module) and `_composable.replicate_with_fsdp.replicate` (FSDP2's replicate, for DTensors).
-    They are private (torchtitan's DDP path uses the first too), so this is the one place that
-    imports them, and tests/unit/test_private_torch_apis.py pins the names and arguments used on
-    every torch the suite runs on (2.11 on the GPU image, 2.13 in CI)."""
+def replicate_api() -> Callable:
+    """`torch.distributed._composable.replicate`: DDP's reducer installed on a module. The one
+    private torch API data parallelism uses (torchtitan's DDP path uses it too), so this is the one
+    place that imports it, and tests/unit/test_private_torch_apis.py pins the name, the arguments
+    and the gradient-sync switch on every torch the suite runs on (2.11 on the GPU image, 2.13 in
+    CI).
+
+    Public alternatives, checked against torch 2.11 and 2.13: `DistributedDataParallel` wraps the
+    module, and the reducer only runs when the wrapper's forward is what gets called (the trainer
+    calls the model; a wrapper would also rename every parameter). `fully_shard` with a shard group
+    of one (what DTensor parameters use, see `apply_ddp`) turns every parameter into a DTensor (no
+    fused AdamW), copies each unit's parameters into a separate unsharded buffer for its forward and
+    backward, and all-reduces per unit instead of per bucket. torch 2.12+ adds
+    `fully_shard(..., dp_mesh_dims=DataParallelMeshDims(replicate=...))`, FSDP2's replicate-only
+    mode, still with DTensor parameters and the same copies."""
     try:
         from torch.distributed._composable import replicate
-        from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_dtensor
     except ImportError as err:
         raise RuntimeError(
-            f"torch {torch.__version__} lacks the composable replicate APIs that "
-            f"parallel.dp_replicate uses without dp_shard ({err}); supported: torch 2.11 to 2.13. "
-            "Use parallel.dp_shard (FSDP2, public API) instead, or a supported torch"
+            f"torch {torch.__version__} lacks torch.distributed._composable.replicate, which "
+            f"parallel.dp_replicate uses without dp_shard, tp or pp ({err}); supported: torch 2.11 "
+            "to 2.13. Use parallel.dp_shard (FSDP2, public API) instead, or a supported torch"
         ) from err
-    return replicate, replicate_dtensor
+    return replicate
 
 
 @torch.no_grad()

@@ -136,7 +136,11 @@ def parallelize(
 
         apply_context_parallel(model, mesh["cp"], layout="zigzag")  # as `SequenceShard` cuts
     offload = cfg.train.offload_params
-    if dims.dp_shard * dims.cp > 1:
+    sharded = dims.dp_shard * dims.cp > 1
+    # Plain replicas (no tp, no pipeline) take DDP's bucketed reducer (`apply_ddp`); everything
+    # else FSDP2 — with a shard group of one (dp_replicate beside tp or pp) it replicates.
+    plain_replicas = not sharded and dims.tp == 1 and not stages
+    if sharded or (dims.dp_replicate > 1 and not plain_replicas):
         # cp ranks hold the same parameters and each sees part of every sequence: shard over
         # dp_shard × cp, as torchtitan does, so FSDP's reduce-scatter also averages over cp
         from depthscale.parallel.data_parallel import apply_fsdp
@@ -146,9 +150,11 @@ def parallelize(
         whole = apply_fsdp(
             model,
             dp_mesh,
-            param_dtype=dtype,
+            # replicas compute like DDP's: fp32 weights under autocast, and the unsharded copy kept
+            # from forward to backward (re-copying it would save memory, not communication)
+            param_dtype=dtype if sharded else torch.float32,
             reduce_dtype=torch.float32,
-            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and sharded,
             offload=offload,
             roots=stages or None,
         )
@@ -160,7 +166,7 @@ def parallelize(
         if dims.dp_replicate > 1:
             from depthscale.parallel.data_parallel import apply_ddp
 
-            whole = _names(model, apply_ddp(model, mesh["dp_replicate"], roots=stages or None))
+            whole = _names(model, apply_ddp(model, mesh["dp_replicate"]))
     return ParallelPlan(
         model,
         mesh,

@@ -281,11 +281,21 @@ class Checkpointer:
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
         """Load model (and optimizer) state in place; returns the trainer state. `path` should
-        have been chosen through verification (resolve_resume)."""
+        have been chosen through verification (resolve_resume).
+
+        The optimizer's state (moments, step counts) comes from the checkpoint, its group settings
+        (weight decay, betas, eps, LAMB's options) from `optimizer` as the config built it. Torch's
+        flattened load would give each group the saved settings of its *first* parameter: after a
+        config change that moves a parameter between groups (`optim.decay_embeddings`), the
+        embedding's saved weight_decay 0 would end up on every matrix."""
         trainer_state = read_trainer_state(path)
         if optimizer is None or is_model_only(trainer_state):
             load_model(path, model)
             return trainer_state
+        configured = [
+            {k: v for k, v in g.items() if k not in ("params", "lr")}
+            for g in optimizer.param_groups
+        ]
         settings = [set(g) for g in optimizer.param_groups]
         options = StateDictOptions(flatten_optimizer_state_dict=_optimizer_flat(path))
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -305,6 +315,8 @@ class Checkpointer:
                 "(`depthscale generate --run`), its optimizer state cannot: resume from a newer "
                 "checkpoint or start a new run (--checkpoint.resume none)"
             )
+        for group, own in zip(optimizer.param_groups, configured):
+            group.update(own)  # lr: the schedule sets it before every step
         rng_file = path / rng_file_name(global_rank())
         if rng_file.is_file():  # absent for ranks beyond the saving run's world size
             try:

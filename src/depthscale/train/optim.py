@@ -284,11 +284,16 @@ def _no_decay(name: str, p: Tensor) -> bool:
 
 
 def _is_embedding(model: nn.Module, name: str) -> bool:
-    """The token embedding, and a pipeline last stage's copy of it (`output.weight` when tied)."""
-    if name.endswith("tok_embeddings.weight"):
+    """The token embedding, and a pipeline last stage's copy of it (`output.weight` when tied, see
+    `Transformer._init_key`). Matched by whole name components, so a wrapper's prefix is allowed."""
+    if _named(name, "tok_embeddings.weight"):
         return True
     cfg = getattr(model, "cfg", None)
-    return bool(getattr(cfg, "tie_embeddings", False)) and name.endswith("output.weight")
+    return bool(getattr(cfg, "tie_embeddings", False)) and _named(name, "output.weight")
+
+
+def _named(name: str, tail: str) -> bool:
+    return name == tail or name.endswith("." + tail)
 
 
 def param_groups(
