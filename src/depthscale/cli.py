@@ -106,6 +106,11 @@ def _convert(args: argparse.Namespace) -> int:
 def _trace(args: argparse.Namespace) -> int:
     if args.what == "schedule":
         return _trace_schedule(args)
+    if args.what in ("timeline", "stragglers", "hang"):
+        from depthscale.observe.report import run_report
+
+        out = Path(args.out) if args.out else None
+        return run_report(args.what, Path(args.run), out, args.step)
     import json
 
     from depthscale.data.loader import build_data
@@ -179,15 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--checkpoint", help="a step_* directory (default: the newest in the run)")
 
     trace = sub.add_parser(
-        "trace", help="diagnostic pictures: AttnRes depth weights, pipeline schedules"
+        "trace",
+        help="diagnostics of a run: the merged timeline, stragglers, hangs; AttnRes depth "
+        "weights; pipeline schedules",
     )
     trace.add_argument(
         "what",
-        choices=["depth", "schedule"],
-        help="depth: AttnRes depth-attention weights and output RMS per sublayer of a run; "
-        "schedule: a pipeline schedule per rank (simulated, with its bubble)",
+        choices=["timeline", "stragglers", "hang", "depth", "schedule"],
+        help="timeline: every rank's spans merged into one Perfetto/Chrome trace (with message "
+        "arrows, clocks aligned); stragglers: ranks slower than their peers, and a heat map; "
+        "hang: which rank the others wait for, from the hang dumps; depth: AttnRes "
+        "depth-attention weights and output RMS per sublayer of a run; schedule: a pipeline "
+        "schedule per rank (simulated, with its bubble)",
     )
-    trace.add_argument("--run", help="depth: run directory")
+    trace.add_argument("--run", help="timeline, stragglers, hang, depth: run directory")
     trace.add_argument("--checkpoint", help="depth: a step_* directory (default: the newest)")
     trace.add_argument(
         "--batch", type=_positive_int, default=4, help="depth: held-out sequences to average over"
@@ -201,7 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--microbatches", type=_positive_int, default=8, help="schedule: microbatches per step"
     )
     trace.add_argument(
-        "--out", help="PNG path (depth default: RUN/depth_trace.png, with a .json beside it)"
+        "--step",
+        type=_positive_int,
+        help="timeline: the step drawn in RUN/trace/timeline.png (default: the last one every "
+        "rank finished)",
+    )
+    trace.add_argument(
+        "--out",
+        help="output path (timeline: RUN/trace/timeline.json; stragglers: "
+        "RUN/trace/stragglers.png; depth: RUN/depth_trace.png, with a .json beside it)",
     )
 
     conv = sub.add_parser("convert", help="convert between Hugging Face Llama and depthscale runs")
@@ -247,8 +265,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
     if args.command == "generate":
         return _generate(args)
     if args.command == "trace":
-        if args.what == "depth" and not args.run:
-            parser.error("trace depth needs --run DIR")
+        if args.what not in ("schedule",) and not args.run:
+            parser.error(f"trace {args.what} needs --run DIR")
         return _trace(args)
     if args.direction == "hf-to-ds" and not args.hf:
         parser.error("convert hf-to-ds needs --hf DIR")

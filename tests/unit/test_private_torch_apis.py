@@ -62,3 +62,36 @@ def test_assume_constant_result_is_a_marker_attribute():
     assert torch.compiler.assume_constant_result(probe) is probe
     assert probe._dynamo_marked_constant is True
     assert record._dynamo_marked_constant is True
+
+
+def test_flight_recorder_dump_and_group_lookup():
+    """observe/flight_recorder.py: hang dumps read torch's Flight Recorder through
+    `_dump_fr_trace(includeCollectives, includeStackTraces, onlyActive)` (a pickled dict with
+    "entries" and "pg_status") and map a group name back to its ranks with
+    `distributed_c10d._resolve_process_group`. tests/dist/test_trace_spans.py reads a real one."""
+    from torch.distributed import distributed_c10d
+
+    dump = torch._C._distributed_c10d._dump_fr_trace
+    assert "includeCollectives" in (dump.__doc__ or "") and "onlyActive" in (dump.__doc__ or "")
+    assert callable(distributed_c10d._resolve_process_group)  # a pybind builtin: no signature
+
+
+def test_default_group_timeout_is_read_when_a_group_is_made():
+    """parallel/mesh.set_group_timeout: `new_group` and the device mesh take their timeout from
+    `distributed_c10d.default_pg_timeout` (NCCL: `default_pg_nccl_timeout`), read at call time
+    by `_get_default_timeout`; tests/dist/test_trace_spans.py checks a real mesh's groups."""
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
+    from depthscale.parallel.mesh import set_group_timeout
+
+    old = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
+    try:
+        set_group_timeout(datetime.timedelta(seconds=7))
+        seconds = datetime.timedelta(seconds=7)
+        assert distributed_c10d._get_default_timeout("gloo") == seconds
+        if isinstance(old[1], datetime.timedelta):  # a build with NCCL
+            assert distributed_c10d._get_default_timeout("nccl") == seconds
+    finally:
+        distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = old

@@ -171,6 +171,10 @@ class TrainConfig:
     """Let glibc malloc reuse freed host memory instead of returning it to the OS, so a step does
     not page-fault its activations in again (`train.host.keep_freed_host_memory`); RSS then stays
     at the peak. False leaves the allocator's defaults."""
+    gc_interval: int = 0
+    """0: Python's garbage collector runs whenever it decides. N > 0: it is disabled and run on
+    every rank at the start of every N-th step, so that no rank pauses for it in the middle of a
+    step and launches its collectives late (MegaScale §6.3; `benchmarks/gc_interval.py`)."""
 
 
 @dataclass
@@ -207,6 +211,9 @@ class ParallelConfig:
     pp: int = 1
     pp_virtual: int = 1
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
+    timeout_s: float = 600.0
+    """How long a collective or message may wait for its peers before it fails (the process
+    group's timeout); every rank then writes its hang dump."""
     nproc: int = 1
     """Local worker processes to launch (depthscale train --nproc N)."""
     tp_overlap_chunks: int = 1
@@ -245,6 +252,21 @@ class LoggingConfig:
     progress: bool = True
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s used for MFU; 0 = detect (known GPUs) or measure (CPU matmul)."""
+    trace: bool = True
+    """Record spans on every rank (RUN/trace/rank*.jsonl; `depthscale trace timeline` merges
+    them). Always on by design: `benchmarks/timeline_overhead.py` measures what it costs."""
+    trace_queue: int = 65536
+    """Events the background writer may fall behind by; beyond it they are dropped and counted."""
+    straggler_threshold: float = 0.12
+    """Name a rank whose compute (or data-wait) time exceeds its peers' (same pipeline stage) by
+    this fraction for several steps (`observe/stragglers.py`); 0 = off. Needs trace. 0.12 sits
+    above what four ranks sharing two CPU cores vary by and below a 20 % slowdown."""
+    hang_dump_s: float = 120.0
+    """A rank that makes no progress inside a step for this many seconds writes its hang dump
+    (RUN/trace/hang/; `depthscale trace hang` names the culprit); 0 = only on a timeout error."""
+    mfu_alarm: float = 0.1
+    """Warn when the rolling MFU falls this fraction below its best, naming the phase that grew;
+    0 = off."""
 
 
 @dataclass

@@ -48,6 +48,10 @@ def validate(cfg: Config) -> Config:
         "model.attnres_block_size",
         "data.max_bytes",
         "logging.peak_tflops",
+        "train.gc_interval",
+        "logging.straggler_threshold",
+        "logging.hang_dump_s",
+        "logging.mfu_alarm",
     )
     # the parallel sizes first: the batch rules below divide by them
     for name in (
@@ -128,6 +132,11 @@ def validate(cfg: Config) -> Config:
     for beta in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, beta) < 1.0:
             raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
+    if cfg.logging.mfu_alarm >= 1:
+        raise ConfigError(
+            f"logging.mfu_alarm={cfg.logging.mfu_alarm} must be in [0, 1) "
+            "(a fraction of the best MFU; 0 = off)"
+        )
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
     if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
@@ -207,8 +216,19 @@ def _non_negative(cfg: Config, *keys: str) -> None:
 
 
 # Fields whose only rule is a lower bound, beyond those `validate` checks with the cross-field rules.
-_AT_LEAST_ONE = ("model.multiple_of", "model.attnres_n_blocks", "logging.log_every")
-_POSITIVE_FLOATS = ("model.norm_eps", "model.init_std", "model.attnres_eps", "optim.eps")
+_AT_LEAST_ONE = (
+    "model.multiple_of",
+    "model.attnres_n_blocks",
+    "logging.log_every",
+    "logging.trace_queue",
+)
+_POSITIVE_FLOATS = (
+    "model.norm_eps",
+    "model.init_std",
+    "model.attnres_eps",
+    "optim.eps",
+    "parallel.timeout_s",
+)
 _NON_EMPTY = ("data.path", "data.tokenizer", "data.jsonl_field", "train.name", "train.run_dir")
 _SEED_LIMIT = 2**32  # numpy's seed range
 

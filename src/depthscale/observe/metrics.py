@@ -234,6 +234,15 @@ class MetricsLogger:
                     self._writer.add_scalar(f"{prefix}/{key}", value, step)
             self._writer.flush()
 
+    def event(self, step: int, kind: str, fields: dict[str, Any]) -> None:
+        """One structured event (a straggler, an alarm) as its own metrics.jsonl line, with
+        `split` = kind; not sent to TensorBoard."""
+        if self._file is None:
+            raise RuntimeError("MetricsLogger.event called after close()")
+        record = {"step": step, "split": kind, "time": time.time(), **fields}
+        self._file.write(json.dumps(record, default=str) + "\n")
+        self._file.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

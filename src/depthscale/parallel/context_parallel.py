@@ -114,6 +114,8 @@ def cp_loss(logits: Tensor, labels: Tensor, cp_group: ProcessGroup) -> tuple[Ten
 class RingStats(CommStats):
     """Counters accumulated over ring-attention calls (forward and backward) on one rank."""
 
+    channel = "cp"
+
     calls: int = 0
     blocks_computed: int = 0
     """(local queries, K/V block) pairs computed; one call has cp blocks per rank."""

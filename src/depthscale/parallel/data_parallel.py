@@ -31,6 +31,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor, Replicate
 
 from depthscale.model.transformer import Transformer
+from depthscale.observe import spans
 
 # ---------------------------------------------------------------------------------------------
 # FSDP2 / HSDP
@@ -216,7 +217,8 @@ def average_replicated_grads(params: list[nn.Parameter], group: dist.ProcessGrou
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
+        with spans.collective("all_reduce", group, flat):
+            dist.all_reduce(flat, group=group)
         flat /= dist.get_world_size(group)
         torch._foreach_copy_(
             grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)]
@@ -319,10 +321,12 @@ def grad_norm(
                 # "not replicated", not `is_shard()`: FSDP's (_StridedShard, Shard) placement of
                 # FSDP×TP weights answers is_shard() == False in torch 2.13
                 if not placement.is_replicate() and mesh.size(dim) > 1:
-                    dist.all_reduce(sq, group=mesh.get_group(dim))
+                    with spans.collective("all_reduce", mesh.get_group(dim), sq):
+                        dist.all_reduce(sq, group=mesh.get_group(dim))
         total = total + sq.to(total.device)
     if across is not None:
-        dist.all_reduce(total, group=across)
+        with spans.collective("all_reduce", across, total):
+            dist.all_reduce(total, group=across)
     return total.sqrt()
 
 
@@ -340,5 +344,6 @@ def dp_loss_average(loss: Tensor, dp_group: dist.ProcessGroup | DeviceMesh | Non
     if dp_group is None or not dist.is_initialized():
         return value.item()
     group = dp_group.get_group() if isinstance(dp_group, DeviceMesh) else dp_group
-    dist.all_reduce(value, group=group)
+    with spans.collective("all_reduce", group, value):
+        dist.all_reduce(value, group=group)
     return value.item() / dist.get_world_size(group)

@@ -20,6 +20,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from depthscale.model.transformer import cross_entropy
+from depthscale.observe import spans
 from depthscale.parallel.tp_comm import record_collective
 
 IGNORE_INDEX = -100
@@ -32,7 +33,8 @@ class _VocabParallelCrossEntropy(Function):
         local_v = z.shape[-1]
         start = dist.get_rank(group) * local_v
         row_max = z.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        with spans.collective("all_reduce", group, row_max):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         record_collective("all_reduce")
         z = z - row_max.unsqueeze(-1)
         local = labels - start
@@ -42,7 +44,8 @@ class _VocabParallelCrossEntropy(Function):
         )
         exp = z.exp_()
         sums = torch.stack([exp.sum(dim=-1), target])
-        dist.all_reduce(sums, group=group)
+        with spans.collective("all_reduce", group, sums):
+            dist.all_reduce(sums, group=group)
         record_collective("all_reduce")
         sum_exp, target = sums.unbind(0)
         loss = torch.where(labels != IGNORE_INDEX, sum_exp.log() - target, 0.0)
@@ -107,7 +110,8 @@ class TokenLoss:
             loss = loss_sum / count.clamp(min=1)
             return loss, loss.detach()
         totals = torch.stack([count.double(), loss_sum.detach().double()])
-        dist.all_reduce(totals, group=self.sequence_group)
+        with spans.collective("all_reduce", self.sequence_group, totals):
+            dist.all_reduce(totals, group=self.sequence_group)
         n_total = totals[0].clamp(min=1)
         cp = dist.get_world_size(self.sequence_group)
         return loss_sum * (cp / n_total).to(loss_sum.dtype), (totals[1] / n_total).float()

@@ -11,6 +11,9 @@ on; each message keeps a `label` naming what it carries, for the recorder and fo
 
 `recording()` captures every group posted and every wait, per rank, in the form
 `depthscale.parallel.nccl_rules.replay` checks: deadlock-free and paired as intended under NCCL.
+Every message is also a span (`observe.spans`, category `traffic.channel`): a send from posting to
+known-complete, a receive from posting to data-available, with peer, label, bytes and group — the
+two ends of one arrow in the merged timeline.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from depthscale.observe import spans
 
 
 class Send(NamedTuple):
@@ -54,6 +59,8 @@ class Traffic:
     send_bytes_live: int = 0
     """Bytes of send buffers posted and not yet known to be complete."""
     peak_send_bytes_live: int = 0
+    channel = "p2p"
+    """The span category of these messages ("pp", "cp", ...): a class attribute of the caller's."""
 
 
 class Batch:
@@ -74,15 +81,17 @@ class Batch:
         recvs: dict[str, Tensor],
         traffic: Traffic,
         trace_id: int | None,
+        opened: tuple[list, dict] = ((), {}),
     ) -> None:
         # one work per operation (gloo), in posting order: sends, then receives; else one for the
         # whole group (NCCL's coalesced work) — what batch_isend_irecv returns today
         per_op = len(works) == len(sends) + len(recvs)
         self._works = list(works)  # not yet waited on (a work holds its tensor alive)
         self._recvs, self._traffic, self._trace_id = recvs, traffic, trace_id
+        send_spans, self._recv_spans = opened
         self._sends = [
-            _Sent(t, peer, [works[i]] if per_op else list(works))
-            for i, (t, peer) in enumerate(sends)
+            _Sent(t, peer, [works[i]] if per_op else list(works), span)
+            for i, ((t, peer), span) in enumerate(zip(sends, send_spans or [None] * len(sends)))
         ]
         self._recv_works = dict(zip(recvs, works[len(sends) :])) if per_op else None
         self.position = 0
@@ -92,12 +101,15 @@ class Batch:
 
     def recv(self, label: str) -> Tensor:
         works = list(self._works) if self._recv_works is None else [self._recv_works.pop(label)]
-        self._block(works)
+        with spans.waiting([self._recv_spans.get(label)]):
+            self._block(works)
+        spans.end(self._recv_spans.pop(label, None))
         return self._recvs.pop(label)
 
     def wait_sends(self, peer: int | None = None) -> None:
         for s in [s for s in self._sends if peer is None or s.peer == peer]:
-            self._block(s.works)
+            with spans.waiting([s.span]):
+                self._block(s.works)
             self._drop(s)
 
     def poll(self) -> bool:
@@ -107,9 +119,12 @@ class Batch:
         return not self._sends
 
     def wait(self) -> None:
-        self._block(list(self._works))
+        with spans.waiting([s.span for s in self._sends] + list(self._recv_spans.values())):
+            self._block(list(self._works))
         for s in list(self._sends):
             self._drop(s)
+        for label in list(self._recv_spans):
+            spans.end(self._recv_spans.pop(label))
 
     def _block(self, works: list) -> None:
         """Wait for `works`, each at most once (gloo's send/receive works hang if waited twice)."""
@@ -127,6 +142,7 @@ class Batch:
     def _drop(self, s: _Sent) -> None:
         self._sends.remove(s)
         self._traffic.send_bytes_live -= s.nbytes
+        spans.end(s.span)
 
 
 @dataclass(eq=False)
@@ -134,6 +150,7 @@ class _Sent:
     tensor: Tensor
     peer: int
     works: list
+    span: spans.Open | None = None
 
     @property
     def nbytes(self) -> int:
@@ -165,8 +182,36 @@ def post(
         bufs[r.label] = torch.empty(r.shape, dtype=r.dtype, device=device)
         ops.append(dist.P2POp(dist.irecv, bufs[r.label], group=group, group_peer=r.peer))
     trace_id = _record_post(group, sends, held, recvs) if _trace is not None and ops else None
+    opened = _open_spans(group, sends, held, recvs, traffic.channel) if spans.active() else ((), {})
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else []
-    return Batch(works, held, bufs, traffic, trace_id)
+    return Batch(works, held, bufs, traffic, trace_id, opened)
+
+
+_group_ranks: dict[int, tuple[list[int], str]] = {}
+
+
+def _open_spans(group, sends, held, recvs, channel: str) -> tuple[list, dict]:
+    """One span per message, named by its global peer: (send spans in order, receives by label)."""
+    key = id(group)
+    if key not in _group_ranks:
+        ranks = dist.get_process_group_ranks(group)
+        _group_ranks[key] = (ranks, ",".join(map(str, ranks)))
+    ranks, where = _group_ranks[key]
+    opened = [
+        spans.begin(
+            "send", channel, peer=ranks[s.peer], label=s.label, group=where,
+            bytes=t.numel() * t.element_size(),
+        )
+        for s, (t, _) in zip(sends, held)
+    ]  # fmt: skip
+    receiving = {
+        r.label: spans.begin(
+            "recv", channel, peer=ranks[r.peer], label=r.label, group=where,
+            bytes=math.prod(r.shape) * r.dtype.itemsize,
+        )
+        for r in recvs
+    }  # fmt: skip
+    return opened, receiving
 
 
 # --------------------------------------------------------------------------- recording

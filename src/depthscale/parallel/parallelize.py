@@ -81,7 +81,7 @@ def init_layout(cfg: Config, device: torch.device) -> Layout:
     """Join the process group (when launched with several processes), check the layout in `cfg`
     against the world size, and build the mesh."""
     dims = ParallelDims.from_config(cfg.parallel)
-    env = init_distributed(device.type)
+    env = init_distributed(device.type, cfg.parallel.timeout_s)
     dims.validate(env.world_size)
     check_layout(cfg)
     if device.type == "cuda":

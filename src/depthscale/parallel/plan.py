@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.model.transformer import Transformer
+from depthscale.observe import spans
 from depthscale.parallel.data_parallel import average_replicated_grads, clip_grad_norm_
 from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.mesh import ParallelDims
@@ -109,9 +110,10 @@ class ParallelPlan:
         total = torch.zeros((), device=device)
         for i, (x, y) in enumerate(zip(xs, ys)):
             self._gradient_sync(last=i == microbatches - 1)
-            with around_forward():
+            with around_forward(), spans.span("forward", mb=i):
                 loss, report = self._loss(forward, x, y, autocast)
-            (loss / microbatches).backward()
+            with spans.span("backward", mb=i):
+                (loss / microbatches).backward()
             total += report / microbatches
         return total
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from depthscale.model.layers import attention_mask
+from depthscale.observe import spans
 
 CALLS = itertools.count()
 """Ring-attention calls made by this process; every rank of a cp group makes the same ones, so the
@@ -149,7 +150,8 @@ class RingPlan:
         """From this rank's positions, all-gathered over `group` (a collective and a host copy)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = [torch.empty_like(positions) for _ in range(size)]
-        dist.all_gather(gathered, positions.contiguous(), group=group)
+        with spans.collective("all_gather", group, positions):
+            dist.all_gather(gathered, positions.contiguous(), group=group)
         return cls.of([p.cpu() for p in gathered], rank, span, kv_tile, positions.device)
 
     @classmethod

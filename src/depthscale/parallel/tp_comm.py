@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Function
 
+from depthscale.observe import spans
+
 Group = dist.ProcessGroup
 
 
@@ -74,7 +76,8 @@ def all_gather_blocks(x: Tensor, group: Group, async_op: bool = False):
     """x [*s] on every rank → [tp, *s] stacked in rank order (and the Work when async)."""
     x = x.contiguous()
     out = x.new_empty((dist.get_world_size(group), *x.shape))
-    work = getattr(dist, ALL_GATHER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
+    with spans.collective("all_gather", group, x):  # async: the span covers the issue only
+        work = getattr(dist, ALL_GATHER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
     record_collective("all_gather")
     return out, work
 
@@ -83,14 +86,18 @@ def reduce_scatter_blocks(x: Tensor, group: Group, async_op: bool = False):
     """x [tp, *s] → [*s] on rank r: the sum over ranks of block r (and the Work when async)."""
     x = x.contiguous()
     out = x.new_empty(x.shape[1:])
-    work = getattr(dist, REDUCE_SCATTER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
+    with spans.collective("reduce_scatter", group, x):
+        work = getattr(dist, REDUCE_SCATTER)(
+            out.view(-1), x.view(-1), group=group, async_op=async_op
+        )
     record_collective("reduce_scatter")
     return out, work
 
 
 def all_reduce_(x: Tensor, group: Group) -> Tensor:
     """In-place sum over the group (x must be contiguous)."""
-    dist.all_reduce(x, group=group)
+    with spans.collective("all_reduce", group, x):
+        dist.all_reduce(x, group=group)
     record_collective("all_reduce")
     return x
 

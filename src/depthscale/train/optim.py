@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from depthscale.config import OptimConfig
+from depthscale.observe import spans
 
 __all__ = ["LAMB", "NormFn", "build_optimizer", "param_groups"]
 
@@ -164,7 +165,8 @@ class LAMB(torch.optim.Optimizer):
                 if mesh.device_type != sq.device.type:  # CPU-offloaded shards, NCCL mesh
                     sq = sq.to(mesh.device_type)
                 for dim in dims:
-                    dist.all_reduce(sq, group=mesh.get_group(dim))
+                    with spans.collective("all_reduce", mesh.get_group(dim), sq):
+                        dist.all_reduce(sq, group=mesh.get_group(dim))
                 norms = sq.to(norms.device).sqrt()
             # members come group by group, so each group's columns are one contiguous run
             start = 0

@@ -26,6 +26,7 @@ from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import CheckpointError, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
+from depthscale.observe import spans
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.parallelize import init_layout, parallelize
 from depthscale.train.checkpoint import Checkpointer, is_model_only
@@ -35,6 +36,7 @@ from depthscale.train.memory import OffloadStats, offload_activations
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
 from depthscale.train.stop import StopSignals
+from depthscale.train.telemetry import Telemetry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -104,6 +106,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             self.data.tokenizer.save(self.run_dir / "tokenizer")
+        self.telemetry = Telemetry(cfg, self.run_dir, self.env, self.layout.dims, self.device)
         self.batches = Prefetcher(self.data.train, self.dp_rank, self.dp_size)
 
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -129,7 +132,10 @@ class Trainer:
             self.data.train.load_state_dict(state["data"])
 
     def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
+        with spans.span("checkpoint", "checkpoint"):
+            return self.checkpointer.save(
+                self.step, self.model, self.optimizer, self.trainer_state()
+            )
 
     # ------------------------------------------------------------------ steps
 
@@ -141,10 +147,12 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch, in `grad_accum_steps` micro-batches."""
         cfg = self.cfg
+        self.telemetry.begin_step(self.step + 1)
         maybe_inject_fault(self.env.rank, self.step + 1)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         set_lr(self.optimizer, lr)
-        inputs, labels = self.batches.next_batch()
+        with spans.span("data", "data"):
+            inputs, labels = self.batches.next_batch()
         total = self.plan.forward_backward(
             self.forward,
             inputs,
@@ -154,11 +162,14 @@ class Trainer:
         )
         self.plan.reduce_gradients()
         grad_norm = float(self.plan.clip_gradients(cfg.train.grad_clip))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with spans.span("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        loss, self.stop_agreed = self._mean_and_stop(total)
+        loss, self.stop_agreed, self.busy_rows = self._mean_and_stop(
+            total, self.telemetry.busy_row()
+        )
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
         if self.offload is not None:  # this rank's bytes moved to host memory during the step
             metrics["offloaded_mb"] = self.offload.bytes / 1e6
@@ -173,19 +184,32 @@ class Trainer:
     def _mean_over_ranks(self, value: Tensor) -> float:
         return self._mean_and_stop(value)[0]
 
-    def _mean_and_stop(self, value: Tensor) -> tuple[float, bool]:
-        """(global mean loss, whether any rank received a stop signal), in one reduction.
+    def _mean_and_stop(
+        self, value: Tensor, busy: list[float] | None = None
+    ) -> tuple[float, bool, list[list[float]] | None]:
+        """(global mean loss, whether any rank received a stop signal, every rank's `busy` row),
+        in one reduction.
 
         `value` is this rank's share of the loss (`ParallelPlan.forward_backward`): the global mean
         is the mean over all ranks. The stop flag rides along so that every rank stops after the
-        same step."""
+        same step, and so do the ranks' busy times per phase (each rank fills its own row of a
+        world × phases block), which the straggler detector compares."""
         stop = self.signals is not None and self.signals.received is not None
-        if self.env.world_size == 1:
-            return value.item(), stop
-        packed = torch.stack([value.detach().float(), value.new_tensor(float(stop))])
-        dist.all_reduce(packed)
-        mean, stops = packed.tolist()
-        return mean / self.env.world_size, stops > 0
+        world, rank = self.env.world_size, self.env.rank
+        if world == 1:
+            return value.item(), stop, [busy] if busy is not None else None
+        width = len(busy) if busy is not None else 0
+        packed = value.new_zeros(2 + world * width, dtype=torch.float64)
+        packed[0], packed[1] = value.detach().double(), float(stop)
+        if busy is not None:
+            packed[2 + rank * width : 2 + (rank + 1) * width] = torch.tensor(busy)
+        with spans.collective("all_reduce", None, packed):
+            dist.all_reduce(packed)
+        values = packed.tolist()
+        rows = (
+            [values[2 + r * width : 2 + (r + 1) * width] for r in range(world)] if width else None
+        )
+        return values[0] / world, values[1] > 0, rows
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -208,9 +232,22 @@ class Trainer:
         SIGINT / SIGTERM end it after the current step, with a checkpoint (`stopped_by` is then
         the signal)."""
         try:
-            with StopSignals(second_sigint_interrupts=self.env.world_size == 1) as signals:
+            with (
+                StopSignals(second_sigint_interrupts=self.env.world_size == 1) as signals,
+                self.telemetry.recording(),
+            ):
                 self.signals = signals
                 return self._fit(stop_at)
+        except Exception as err:  # every rank says where it was: the hang analysis reads it
+            self.telemetry.on_error(err)
+            if _peers_failed(err):
+                raise TrainingError(
+                    f"rank {self.env.rank}: waiting for its peers failed at step {self.step + 1} "
+                    f"({str(err).splitlines()[0][-160:]}); every rank that could wrote its hang "
+                    f"dump: `depthscale trace hang --run {self.run_dir}` names the rank the "
+                    f"others waited for (parallel.timeout_s={self.cfg.parallel.timeout_s:g})"
+                ) from err
+            raise
         finally:
             self.signals = None
             self.batches.close()
@@ -242,6 +279,11 @@ class Trainer:
                     _print_kernel_paths()
                 self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
                 metrics |= self.throughput.rate()
+                for kind, text, fields in self.telemetry.end_step(
+                    self.step, self.busy_rows, metrics.get("mfu")
+                ):
+                    _write(bar, f"depthscale: {text}")
+                    logger.event(self.step, kind, fields)
                 history.append(metrics)
                 if not math.isfinite(metrics["loss"]):
                     self._stop_on_non_finite(metrics, bar)
@@ -254,7 +296,8 @@ class Trainer:
                 if cfg.train.eval_every and (
                     self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps
                 ):
-                    val = self.evaluate()
+                    with spans.span("eval"):
+                        val = self.evaluate()
                     if val is not None:
                         logger.log(self.step, {"loss": val}, prefix="val")
                         _write(bar, f"step {self.step:>6} | val loss {val:.4f}")
@@ -314,6 +357,15 @@ class Trainer:
         )
 
 
+def _peers_failed(err: BaseException) -> bool:
+    """A collective or message that timed out or lost its peer (gloo and NCCL word it so)."""
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err)
+    return any(s in text for s in ("Timed out", "timed out", "Connection closed by peer",
+                                   "Connection reset by peer"))  # fmt: skip
+
+
 def _print_kernel_paths() -> None:
     """One line naming the AttnRes read paths this rank took (fused Triton / CPU kernels, or the
     PyTorch fallback with its reason): a silent fallback is how a slow bf16 run goes unnoticed."""
@@ -343,6 +395,9 @@ def _metrics_logger(run_dir: Path, cfg: Config, is_main: bool):
 
 class _NullLogger:
     def log(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def event(self, *args: Any, **kwargs: Any) -> None:
         pass
 
 

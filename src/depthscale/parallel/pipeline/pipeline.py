@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.config import ModelConfig
 from depthscale.model.transformer import Transformer
+from depthscale.observe import spans
 from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.runtime import PipelineRuntime
 from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1b
@@ -52,7 +53,7 @@ class Pipeline:
         if microbatches not in self._evaluations:
             schedule = forward_only(self.ranks, len(self.stages), microbatches)
             self._evaluations[microbatches] = PipelineRuntime(
-                self.stages, schedule, self.group, self.cache
+                self.stages, schedule, self.group, self.cache, name=f"eval/{microbatches}"
             )
         return self._evaluations[microbatches]
 
@@ -75,7 +76,8 @@ class Pipeline:
         loss, _ = runtime.step(inputs, labels, hop_shape, dtype, device, positions=positions)
         # every rank of the group must reduce the same dtype (an fp64 model's loss is fp64)
         total = loss.float() if loss is not None else torch.zeros((), device=device)
-        dist.all_reduce(total, group=self.group)
+        with spans.collective("all_reduce", self.group, total):
+            dist.all_reduce(total, group=self.group)
         return total
 
     def sync_tied_grads(self, model: Transformer) -> None:
@@ -89,5 +91,6 @@ class Pipeline:
         """The whole model's parameter count: stages hold disjoint parts (the tied head once)."""
         n = model.num_params() - sum(p.numel() for p in self.counted_elsewhere(model))
         total = torch.tensor(n, dtype=torch.int64, device=device)
-        dist.all_reduce(total, group=self.group)
+        with spans.collective("all_reduce", self.group, total):
+            dist.all_reduce(total, group=self.group)
         return int(total)

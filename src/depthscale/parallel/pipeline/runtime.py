@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from depthscale.observe import spans
 from depthscale.parallel import p2p
 from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.p2p_plan import (
@@ -48,6 +49,7 @@ class _Unit:
 
 @dataclass
 class StepStats(p2p.Traffic):
+    channel = "pp"
     per_hop_bytes: list[int] = field(default_factory=list)
     compute_s: float = 0.0  # time inside forward/backward compute
     step_s: float = 0.0  # wall time of the whole step on this rank
@@ -67,7 +69,11 @@ class PipelineRuntime:
         schedule: Schedule,
         group: dist.ProcessGroup,
         cache: DepthCache,
+        name: str = "step",
     ) -> None:
+        """`name` starts this runtime's message labels ("step 12: F3 0>1"): runtimes of one
+        pipeline (training, evaluation) need different names, so that a label is unique."""
+        self.name = name
         self.stages = {s.spec.stage: s for s in stages}
         if not self.stages:
             raise ValueError("a pipeline rank needs at least one stage")
@@ -166,8 +172,8 @@ class _Step:
             self.in_flight.append(batch)
 
     def label(self, a: Action) -> str:
-        """The message's name at both ends, unique within the run: "step 12: F3 0>1"."""
-        return f"step {self.rt.steps}: {label(a)}"
+        """The message's name at both ends, unique within the run: "step 12: F3 0>1" (1-based)."""
+        return f"{self.rt.name} {self.rt.steps + 1}: {label(a)}"
 
     def take(self, a: Action) -> Tensor | None:
         """The receive compute `a` consumes, waited on; None if it has none."""
@@ -202,7 +208,7 @@ class _Step:
                 unit.recv.requires_grad_()
             state_in = rt.cache.receive(a.stage, a.microbatch, unit.recv)
         t0 = time.perf_counter()
-        with rt._forward_context():
+        with rt._forward_context(), spans.span("forward", mb=a.microbatch, chunk=a.stage):
             labels = self.labels[a.microbatch] if stage.spec.is_last else None
             out = stage(state_in, labels, self.positions)
         if stage.spec.is_last:
@@ -223,13 +229,13 @@ class _Step:
         stage = rt.stages[a.stage]
         unit = self.units.pop((a.microbatch, a.stage))
         if stage.spec.is_last:
-            t0 = time.perf_counter()
-            unit.loss.backward()
+            tensors, grads = [unit.loss], None
         else:
             tensors, grads = rt.cache.backward_targets(
                 a.stage, a.microbatch, unit.outputs, self.take(a)
             )
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        with spans.span("backward", mb=a.microbatch, chunk=a.stage):
             torch.autograd.backward(tensors, grads)
         self.stats.compute_s += time.perf_counter() - t0
         if unit.recv is not None:  # the gradient hop: handed over, so only the send holds it

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from depthscale.config import ModelConfig
 from depthscale.model.residual import DepthState, block_assignment, link_groups
 from depthscale.model.transformer import Transformer, cross_entropy
+from depthscale.observe import spans
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -181,7 +182,9 @@ def sync_tied_grads(model: Transformer, group) -> None:
         weight.grad = torch.zeros_like(weight)
     grad = weight.grad
     # under data parallelism a shard: both ranks hold the same dp coordinates, so the same slice
-    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    with spans.collective("all_reduce", group, local):
+        dist.all_reduce(local, group=group)
 
 
 def counted_elsewhere(model: Transformer, tied_group: dist.ProcessGroup | None) -> list[Tensor]:

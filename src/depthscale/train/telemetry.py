@@ -1,0 +1,217 @@
+"""The run's observability, built once by the trainer: the span recorder and its clock offset, the
+hang watchdog, the online straggler detector, the MFU-decline alarm and synchronised garbage
+collection (`train.gc_interval`).
+
+The trainer calls `begin_step` / `end_step` around a step and packs `busy_row()` into the
+per-step all-reduce it already does (so straggler detection adds no collective); `end_step` gets
+every rank's row back and returns what to log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import shutil
+import socket
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from depthscale.config import Config
+from depthscale.observe import spans
+from depthscale.observe.spans import BUSY_PHASES, SpanRecorder, trace_path
+from depthscale.observe.stragglers import StragglerDetector
+from depthscale.observe.watchdog import Watchdog, write_hang_dump
+from depthscale.parallel.clock_sync import measure_offset
+from depthscale.parallel.mesh import DistEnv, ParallelDims
+
+log = logging.getLogger("depthscale.observe")
+
+
+class Telemetry:
+    """Everything a rank records about itself; inert (`recorder is None`) with logging.trace off.
+
+    Built once the run directory exists (every rank together: it measures clock offsets); records
+    only inside `recording()`, which `Trainer.fit` enters, so that a Trainer driven step by step
+    (tests) or two in one process never record into each other's files."""
+
+    def __init__(
+        self, cfg: Config, run_dir: Path, env: DistEnv, dims: ParallelDims, device: torch.device
+    ) -> None:
+        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, env.rank, env.world_size
+        self.coords = [dims.coordinates(r) for r in range(env.world_size)]
+        self.recorder: SpanRecorder | None = None
+        self.watchdog: Watchdog | None = None
+        self.detector: StragglerDetector | None = None
+        self._step_span: spans.Open | None = None
+        self._busy = dict.fromkeys(BUSY_PHASES, 0)
+        self.mfu = MfuAlarm(cfg.logging.mfu_alarm)
+        self.gc_interval = cfg.train.gc_interval
+        if not cfg.logging.trace:
+            return
+        _archive_previous(run_dir, self.rank)
+        sizes = {
+            **dims.sizes(),
+            "pp_virtual": cfg.parallel.pp_virtual,
+            "microbatches": cfg.grad_accum_steps,
+        }
+        meta = {
+            "rank": self.rank,
+            "world": self.world,
+            "coords": self.coords[self.rank],
+            "dims": sizes,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "clock": "perf_counter_ns",
+            "device": device.type,
+        }
+        self.recorder = SpanRecorder(
+            trace_path(run_dir, self.rank),
+            meta,
+            device_type=device.type,
+            queue_size=cfg.logging.trace_queue,
+        )
+        self._finalizer = weakref.finalize(self, self.recorder.close)
+        self.recorder.put(
+            measure_offset(
+                self.recorder.now_ns, device, env.local_rank, own_clock=self.recorder.skew_ns != 0
+            )
+        )
+        if cfg.logging.straggler_threshold > 0 and self.world > 1:  # one process: the MFU alarm
+            self.detector = StragglerDetector(
+                self.coords, threshold=cfg.logging.straggler_threshold
+            )
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Spans go to this rank's trace file, the watchdog watches and GC is synchronised."""
+        if self.gc_interval:
+            gc.collect()
+            gc.disable()
+        old = spans.activate(self.recorder) if self.recorder is not None else None
+        if self.recorder is not None and self.cfg.logging.hang_dump_s > 0:
+            self.watchdog = Watchdog(self.run_dir, self.recorder, self.cfg.logging.hang_dump_s)
+        try:
+            yield
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
+            if self.recorder is not None:
+                spans.activate(old)
+                self.recorder.flush()  # the run's records are on disk when fit returns
+            if self.gc_interval:
+                gc.enable()
+
+    # ------------------------------------------------------------------ per step
+
+    def begin_step(self, step: int) -> None:
+        """`step`: the optimizer step about to run (1-based)."""
+        spans.set_step(step)
+        if self.gc_interval and step % self.gc_interval == 0 and not gc.isenabled():
+            with spans.span("gc", "compute"):
+                gc.collect()  # the same step on every rank: no rank launches collectives late
+        self._step_span = spans.begin("step", "step")
+
+    def busy_row(self) -> list[float]:
+        """This rank's busy milliseconds per phase in the step that just ran (zeros untraced)."""
+        self._busy = self.recorder.take_busy() if self.recorder else dict.fromkeys(BUSY_PHASES, 0)
+        return [self._busy[p] / 1e6 for p in BUSY_PHASES]
+
+    def end_step(
+        self, step: int, rows: list[list[float]] | None, mfu: float | None
+    ) -> list[tuple[str, str, dict]]:
+        """Close the step; feed every rank's busy row (None: one process) to the straggler detector
+        and this rank's phase times to the MFU alarm. Returns (kind, message, fields) to print and
+        log — the same on every rank; rank 0 logs them."""
+        if self._step_span is not None:
+            spans.end(self._step_span)
+            self._step_span = None
+        notices = []
+        if self.recorder is not None:
+            self.recorder.put(
+                {"kind": "step", "step": step, "busy": {p: int(v) for p, v in self._busy.items()}}
+            )
+        if self.detector is not None and rows is not None:
+            for flag in self.detector.update(step, [[v * 1e6 for v in row] for row in rows]):
+                notices.append(("straggler", flag.message(), flag.as_record()))
+                if self.recorder is not None and self.rank == 0:
+                    self.recorder.put({"kind": "straggler", **flag.as_record()})
+        wall = self.recorder.take_wall() if self.recorder is not None else {}
+        alarm = self.mfu.update(step, mfu, wall)
+        if alarm:
+            notices.append(("mfu_alarm", alarm[0], alarm[1]))
+        return notices
+
+    def on_error(self, error: BaseException) -> None:
+        """The step failed — a collective or message timed out, a peer died, or this rank's own
+        error: dump what this rank was in, for `depthscale trace hang`."""
+        if self.recorder is not None:
+            path = write_hang_dump(self.run_dir, self.recorder, "error", f"{error!r}")
+            log.error("rank %d: wrote its hang dump to %s", self.rank, path)
+
+    def close(self) -> None:
+        """Flush and close the trace file (also done when the Telemetry is collected)."""
+        if self.recorder is not None:
+            self._finalizer()
+
+
+class MfuAlarm:
+    """Warns when rolling MFU falls `drop` (fraction) below its best, naming the phase whose time
+    grew most since the best window (MegaScale §6.3: MFU that declines over a long run)."""
+
+    def __init__(self, drop: float, window: int = 20) -> None:
+        self.drop, self.window = drop, window
+        self._mfu: deque[float] = deque(maxlen=window)
+        self._phases: deque[dict[str, float]] = deque(maxlen=window)
+        self.best: tuple[float, dict[str, float]] | None = None
+        self._alarmed = False
+
+    def update(
+        self, step: int, mfu: float | None, wall: dict[str, float]
+    ) -> tuple[str, dict] | None:
+        """`wall`: this rank's wall ns per phase in the step (`SpanRecorder.take_wall`)."""
+        if self.drop <= 0 or mfu is None or not wall:
+            return None
+        self._mfu.append(mfu)
+        self._phases.append(dict(wall))
+        if len(self._mfu) < self.window:
+            return None
+        rolling = sum(self._mfu) / len(self._mfu)
+        phases = {p: sum(d[p] for d in self._phases) / len(self._phases) for p in wall}
+        if self.best is None or rolling > self.best[0]:
+            self.best, self._alarmed = (rolling, phases), False
+            return None
+        best, then = self.best
+        if rolling >= (1 - self.drop) * best or self._alarmed:
+            return None
+        self._alarmed = True
+        grew = max(phases, key=lambda p: phases[p] - then[p])
+        text = (
+            f"MFU declined: rolling {rolling:.1%} over the last {self.window} steps at step {step} "
+            f"is {1 - rolling / best:.0%} below its best {best:.1%}; the phase that grew most is "
+            f"{grew} ({then[grew] / 1e6:.1f} → {phases[grew] / 1e6:.1f} ms per step on this rank)"
+        )
+        return text, {"mfu": rolling, "best_mfu": best, "phase": grew}
+
+
+def _archive_previous(run_dir: Path, rank: int) -> None:
+    """A resumed run keeps the previous invocation's traces: rank 0 moves them to
+    trace/archive/<time>/ before anyone writes (a barrier follows in `Trainer`)."""
+    trace = Path(run_dir) / "trace"
+    if rank == 0 and trace.is_dir():
+        old = [p for p in trace.iterdir() if p.name != "archive"]
+        if old:
+            dest = trace / "archive" / time.strftime("%Y%m%d-%H%M%S")
+            dest.mkdir(parents=True, exist_ok=True)
+            for p in old:
+                shutil.move(str(p), dest / p.name)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,73 @@
+"""The trainer's telemetry: the MFU-decline alarm and synchronised garbage collection."""
+
+import gc
+import json
+
+from test_trainer import make_cfg
+
+from depthscale.train.telemetry import MfuAlarm
+from depthscale.train.trainer import Trainer
+
+MS = 1e6
+
+
+def _phases(forward_ms: float = 10.0, waiting_ms: float = 1.0) -> dict[str, float]:
+    return {"data": 0.5 * MS, "forward": forward_ms * MS, "backward": 20 * MS,
+            "optimizer": 2 * MS, "waiting": waiting_ms * MS}  # fmt: skip
+
+
+def test_mfu_alarm_names_the_phase_that_grew_once():
+    alarm = MfuAlarm(0.1, window=5)
+    for step in range(1, 11):
+        assert alarm.update(step, 0.50, _phases()) is None
+    fired = []
+    for step in range(11, 31):  # waiting grows; MFU falls 20 %
+        got = alarm.update(step, 0.40, _phases(waiting_ms=9.0))
+        if got:
+            fired.append((step, got))
+    assert len(fired) == 1, fired  # once, not every step
+    step, (text, fields) = fired[0]
+    assert fields["phase"] == "waiting" and fields["best_mfu"] == 0.5
+    assert "below its best 50.0%" in text and "waiting (1.0 → " in text
+    # the rolling mean crosses 10 % below the best within the window
+    assert step <= 10 + 5
+
+
+def test_mfu_alarm_quiet_within_the_threshold_and_rearmed_by_a_new_best():
+    alarm = MfuAlarm(0.1, window=4)
+    for step in range(1, 40):  # 5 % jitter never alarms
+        assert alarm.update(step, 0.50 if step % 2 else 0.475, _phases()) is None
+    off = MfuAlarm(0.0, window=4)
+    assert all(off.update(s, 0.5 if s < 10 else 0.1, _phases()) is None for s in range(1, 30))
+    for step in range(40, 50):
+        alarm.update(step, 0.30, _phases(forward_ms=30))
+    assert alarm._alarmed
+    for step in range(50, 60):
+        alarm.update(step, 0.60, _phases())  # a new best re-arms it
+    assert not alarm._alarmed and alarm.best[0] == 0.60
+
+
+def test_gc_interval_collects_on_schedule_and_nowhere_else(tmp_path):
+    """train.gc_interval = 2: the automatic collector never runs during training (it would pause
+    one rank in the middle of a step); a full collection runs at the start of every 2nd step."""
+    cfg = make_cfg(tmp_path, "--train.gc_interval", "2", "--train.eval_every", "0",
+                   "--checkpoint.every", "0")  # fmt: skip
+    trainer = Trainer(cfg)
+    seen: list[tuple[int, int]] = []  # (steps done, generation) of every collection
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append((trainer.step, info["generation"]))
+
+    gc.callbacks.append(on_gc)
+    try:
+        trainer.fit()
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert gc.isenabled()
+    # once steps run: full collections at the start of steps 2, 4, 6 (after 1, 3, 5) only
+    during = [(step, gen) for step, gen in seen if 1 <= step < cfg.train.steps]
+    assert {step for step, _ in during} == {1, 3, 5} and {gen for _, gen in during} == {2}, seen
+    lines = (trainer.run_dir / "trace" / "rank00000.jsonl").read_text().splitlines()
+    steps = [r["step"] for r in map(json.loads, lines) if r.get("name") == "gc"]
+    assert steps == [2, 4, 6]
