@@ -58,15 +58,15 @@ def test_busy_counts_cpu_time_not_waiting(recorder):
     """A rank blocked on a peer (here: sleeping) is not busy; a rank computing is."""
     with spans.span("forward"):
         time.sleep(0.05)
-    with spans.span("backward"):
-        t = time.perf_counter()
-        while time.perf_counter() - t < 0.05:
+    with spans.span("backward"):  # 40 ms of this thread's CPU, however long a loaded machine takes
+        t = time.thread_time()
+        while time.thread_time() - t < 0.04:
             pass
     with spans.span("data"):  # waiting for a batch is the rank's own time: wall clock
         time.sleep(0.02)
     busy = recorder.take_busy()
     assert busy["forward"] < 10e6  # < 10 ms of the 50 ms sleep
-    assert busy["backward"] > 30e6
+    assert busy["backward"] >= 40e6
     assert busy["data"] >= 20e6
     assert recorder.take_busy() == dict.fromkeys(spans.BUSY_PHASES, 0)
 

@@ -132,6 +132,41 @@ def trace_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "trace" / f"rank{rank:05d}.jsonl"
 
 
+def trace_files(run_dir: Path) -> list[Path]:
+    """The run's per-rank trace files; a ValueError naming the folder when there are none."""
+    trace = Path(run_dir) / "trace"
+    files = sorted(trace.glob("rank*.jsonl"))
+    if not files:
+        raise ValueError(
+            f"{trace} holds no rank*.jsonl trace files: train the run with logging.trace = true "
+            "(the default) first"
+        )
+    return files
+
+
+def read_trace_file(path: Path) -> tuple[dict, list[tuple[int, dict]]]:
+    """(the meta record, [(line number, record), ...]) of one rank's file. A cut last line (the
+    writer of a killed run) is left out; any other damage is a ValueError naming file and line."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines) and n > 1:
+                break
+            raise ValueError(f"{path}:{n} is not a JSON record") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n} is not a JSON object")
+        records.append((n, record))
+    if not records:
+        raise ValueError(f"{path} is empty")
+    meta = records[0][1]
+    if meta.get("kind") != "meta" or not isinstance(meta.get("rank"), int):
+        raise ValueError(f"{path}:1: the first record must be the meta line with a rank")
+    return meta, records[1:]
+
+
 class Open:
     """A span that has begun: `end()` it (or leave its `with` block)."""
 

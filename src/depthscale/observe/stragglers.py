@@ -25,13 +25,12 @@ The rules, and why:
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from depthscale.observe.spans import BUSY_PHASES
+from depthscale.observe.spans import BUSY_PHASES, read_trace_file, trace_files
 
 VERDICTS = ("compute", "data")
 _COMPUTE = tuple(BUSY_PHASES.index(p) for p in ("forward", "backward", "optimizer"))
@@ -188,35 +187,18 @@ class StepRecords:
 
 
 def read_step_records(run_dir: Path) -> StepRecords:
-    files = sorted((Path(run_dir) / "trace").glob("rank*.jsonl"))
-    if not files:
-        raise ValueError(
-            f"{Path(run_dir) / 'trace'} holds no rank*.jsonl trace files: was the run trained "
-            "with logging.trace = true (the default)?"
-        )
     coords, busy, flags = {}, {}, []
-    for path in files:
-        lines = path.read_text().splitlines()
-        for n, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if n == len(lines):  # the last line of a killed run may be cut
-                    continue
-                raise ValueError(f"{path}:{n} is not a JSON record") from None
-            kind = record.get("kind") if isinstance(record, dict) else None
-            if n == 1:
-                if kind != "meta" or not isinstance(record.get("rank"), int):
-                    raise ValueError(f"{path}:1: the first record must be the meta line")
-                rank = record["rank"]
-                coords[rank] = record.get("coords", {})
-                busy[rank] = {}
-            elif kind == "step":
+    for path in trace_files(run_dir):
+        meta, records = read_trace_file(path)
+        rank = meta["rank"]
+        coords[rank], busy[rank] = meta.get("coords", {}), {}
+        for n, record in records:
+            if record.get("kind") == "step":
                 phases = record.get("busy")
                 if not isinstance(record.get("step"), int) or not isinstance(phases, dict):
                     raise ValueError(f"{path}:{n}: a step record needs step and busy")
                 busy[rank][record["step"]] = phases
-            elif kind == "straggler":
+            elif record.get("kind") == "straggler":
                 flags.append(record)
     return StepRecords(coords, busy, flags)
 

@@ -24,6 +24,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from depthscale.observe.spans import read_trace_file, trace_files
+
 MESSAGE_CATS = ("pp", "cp", "p2p")
 MIN_LATENCY_NS = 1_000
 """No message between processes arrives within a microsecond of being sent: the least gap
@@ -58,45 +60,26 @@ class Summary:
 
 
 def read_rank_files(run_dir: Path) -> dict[int, RankTrace]:
-    trace_dir = Path(run_dir) / "trace"
-    files = sorted(trace_dir.glob("rank*.jsonl"))
-    if not files:
-        raise ValueError(
-            f"{trace_dir} holds no rank*.jsonl trace files: train the run with logging.trace = "
-            "true (the default) first"
-        )
     ranks = {}
-    for path in files:
+    for path in trace_files(run_dir):
         trace = _read(path)
         ranks[trace.rank] = trace
     return ranks
 
 
 def _read(path: Path) -> RankTrace:
-    lines = path.read_text().splitlines()
-    trace = None
-    for n, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines):  # the last line of a killed run may be cut
-                break
-            raise ValueError(f"{path}:{n} is not a JSON record") from None
-        kind = record.get("kind") if isinstance(record, dict) else None
-        if trace is None:
-            if kind != "meta" or not isinstance(record.get("rank"), int):
-                raise ValueError(f"{path}:{n}: the first record must be the meta line with a rank")
-            trace = RankTrace(record["rank"], record)
-        elif kind == "span":
+    meta, records = read_trace_file(path)
+    trace = RankTrace(meta["rank"], meta)
+    for n, record in records:
+        kind = record.get("kind")
+        if kind == "span":
             if not _is_span(record):
                 raise ValueError(f"{path}:{n}: a span needs name, cat, ts, dur and step")
             trace.spans.append(record)
         elif kind == "clock":
             trace.clock = record
         elif kind == "dropped":
-            trace.dropped = record["n"]
-    if trace is None:
-        raise ValueError(f"{path} is empty")
+            trace.dropped = record.get("n", 0)
     return trace
 
 
