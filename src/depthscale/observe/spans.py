@@ -156,13 +156,17 @@ def read_trace_file(path: Path) -> tuple[dict, list[tuple[int, dict]]]:
             if n == len(lines) and n > 1:
                 break
             raise ValueError(f"{path}:{n} is not a JSON record") from None
-        if not isinstance(record, dict):
+        if not isinstance(record, dict) and n > 1:
             raise ValueError(f"{path}:{n} is not a JSON object")
         records.append((n, record))
     if not records:
         raise ValueError(f"{path} is empty")
     meta = records[0][1]
-    if meta.get("kind") != "meta" or not isinstance(meta.get("rank"), int):
+    if (
+        not isinstance(meta, dict)
+        or meta.get("kind") != "meta"
+        or not isinstance(meta.get("rank"), int)
+    ):
         raise ValueError(f"{path}:1: the first record must be the meta line with a rank")
     return meta, records[1:]
 
