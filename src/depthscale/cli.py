@@ -41,7 +41,16 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             )
         check_layout(cfg)  # every rule a worker would enforce, checked once here
         passthrough = ["-c", args.config] if args.config else []
+        if cfg.resilience.supervise != "false":
+            from depthscale.resilience.supervisor import supervise
+
+            return supervise(cfg, [*passthrough, *overrides])
         return launch(cfg.parallel.nproc, [*passthrough, *overrides])
+    if cfg.resilience.supervise == "true" and not is_worker():
+        from depthscale.resilience.supervisor import supervise
+
+        passthrough = ["-c", args.config] if args.config else []
+        return supervise(cfg, [*passthrough, *overrides])
     if cfg.world_size > 1 and not is_worker():
         raise ConfigError(
             f"parallel layout needs {cfg.world_size} processes; add --nproc {cfg.world_size} "
@@ -171,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--nproc", type=_positive_int, help="local worker processes (same as --parallel.nproc)"
     )
+    train.add_argument(
+        "--faults",
+        help="fault injection for drills, e.g. kill@1:5,nan@0:3 (same as --resilience.faults; "
+        "docs/fault-tolerance.md)",
+    )
 
     gen = sub.add_parser("generate", help="sample text from a trained run (KV-cache decoding)")
     gen.add_argument(
@@ -259,6 +273,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
     if args.command == "train":
         if args.nproc is not None:
             rest = [*rest, "--parallel.nproc", str(args.nproc)]
+        if args.faults is not None:
+            rest = [*rest, "--resilience.faults", args.faults]
         return _train(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -308,9 +308,9 @@ def test_nan_loss_names_the_step_and_keeps_the_checkpoint(small_run, tmp_path, c
     before = tree_digest(run / "checkpoints")
     code, _, err = run_main(
         capsys, "train", "-c", str(run / "config.toml"), "--train.steps", "30",
-        "--optim.lr", "1e6", "--train.grad_clip", "0",
+        "--optim.lr", "1e6", "--train.grad_clip", "0", "--resilience.nan_replay", "false",
     )  # fmt: skip
-    assert_one_line_error(code, err, "the loss is nan at step", "nothing was saved from this step")
+    assert_one_line_error(code, err, "is not finite at step", "nothing was updated or saved")
     after = tree_digest(run / "checkpoints")
     assert {k: after.get(k) for k in before} == before  # earlier checkpoints untouched
     nan_step = int(err.split("at step ")[1].split()[0])
@@ -327,12 +327,13 @@ def test_one_failing_rank_ends_every_rank_at_once(tmp_path):
     start = time.monotonic()
     proc = cli(
         "train", "-c", CONFIG, *TINY, "--nproc", "2", "--parallel.dp_shard", "2",
-        "--train.steps", "50", "--train.run_dir", str(tmp_path / "run"), cwd=tmp_path,
-        env={"DEPTHSCALE_INJECT_FAULT": "1:2"},
+        "--train.steps", "50", "--train.run_dir", str(tmp_path / "run"),
+        "--faults", "crash@1:2", "--resilience.supervise", "false", cwd=tmp_path,
     )  # fmt: skip
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.count("InjectedFault: injected fault on rank 1 at step 2") == 1, proc.stderr
+    fault = "InjectedFault: injected fault on rank 1 at step 2 (crash@)"
+    assert proc.stderr.count(fault) == 1, proc.stderr
     assert proc.stderr.count("depthscale: rank 1 failed") == 1
     assert "lost a peer" not in proc.stderr and "ChildFailedError" not in proc.stderr
     # start-up takes seconds to a minute or two on a loaded box; a hang would be gloo's 30 minutes

@@ -18,6 +18,8 @@ FORBIDDEN = {
     "parallel": ("train", "observe", "cli", "interop"),
     "observe": ("train", "cli"),
     "train": ("cli",),
+    "resilience": ("cli",),
+    "config": ("model", "kernels", "data", "parallel", "train", "observe", "cli", "interop"),
 }
 """Layer (subpackage of depthscale) → subpackages it must not import."""
 

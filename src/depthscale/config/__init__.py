@@ -23,6 +23,7 @@ from depthscale.config.schema import (
     OptimConfig,
     ParallelConfig,
     ResidualMode,
+    ResilienceConfig,
     RopeScalingKind,
     TrainConfig,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "ResilienceConfig",
     "ResidualMode",
     "RopeScalingKind",
     "TrainConfig",

@@ -270,6 +270,47 @@ class LoggingConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """The supervisor (`resilience/supervisor.py`) and the NaN guard; docs/fault-tolerance.md."""
+
+    supervise: Literal["auto", "true", "false"] = "auto"
+    """Run the workers under the supervisor (heartbeats, detection, diagnostics, restarts). auto:
+    when more than one process is launched (--nproc > 1); false: plain torchrun semantics (a failed
+    worker ends the job)."""
+    heartbeat_s: float = 0.25
+    """Heartbeat period. A rank silent for max(4 heartbeats, 1.5 s) is dead or frozen."""
+    hang_floor_s: float = 1.5
+    """A group whose slowest rank made no progress (no span ended) for max(this, hang_factor ×
+    p99 step time, 2 heartbeats) is hung."""
+    hang_factor: float = 2.0
+    long_phase_s: float = 300.0
+    """The no-progress limit inside a checkpoint save or an evaluation, which may legitimately run
+    long without ending a span."""
+    startup_timeout_s: float = 300.0
+    """How long a (re)started group may take to its first completed step."""
+    slow_steps: int = 20
+    """Restart (after diagnostics) when the straggler detector has flagged the same rank for this
+    many consecutive steps; 0 = only report slow ranks."""
+    max_restarts: int = 20
+    """Restarts in all before the supervisor gives up (exit code 75, with a report)."""
+    max_restarts_without_progress: int = 3
+    """Restarts in a row that found no newer verified checkpoint before the supervisor gives up."""
+    diagnose: bool = True
+    """Run `depthscale diagnose` between a fault and the restart, excluding nodes that fail it."""
+    local_nodes: int = 1
+    """Split this host's workers into this many nodes (drills of node exclusion on one machine;
+    a real multi-node job runs one supervisor per node)."""
+    spare_nodes: int = 0
+    """Extra local nodes held in reserve to replace excluded ones (drills)."""
+    nan_replay: bool = True
+    """On a non-finite loss or gradient: skip the update, replay the step once; if it is still
+    non-finite roll back to the newest verified checkpoint and skip that batch. False: stop."""
+    faults: str = ""
+    """Fault injection for drills, off by default (`resilience/faults.py`; e.g.
+    "kill@1:5,nan@0:3")."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -278,6 +319,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     @property
     def micro_batch_size(self) -> int:

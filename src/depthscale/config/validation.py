@@ -52,7 +52,21 @@ def validate(cfg: Config) -> Config:
         "logging.straggler_threshold",
         "logging.hang_dump_s",
         "logging.mfu_alarm",
+        "resilience.slow_steps",
+        "resilience.max_restarts",
+        "resilience.max_restarts_without_progress",
+        "resilience.spare_nodes",
     )
+    _positive(
+        cfg,
+        "resilience.heartbeat_s",
+        "resilience.hang_floor_s",
+        "resilience.hang_factor",
+        "resilience.long_phase_s",
+        "resilience.startup_timeout_s",
+        "resilience.local_nodes",
+    )
+    _check_resilience(cfg)
     # the parallel sizes first: the batch rules below divide by them
     for name in (
         "dp_replicate",
@@ -298,4 +312,17 @@ def _check_dir_creatable(key: str, path: Path) -> None:
     if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
             f"{key}: {str(path)!r} cannot be written ({str(existing)!r} is not writable)"
+        )
+
+
+def _check_resilience(cfg: Config) -> None:
+    from depthscale.resilience.faults import check_ranks, parse_faults
+
+    r = cfg.resilience
+    check_ranks(parse_faults(r.faults), cfg.world_size)
+    nproc = cfg.parallel.nproc
+    if r.local_nodes > 1 and nproc % r.local_nodes:
+        raise ConfigError(
+            f"resilience.local_nodes={r.local_nodes} must divide the {nproc} local processes "
+            f"(--nproc); allowed: a divisor of {nproc}"
         )

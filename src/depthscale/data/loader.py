@@ -145,6 +145,11 @@ class PackedBatches:
             )
         self.epoch = 0
         self.cursor = 0
+        self.skip: set[tuple[int, int]] = set()
+        """Batch positions (epoch, cursor) never to train on: batches that made the loss
+        non-finite on every try (`train/nan_guard.py`); passed over as if consumed."""
+        self.position: tuple[int, int] | None = None
+        """(epoch, cursor) of the batch `next_batch` returned last."""
         self._perm: tuple[int, np.ndarray] | None = None
 
     @property
@@ -154,11 +159,18 @@ class PackedBatches:
     def next_batch(self, rank: int = 0, world: int = 1) -> Batch:
         """The next global batch (or this rank's contiguous slice of it); advances the state."""
         rows = self._rows(rank, world)
-        if self.cursor + self.batch_size > self.n_windows:
-            self.epoch, self.cursor = self.epoch + 1, 0
+        self._to_next_batch()
+        while (self.epoch, self.cursor) in self.skip:
+            self.cursor += self.batch_size
+            self._to_next_batch()
+        self.position = (self.epoch, self.cursor)
         windows = self._permutation(self.epoch)[self.cursor : self.cursor + self.batch_size]
         self.cursor += self.batch_size
         return self._gather(windows[rows])
+
+    def _to_next_batch(self) -> None:
+        if self.cursor + self.batch_size > self.n_windows:
+            self.epoch, self.cursor = self.epoch + 1, 0
 
     def iter_eval(self, n_batches: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         """The first n batches of windows in stream order: the same every call; state untouched."""

@@ -21,6 +21,8 @@ class Prefetcher:
     ) -> None:
         self.loader, self.rank, self.world, self.depth = loader, rank, world, depth
         self._state = loader.state_dict()
+        self.position: tuple[int, int] | None = None
+        """The data position (epoch, cursor) of the batch handed out last."""
         self._start()
 
     def _start(self) -> None:
@@ -33,7 +35,7 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 batch = self.loader.next_batch(self.rank, self.world)
-                item = (batch, self.loader.state_dict())
+                item = (batch, self.loader.state_dict(), self.loader.position)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -47,7 +49,7 @@ class Prefetcher:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        batch, self._state = item
+        batch, self._state, self.position = item
         return batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -225,6 +225,8 @@ class SpanRecorder:
         self.cuda = device_type == "cuda"
         self.step = 0
         self.dropped = 0
+        self.progress = 0
+        """Spans ended so far: the supervisor's progress counter (`resilience/heartbeat.py`)."""
         self.recent: collections.deque[Open] = collections.deque(maxlen=recent)
         """The last ended spans, for hang dumps (`recent_records`)."""
         self._open: dict[int, Open] = {}  # id → begun, not ended (what a hang dump shows)
@@ -274,6 +276,7 @@ class SpanRecorder:
         now = self.now_ns()
         self._open.pop(id(o), None)
         self._last_progress = now
+        self.progress += 1
         if more:
             o.args = {**o.args, **more}
         o.dur = now - o.ts

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from depthscale.config import Config
 from depthscale.observe import spans
-from depthscale.observe.spans import BUSY_PHASES, SpanRecorder, trace_path
+from depthscale.observe.spans import BUSY_PHASES, Slowdown, SpanRecorder, trace_path
 from depthscale.observe.stragglers import StragglerDetector
 from depthscale.observe.watchdog import Watchdog, write_hang_dump
 from depthscale.parallel.clock_sync import measure_offset
@@ -149,6 +149,24 @@ class Telemetry:
         if alarm:
             notices.append(("mfu_alarm", alarm[0], alarm[1]))
         return notices
+
+    def abandon_step(self) -> None:
+        """The step was given up (rolled back): close its span, record nothing of it."""
+        if self._step_span is not None:
+            spans.end(self._step_span)
+            self._step_span = None
+
+    def slow_ranks(self) -> list[int]:
+        """Ranks the straggler detector has flagged and not yet seen recover (same on every rank)."""
+        if self.detector is None:
+            return []
+        return [r for r, flags in enumerate(self.detector.flagged) if any(flags)]
+
+    def slow_down(self, slow: tuple[float, int] | None) -> None:
+        """Drills (`slow@R:F`): this rank's forward and backward take `factor`× as long."""
+        if slow is not None and self.recorder is not None:
+            factor, from_step = slow
+            self.recorder.slowdown = Slowdown(from_step, factor - 1, 0, ("forward", "backward"))
 
     def on_error(self, error: BaseException) -> None:
         """The step failed — a collective or message timed out, a peer died, or this rank's own

@@ -7,7 +7,6 @@ style: `Trainer.__init__` builds, `Trainer.train_step` does one optimizer step, 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import signal
@@ -27,12 +26,21 @@ from depthscale.errors import CheckpointError, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans
-from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
+from depthscale.observe.metrics import Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.parallelize import init_layout, parallelize
+from depthscale.resilience.faults import FaultPlan, attempt, corrupt_checkpoint, parse_faults
+from depthscale.resilience.heartbeat import Heartbeat
+from depthscale.train import console
 from depthscale.train.checkpoint import Checkpointer, is_model_only
-from depthscale.train.faults import maybe_inject_fault
 from depthscale.train.host import keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, offload_activations
+from depthscale.train.nan_guard import (
+    PersistentNonFinite,
+    all_finite,
+    poison,
+    read_skipped,
+    record_skipped,
+)
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
 from depthscale.train.stop import StopSignals
@@ -60,12 +68,16 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        # first: a supervised worker is watched from the start (a hang in start-up is a hang too)
+        self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), attempt())
         self.device = resolve_device(cfg.train.device)
         if cfg.train.keep_host_memory:
             keep_freed_host_memory()
         self.layout = init_layout(cfg, self.device)
         self.env, self.device = self.layout.env, self.layout.device
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
+        self.faults = FaultPlan(parse_faults(cfg.resilience.faults), self.env.rank)
+        self._mark("process_group", coords=self.layout.dims.coordinates(self.env.rank))
         self.dtype = DTYPES[cfg.train.dtype]
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -90,6 +102,7 @@ class Trainer:
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
         self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        self._mark("model_built")
         self.step = 0
         self.tokens_seen = 0
         self.signals: StopSignals | None = None
@@ -97,9 +110,12 @@ class Trainer:
         self.stopped_by: signal.Signals | None = None
         """The signal that ended `fit` early (agreed by all ranks), or None."""
 
+        self.data.train.skip = read_skipped(self.run_dir)
         if resume_from is not None:
             _check_same_tokenizer(self.run_dir, self.data.tokenizer)
             self._restore(resume_from)
+        self._mark("checkpoint_loaded")
+        self.nan_events: list[dict[str, Any]] = []
         # Written last, once everything above has been checked: a refused or failed start leaves an
         # existing run directory as it was, and creates none.
         if self.env.is_main:
@@ -107,6 +123,7 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             self.data.tokenizer.save(self.run_dir / "tokenizer")
         self.telemetry = Telemetry(cfg, self.run_dir, self.env, self.layout.dims, self.device)
+        self.telemetry.slow_down(self.faults.slowdown())
         self.batches = Prefetcher(self.data.train, self.dp_rank, self.dp_size)
 
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
@@ -124,18 +141,31 @@ class Trainer:
             "data": self.batches.state_dict(),
         }
 
+    def _mark(self, phase: str, **fields: Any) -> None:
+        """A start-up phase is done: the supervisor's restart breakdown reads these."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(phase)
+            self.heartbeat.update(**fields)
+
     def _restore(self, path: Path) -> None:
         state = self.checkpointer.load(path, self.model, self.optimizer)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
         if not is_model_only(state):
-            self.data.train.load_state_dict(state["data"])
+            loader = getattr(self, "batches", self.data.train)  # the prefetcher once running
+            loader.load_state_dict(state["data"])
 
     def save_checkpoint(self) -> Path:
         with spans.span("checkpoint", "checkpoint"):
-            return self.checkpointer.save(
+            path = self.checkpointer.save(
                 self.step, self.model, self.optimizer, self.trainer_state()
             )
+        if self.faults.corrupts(self.step):
+            self.checkpointer.wait()
+            if self.env.is_main:
+                name = corrupt_checkpoint(path)
+                console.say(f"depthscale: injected fault: flipped a byte of {path / name}")
+        return path
 
     # ------------------------------------------------------------------ steps
 
@@ -145,23 +175,38 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step over the global batch, in `grad_accum_steps` micro-batches."""
+        """One optimizer step over the global batch, in `grad_accum_steps` micro-batches.
+
+        A non-finite loss or gradient on any rank (`nan_guard.all_finite`) updates nothing: the
+        step is replayed once on the same batch; still non-finite, PersistentNonFinite."""
         cfg = self.cfg
-        self.telemetry.begin_step(self.step + 1)
-        maybe_inject_fault(self.env.rank, self.step + 1)
+        step = self.step + 1
+        self.telemetry.begin_step(step)
+        self.faults.at_step_start(step)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         set_lr(self.optimizer, lr)
         with spans.span("data", "data"):
             inputs, labels = self.batches.next_batch()
-        total = self.plan.forward_backward(
-            self.forward,
-            inputs,
-            labels,
-            autocast=self.autocast,
-            around_forward=self._offloading,
-        )
-        self.plan.reduce_gradients()
-        grad_norm = float(self.plan.clip_gradients(cfg.train.grad_clip))
+        for first_try in (True, False):
+            total, grad_norm = self._forward_backward(inputs, labels, step, first_try)
+            if all_finite(total, grad_norm):
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            if not cfg.resilience.nan_replay:
+                raise TrainingError(
+                    f"the loss or gradient is not finite at step {step} (lr {lr:.3g}); nothing "
+                    "was updated or saved from this step. Lower optim.lr, raise "
+                    "optim.warmup_steps, keep train.grad_clip > 0, or set "
+                    "resilience.nan_replay=true to replay and skip bad batches"
+                )
+            if not first_try:
+                raise PersistentNonFinite(step, self.batches.position)
+            self._nan_event(step, "transient", "non-finite loss or gradient; replaying the step")
+        else:  # pragma: no cover - the loop always breaks or raises
+            raise AssertionError
+        if not first_try:
+            self._nan_event(step, "transient", "the replay was finite: a transient fault")
+        grad_norm = float(grad_norm)
         with spans.span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -175,6 +220,56 @@ class Trainer:
             metrics["offloaded_mb"] = self.offload.bytes / 1e6
             self.offload.reset()
         return metrics
+
+    def _forward_backward(
+        self, inputs: Tensor, labels: Tensor, step: int, first_try: bool
+    ) -> tuple[Tensor, Tensor]:
+        """Loss share and global gradient norm of one try at the step (gradients clipped)."""
+        total = self.plan.forward_backward(
+            self.forward,
+            inputs,
+            labels,
+            autocast=self.autocast,
+            around_forward=lambda: self._around_forward(step),
+        )
+        self.plan.reduce_gradients()
+        if self.faults and self.faults.poison_loss(step, self.batches.position):
+            total = poison(total, list(self.model.parameters()))
+        return total, self.plan.clip_gradients(self.cfg.train.grad_clip)
+
+    def _around_forward(self, step: int) -> contextlib.AbstractContextManager:
+        self.faults.in_forward(step)
+        return self._offloading()
+
+    def _nan_event(self, step: int, kind: str, text: str) -> None:
+        event = {"step": step, "kind": kind, "text": f"step {step}: {text}"}
+        self.nan_events.append(event)
+        console.say(f"depthscale: {event['text']}")
+        if self.heartbeat is not None:
+            self.heartbeat.update(nan_events=list(self.nan_events))
+
+    def _roll_back(self, bad: PersistentNonFinite) -> None:
+        """The batch of `bad.step` stays non-finite: never train on it again (recorded in the run
+        directory), and go back to the newest verified checkpoint."""
+        self.data.train.skip.add(bad.position)
+        if self.env.is_main:
+            record_skipped(self.run_dir, bad.step, bad.position)
+        self.checkpointer.wait()
+        path = self.checkpointer.resolve_resume() if self.cfg.checkpoint.resume != "none" else None
+        if path is None:
+            raise TrainingError(
+                f"{bad}; its batch (data position {bad.position}) is recorded in "
+                f"{self.run_dir / 'skipped_batches.json'} and will be skipped, but there is no "
+                "verified checkpoint to roll back to: start the run again (a supervised run "
+                "restarts by itself)"
+            )
+        self._nan_event(
+            bad.step,
+            "persistent",
+            f"still non-finite on replay: rolling back to {path.name} and skipping the batch at "
+            f"data position {bad.position}",
+        )
+        self._restore(path)
 
     def _offloading(self) -> contextlib.AbstractContextManager:
         if self.offload is None:
@@ -256,40 +351,53 @@ class Trainer:
         cfg = self.cfg
         history: list[dict[str, float]] = []
         if self.step >= cfg.train.steps:
-            _print(
+            console.say(
                 f"{self.run_dir}: already trained to step {self.step} (train.steps={cfg.train.steps}); nothing to do"
             )
             return history
-        _print(
+        console.say(
             f"depthscale: {self.plan.num_params() / 1e6:.2f}M parameters, residual={cfg.model.residual}, "
             f"device={self.device}, dtype={cfg.train.dtype}, run_dir={self.run_dir}"
             + (f", resumed at step {self.step}" if self.step else "")
         )
-        bar = _progress(cfg, self.step)
+        bar = console.progress(cfg, self.step)
         saved_at = None
-        with _metrics_logger(self.run_dir, cfg, self.env.is_main) as logger:
+        with console.metrics_logger(self.run_dir, cfg, self.env.is_main) as logger:
             self.throughput.reset()
             while self.step < cfg.train.steps:
                 if stop_at is not None and self.step >= stop_at:
                     self.checkpointer.wait()
                     return history
                 t0 = time.perf_counter()
-                metrics = self.train_step()
+                try:
+                    metrics = self.train_step()
+                except PersistentNonFinite as bad:
+                    self.telemetry.abandon_step()
+                    self._roll_back(bad)
+                    continue
                 if not history:  # which AttnRes kernels the first step ran, once
                     _print_kernel_paths()
-                self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
+                    self._mark("first_step")
+                seconds = time.perf_counter() - t0
+                self.throughput.update(self.tokens_per_step, seconds)
                 metrics |= self.throughput.rate()
+                if self.heartbeat is not None:
+                    self.heartbeat.update(
+                        seconds,
+                        step=self.step,
+                        loss=metrics["loss"],
+                        tokens_per_s=metrics["tokens_per_s"],
+                        slow_ranks=self.telemetry.slow_ranks(),
+                    )
                 for kind, text, fields in self.telemetry.end_step(
                     self.step, self.busy_rows, metrics.get("mfu")
                 ):
-                    _write(bar, f"depthscale: {text}")
+                    console.write(bar, f"depthscale: {text}")
                     logger.event(self.step, kind, fields)
                 history.append(metrics)
-                if not math.isfinite(metrics["loss"]):
-                    self._stop_on_non_finite(metrics, bar)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(self.step, metrics)
-                    _write(bar, _format(self.step, cfg.train.steps, metrics))
+                    console.write(bar, console.format_step(self.step, cfg.train.steps, metrics))
                 if self.stop_agreed:
                     self._stop_on_signal(saved_at, bar)
                     return history
@@ -300,7 +408,7 @@ class Trainer:
                         val = self.evaluate()
                     if val is not None:
                         logger.log(self.step, {"loss": val}, prefix="val")
-                        _write(bar, f"step {self.step:>6} | val loss {val:.4f}")
+                        console.write(bar, f"step {self.step:>6} | val loss {val:.4f}")
                 if (
                     cfg.checkpoint.every
                     and self.step % cfg.checkpoint.every == 0
@@ -313,11 +421,13 @@ class Trainer:
                     bar.set_postfix(
                         loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
                     )
+            if self.heartbeat is not None:
+                self.heartbeat.update(state="finishing")
             self.save_checkpoint()
             self.checkpointer.wait()
         if bar is not None:
             bar.close()
-        _print(
+        console.say(
             f"done: step {self.step}, loss {history[-1]['loss']:.4f}, checkpoint in "
             f"{self.checkpointer.latest()}"
         )
@@ -339,22 +449,8 @@ class Trainer:
             if latest is not None
             else "no checkpoint saved (checkpoint.on_signal=false)"
         )
-        _print(f"depthscale: stopped by {name} after step {self.step}; {where}")
+        console.say(f"depthscale: stopped by {name} after step {self.step}; {where}")
         self.stopped_by = received or signal.SIGTERM
-
-    def _stop_on_non_finite(self, metrics: dict[str, float], bar) -> None:
-        """A NaN/Inf loss: stop before anything is saved from this step, keeping the last
-        checkpoint as it was."""
-        if bar is not None:
-            bar.close()
-        self.checkpointer.wait()
-        latest = self.checkpointer.latest()
-        raise TrainingError(
-            f"the loss is {metrics['loss']} at step {self.step} (lr {metrics['lr']:.3g}); "
-            "nothing was saved from this step"
-            + (f"; the newest checkpoint is {latest}" if latest is not None else "")
-            + ". Lower optim.lr, raise optim.warmup_steps or keep train.grad_clip > 0"
-        )
 
 
 def _peers_failed(err: BaseException) -> bool:
@@ -371,7 +467,7 @@ def _print_kernel_paths() -> None:
     PyTorch fallback with its reason): a silent fallback is how a slow bf16 run goes unnoticed."""
     paths = kernel_paths(reasons=True)
     if paths:
-        _print("AttnRes kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(paths.items())))
+        console.say("AttnRes kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(paths.items())))
 
 
 def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
@@ -384,21 +480,6 @@ def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
     data = build() if env.local_rank == 0 else None
     dist.barrier()
     return data if data is not None else build()
-
-
-def _metrics_logger(run_dir: Path, cfg: Config, is_main: bool):
-    """Rank 0 writes metrics; the others get a logger that drops them."""
-    if is_main:
-        return MetricsLogger(run_dir, cfg.logging.tensorboard)
-    return contextlib.nullcontext(_NullLogger())
-
-
-class _NullLogger:
-    def log(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def event(self, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 def _check_same_tokenizer(run_dir: Path, tokenizer) -> None:
@@ -421,48 +502,3 @@ def _peak_flops(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[
     if cfg.logging.peak_tflops > 0:
         return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
     return detect_peak_flops(device, dtype)
-
-
-def _is_main() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _print(msg: str) -> None:
-    if _is_main():
-        print(msg, flush=True)
-
-
-def _progress(cfg: Config, start: int):
-    if not (cfg.logging.progress and _is_main()):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=cfg.train.steps,
-        initial=start,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0,
-        leave=False,
-    )
-
-
-def _write(bar, line: str) -> None:
-    if bar is not None:
-        bar.write(line)
-    else:
-        _print(line)
-
-
-def _format(step: int, total: int, m: dict[str, float]) -> str:
-    parts = [
-        f"step {step:>6}/{total}",
-        f"loss {m['loss']:.4f}",
-        f"lr {m['lr']:.2e}",
-        f"grad_norm {m['grad_norm']:.3f}",
-        f"tok/s {m['tokens_per_s']:,.0f}",
-    ]
-    if m.get("mfu") is not None:
-        parts.append(f"mfu {100 * m['mfu']:.1f}%")
-    return " | ".join(parts)

@@ -1,0 +1,367 @@
+"""Watching one attempt of the worker group: exits, heartbeats and progress, every 50 ms, until the
+group finishes or a fault is found (`Watch.run`); then forensics and stopping the group.
+
+The limits, and why (each decision's inputs go to the supervisor's log):
+- silent heartbeat: max(4 heartbeats, 1.5 s). A live worker writes one every `heartbeat_s` from a
+  daemon thread that only needs the GIL for a moment; a SIGSTOPped or frozen process writes none.
+- no progress: max(`hang_floor_s`, `hang_factor` × the group's p99 step time, 2 heartbeats) —
+  a healthy rank ends a span (data, forward, backward, optimizer, a message, a collective) many
+  times a step. Inside a checkpoint save or an evaluation, or after the last step, `long_phase_s`;
+  before the first step, `startup_timeout_s` (imports, data, kernel builds).
+- the culprit of a hang is the rank whose progress is oldest, preferring one that is not waiting
+  for others: the ranks blocked in a collective are its victims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from depthscale.resilience.heartbeat import heartbeat_key
+
+if TYPE_CHECKING:
+    from depthscale.config.schema import ResilienceConfig
+
+POLL_S = 0.05
+SILENT_FLOOR_S = 1.5
+LONG_PHASES = ("checkpoint", "eval")
+MARKS = ("started", "process_group", "model_built", "checkpoint_loaded", "first_step")
+
+
+@dataclass
+class Fault:
+    kind: str
+    """dead, hung, slow, error, or stopped (a stop signal to the supervisor, not a fault)."""
+    ranks: list[int]
+    nodes: list[str]
+    detail: str
+    since: float
+    """When it began (wall time; estimated from the last sign of life or progress)."""
+    detected_at: float
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        who = ", ".join(
+            f"rank {r}{_where(self.evidence.get('coords', {}).get(str(r)))} on node {n}"
+            for r, n in zip(self.ranks, self.nodes)
+        )
+        return (
+            f"{self.kind}: {who}: {self.detail} "
+            f"(detected {self.detected_at - self.since:.2f} s after it began)"
+        )
+
+
+def _where(coords: dict | None) -> str:
+    if not coords:
+        return ""
+    return " (" + " ".join(f"{k}{coords[k]}" for k in ("pp", "dp", "cp", "tp") if k in coords) + ")"
+
+
+class _Rank:
+    def __init__(self, launched: float) -> None:
+        self.hb: dict[str, Any] | None = None
+        self.seen_at = launched  # when its heartbeat last changed
+        self.progress = -1
+        self.progress_at = launched  # when its progress last changed
+        self.exit: int | None = None
+
+
+class Watch:
+    def __init__(self, context, store, attempt: int, r: ResilienceConfig, nodes: list[str]) -> None:
+        self.context, self.store, self.attempt, self.r = context, store, attempt, r
+        self.nodes = nodes
+        self.launched = time.time()
+        self.ranks = [_Rank(self.launched) for _ in nodes]
+        self.stopping_since: float | None = None
+        self.slow_since: dict[int, int] = {}
+        self.nan_seen = 0
+        self.started_logged = False
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, breakdown: dict[str, float] | None, supervisor) -> Fault | None:
+        """Until every worker exits 0 (None) or a fault (returned; the group is still running)."""
+        while True:
+            now = time.time()
+            self._poll_exits()
+            if supervisor.stop_signal is not None:
+                if self._stop_gracefully(supervisor.stop_signal, now):
+                    return Fault("stopped", [], [], "stop signal", now, now)
+            elif all(s.exit == 0 for s in self.ranks):
+                return None
+            else:
+                fault = self._exit_fault(now) or self._read_and_judge(now, supervisor)
+                if fault is not None:
+                    return fault
+                if not self.started_logged and self._all_marked("first_step"):
+                    self.started_logged = True
+                    self._log_start(breakdown, supervisor)
+            time.sleep(POLL_S)
+
+    def _poll_exits(self) -> None:
+        for rank, handler in self.context.subprocess_handlers.items():
+            if self.ranks[rank].exit is None:
+                self.ranks[rank].exit = handler.proc.poll()
+
+    def _stop_gracefully(self, signum: int, now: float) -> bool:
+        """Forward the stop to the workers (they save and exit); True once all have exited."""
+        if self.stopping_since is None:
+            self.stopping_since = now
+            for s, pid in zip(self.ranks, self.context.pids().values()):
+                if s.exit is None:
+                    _signal(pid, signal.SIGTERM)
+        if all(s.exit is not None for s in self.ranks):
+            return True
+        if now - self.stopping_since > 60:
+            self.stop_group()
+            return True
+        return False
+
+    def _exit_fault(self, now: float) -> Fault | None:
+        failed = {r: s.exit for r, s in enumerate(self.ranks) if s.exit not in (None, 0)}
+        if not failed:
+            return None
+        killed = {r: c for r, c in failed.items() if c < 0}
+        if killed:
+            rank, code = min(killed.items())
+            detail = f"killed by {signal.Signals(-code).name} (pid {self._pid(rank)})"
+            kind = "dead"
+        else:
+            rank, code = min(failed.items())
+            detail, kind = f"exited with code {code}", "error"
+        return Fault(
+            kind,
+            [rank],
+            [self.nodes[rank]],
+            detail,
+            now - POLL_S / 2,
+            now,
+            self._evidence(exits=failed),
+        )
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def _read(self, now: float) -> None:
+        for rank, s in enumerate(self.ranks):
+            key = heartbeat_key(self.attempt, rank)
+            try:
+                if s.hb is None and not self.store.check([key]):
+                    continue
+                hb = json.loads(self.store.get(key))
+            except Exception:
+                continue
+            if s.hb is None or hb.get("seq") != s.hb.get("seq"):
+                s.seen_at = now
+            if hb.get("progress") != s.progress:
+                s.progress, s.progress_at = hb.get("progress"), now
+            s.hb = hb
+
+    def _read_and_judge(self, now: float, supervisor) -> Fault | None:
+        self._read(now)
+        running = [r for r, s in enumerate(self.ranks) if s.exit is None]
+        silent_limit = max(4 * self.r.heartbeat_s, SILENT_FLOOR_S)
+        for rank in running:
+            s = self.ranks[rank]
+            exiting = (s.hb or {}).get("state") == "exiting"
+            if s.hb is not None and now - s.seen_at > (
+                self.r.long_phase_s if exiting else silent_limit
+            ):
+                state = _process_state(self._pid(rank))
+                return self._hang(
+                    [rank],
+                    f"heartbeat silent for {now - s.seen_at:.2f} s (limit {silent_limit:.2f} s; "
+                    f"process state: {state})",
+                    s.seen_at,
+                    now,
+                    limit=silent_limit,
+                )
+        started = self._all_marked("first_step")
+        if not started:
+            limit = self.r.startup_timeout_s
+            if now - self.launched > limit:
+                late = [r for r in running if "first_step" not in self._marks(r)]
+                return self._hang(
+                    late or running,
+                    f"no first step {limit:g} s after launch (resilience.startup_timeout_s)",
+                    self.launched,
+                    now,
+                    limit=limit,
+                )
+            return None
+        limit, why = self._progress_limit(running)
+        culprit = self._culprit(running)
+        if culprit is not None and now - self.ranks[culprit].progress_at > limit:
+            s = self.ranks[culprit]
+            phase = (s.hb or {}).get("phase") or "between spans"
+            return self._hang(
+                [culprit],
+                f"no progress for {now - s.progress_at:.2f} s in {phase} (limit {limit:.2f} s: "
+                f"{why}); the others wait for it",
+                s.progress_at,
+                now,
+                limit=limit,
+            )
+        self._note_nan(supervisor)
+        return self._slow(running, now)
+
+    def _progress_limit(self, running: list[int]) -> tuple[float, str]:
+        hbs = [self.ranks[r].hb or {} for r in running]
+        if any(hb.get("phase") in LONG_PHASES or hb.get("state") == "finishing" for hb in hbs):
+            return (
+                self.r.long_phase_s,
+                "a checkpoint save, evaluation or the run's end: long_phase_s",
+            )
+        p99 = max((hb.get("step_p99_s") or 0.0) for hb in hbs) if hbs else 0.0
+        limit = max(self.r.hang_floor_s, self.r.hang_factor * p99, 2 * self.r.heartbeat_s)
+        return limit, (
+            f"max(hang_floor_s {self.r.hang_floor_s:g}, {self.r.hang_factor:g} × p99 step "
+            f"{p99:.3f} s, 2 heartbeats)"
+        )
+
+    def _culprit(self, running: list[int]) -> int | None:
+        """The rank with the oldest progress, preferring one not waiting for others."""
+        if not running:
+            return None
+        busy = [r for r in running if not (self.ranks[r].hb or {}).get("waiting")]
+        return min(busy or running, key=lambda r: self.ranks[r].progress_at)
+
+    def _slow(self, running: list[int], now: float) -> Fault | None:
+        if not self.r.slow_steps or not running:
+            return None
+        hb = self.ranks[running[0]].hb or {}
+        step = int(hb.get("step", 0))
+        flagged = set(hb.get("slow_ranks") or [])
+        self.slow_since = {r: self.slow_since.get(r, step) for r in flagged}
+        for rank, since in sorted(self.slow_since.items()):
+            if step - since >= self.r.slow_steps:
+                return Fault(
+                    "slow",
+                    [rank],
+                    [self.nodes[rank]],
+                    f"slower than its peers for {step - since} steps (resilience.slow_steps="
+                    f"{self.r.slow_steps}; see the straggler lines above)",
+                    now,
+                    now,
+                    self._evidence(),
+                )
+        return None
+
+    def _note_nan(self, supervisor) -> None:
+        events = (self.ranks[0].hb or {}).get("nan_events") or []
+        for event in events[self.nan_seen :]:
+            supervisor.log("nan", f"attempt {self.attempt}: {event['text']}", **event)
+        self.nan_seen = len(events)
+
+    # ------------------------------------------------------------------ reports
+
+    def _hang(self, ranks: list[int], detail: str, since: float, now: float, limit: float) -> Fault:
+        return Fault(
+            "hung",
+            ranks,
+            [self.nodes[r] for r in ranks],
+            detail,
+            since,
+            now,
+            self._evidence(limit_s=limit),
+        )
+
+    def _evidence(self, **more: Any) -> dict[str, Any]:
+        now = time.time()
+        ranks = {}
+        for r, s in enumerate(self.ranks):
+            hb = s.hb or {}
+            ranks[str(r)] = {
+                "exit": s.exit,
+                "heartbeat_age_s": round(now - s.seen_at, 3) if s.hb else None,
+                "progress_age_s": round(now - s.progress_at, 3),
+                "step": hb.get("step"),
+                "phase": hb.get("phase"),
+                "waiting": hb.get("waiting"),
+                "in_flight": hb.get("in_flight"),
+                "last_collective": hb.get("collective"),
+            }
+        coords = {str(r): (s.hb or {}).get("coords") for r, s in enumerate(self.ranks)}
+        return {"ranks": ranks, "coords": coords, **more}
+
+    def _marks(self, rank: int) -> dict[str, float]:
+        return (self.ranks[rank].hb or {}).get("marks") or {}
+
+    def _all_marked(self, mark: str) -> bool:
+        return all(mark in self._marks(r) for r in range(len(self.ranks)))
+
+    def _log_start(self, breakdown: dict[str, float] | None, supervisor) -> None:
+        """The (re)start's phases: the slowest rank's time to each start-up mark."""
+        at = {
+            m: max(self._marks(r).get(m, self.launched) for r in range(len(self.ranks)))
+            for m in MARKS
+        }
+        phases = {"launch": at["started"] - self.launched}
+        for before, mark in zip(MARKS, MARKS[1:]):
+            phases[mark] = at[mark] - at[before]
+        if breakdown is None:
+            total = at["first_step"] - self.launched
+            text = f"attempt {self.attempt}: first step {total:.2f} s after launch"
+            fields = {"phases_s": phases}
+        else:
+            before = {
+                "detect": breakdown["detected"] - breakdown["fault"],
+                "forensics": breakdown["forensics"],
+                "stop": breakdown["stop"],
+                "diagnose": breakdown["diagnose"],
+                "relaunch": self.launched - breakdown["relaunch_at"],
+            }
+            phases = {**before, **phases}
+            total = at["first_step"] - breakdown["fault"]
+            text = f"attempt {self.attempt}: fault → first completed step {total:.2f} s"
+            fields = {"phases_s": phases, "fault_to_first_step_s": total}
+        text += " (" + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ")"
+        supervisor.log(
+            "restart_time" if breakdown else "start_time", text, attempt=self.attempt, **fields
+        )
+
+    def forensics(self, fault: Fault, directory: Path) -> None:
+        """Python stacks of every live worker (faulthandler, on SIGUSR1) and the fault's evidence,
+        before the group is stopped. A stopped (SIGSTOP) process cannot answer: its last
+        heartbeat, with the operation it had in flight, is the record."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if fault.kind in ("hung", "slow"):
+            for rank, pid in self.context.pids().items():
+                if self.ranks[rank].exit is None:
+                    _signal(pid, signal.SIGUSR1)
+            time.sleep(0.3)
+        heartbeats = {str(r): s.hb for r, s in enumerate(self.ranks)}
+        record = {
+            "fault": asdict(fault),
+            "heartbeats": heartbeats,
+            "stacks": str(directory / "stacks"),
+        }
+        (directory / "forensics.json").write_text(json.dumps(record, indent=1, default=str))
+
+    def stop_group(self) -> None:
+        """SIGKILL every worker's process group: a hung gloo collective cannot be aborted."""
+        self.context.close(death_sig=signal.SIGKILL)
+
+    def _pid(self, rank: int) -> int:
+        return self.context.pids()[rank]
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's word for the process: 'T (stopped)' for a SIGSTOPped one."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    names = {"R": "running", "S": "sleeping", "D": "disk wait", "T": "stopped", "Z": "zombie"}
+    return f"{state} ({names.get(state, '?')})"

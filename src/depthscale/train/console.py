@@ -1,0 +1,72 @@
+"""What the training loop prints and logs: rank 0's console lines, progress bar and metrics files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from depthscale.config import Config
+from depthscale.observe.metrics import MetricsLogger
+
+
+def metrics_logger(run_dir: Path, cfg: Config, is_main: bool):
+    """Rank 0 writes metrics; the others get a logger that drops them."""
+    if is_main:
+        return MetricsLogger(run_dir, cfg.logging.tensorboard)
+    return contextlib.nullcontext(_NullLogger())
+
+
+class _NullLogger:
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(msg: str) -> None:
+    """Print on rank 0 only."""
+    if is_main():
+        print(msg, flush=True)
+
+
+def progress(cfg: Config, start: int):
+    if not (cfg.logging.progress and is_main()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.train.steps,
+        initial=start,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=1.0,
+        leave=False,
+    )
+
+
+def write(bar, line: str) -> None:
+    if bar is not None:
+        bar.write(line)
+    else:
+        say(line)
+
+
+def format_step(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [
+        f"step {step:>6}/{total}",
+        f"loss {m['loss']:.4f}",
+        f"lr {m['lr']:.2e}",
+        f"grad_norm {m['grad_norm']:.3f}",
+        f"tok/s {m['tokens_per_s']:,.0f}",
+    ]
+    if m.get("mfu") is not None:
+        parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    return " | ".join(parts)

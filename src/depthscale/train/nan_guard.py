@@ -1,0 +1,84 @@
+"""The NaN/Inf guard: a non-finite loss or gradient on any rank stops that step's update on every
+rank, and is told apart as transient (a replay of the same batch is clean: a flipped bit, a bad
+kernel launch) or persistent (the batch itself: roll back and never train on it again).
+
+All ranks decide together from one collective flag (a rank-0-only check misses NaNs that appear on
+other ranks; WeatherGenerator#2726): the global gradient norm is already the same on every rank,
+and each rank's loss share is folded in by a MIN all-reduce of one number. The batches skipped are
+recorded by data position in `RUN/skipped_batches.json`, which every later start of the run reads,
+so a restart, and a reference run given the same file, skip them too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from depthscale.observe import spans
+
+SKIPPED = "skipped_batches.json"
+
+
+class PersistentNonFinite(Exception):
+    """The step's loss or gradient stayed non-finite on replay: its batch is bad."""
+
+    def __init__(self, step: int, position: tuple[int, int] | None) -> None:
+        super().__init__(f"non-finite loss or gradient at step {step}, also on replay")
+        self.step, self.position = step, position
+
+
+def all_finite(loss_share: Tensor, grad_norm: Tensor) -> bool:
+    """Whether every rank's loss share and the (global) gradient norm are finite: one flag,
+    the same on every rank."""
+    ok = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_share.detach()).all())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([1.0 if ok else 0.0], device=grad_norm.device)
+        with spans.collective("all_reduce", None, flag):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item() > 0)
+    return ok
+
+
+def poison(loss_share: Tensor, params: list[Tensor]) -> Tensor:
+    """What a NaN on this rank looks like after backward (drills): the loss and a gradient."""
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if grad.numel():
+                grad.view(-1)[0] = math.nan
+                break
+    return loss_share + math.nan
+
+
+def read_skipped(run_dir: Path) -> set[tuple[int, int]]:
+    """The data positions (epoch, cursor) this run must never train on."""
+    try:
+        records = json.loads((run_dir / SKIPPED).read_text())
+        return {(int(r["epoch"]), int(r["cursor"])) for r in records}
+    except FileNotFoundError:
+        return set()
+    except (ValueError, KeyError, TypeError) as err:
+        from depthscale.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{run_dir / SKIPPED} is damaged ({err}); it lists the batches this run skips after "
+            "persistent NaNs: repair it (a JSON list of {step, epoch, cursor}) or delete it"
+        ) from None
+
+
+def record_skipped(run_dir: Path, step: int, position: tuple[int, int]) -> None:
+    """Append a skipped batch (rank 0 writes; atomically, the file is read on every start)."""
+    file = run_dir / SKIPPED
+    try:
+        records = json.loads(file.read_text())
+    except (FileNotFoundError, ValueError):
+        records = []
+    records.append({"step": step, "epoch": position[0], "cursor": position[1]})
+    tmp = file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records, indent=1))
+    tmp.replace(file)
