@@ -26,9 +26,10 @@ from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import CheckpointError, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
-from depthscale.observe import spans
+from depthscale.observe import spans, startup
 from depthscale.observe.metrics import MetricsLogger, Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.parallelize import init_layout, parallelize
+from depthscale.parallel.startup import leader_first
 from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.faults import maybe_inject_fault
 from depthscale.train.host import keep_freed_host_memory
@@ -77,6 +78,7 @@ class Trainer:
 
         self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
         cfg.resolve_vocab_size(self.data.tokenizer.vocab_size)
+        startup.mark("data")
         # Built on the meta device: parallelize() splits and shards it, then each rank materialises
         # and initialises only its own shards (the values one process would draw).
         with torch.device("meta"):
@@ -90,6 +92,7 @@ class Trainer:
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
         self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        startup.mark("model")
         self.step = 0
         self.tokens_seen = 0
         self.signals: StopSignals | None = None
@@ -100,6 +103,7 @@ class Trainer:
         if resume_from is not None:
             _check_same_tokenizer(self.run_dir, self.data.tokenizer)
             self._restore(resume_from)
+        startup.mark("checkpoint_load")
         # Written last, once everything above has been checked: a refused or failed start leaves an
         # existing run directory as it was, and creates none.
         if self.env.is_main:
@@ -277,6 +281,8 @@ class Trainer:
                 metrics = self.train_step()
                 if not history:  # which AttnRes kernels the first step ran, once
                     _print_kernel_paths()
+                    startup.mark("first_step")  # the supervisor reads RUN/startup/
+                    startup.save(self.run_dir, self.env.rank)
                 self.throughput.update(self.tokens_per_step, time.perf_counter() - t0)
                 metrics |= self.throughput.rate()
                 for kind, text, fields in self.telemetry.end_step(
@@ -376,14 +382,11 @@ def _print_kernel_paths() -> None:
 
 def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
     """Local rank 0 tokenizes (or trains the BPE tokenizer) and fills the cache; the node's other
-    ranks then load it instead of repeating the work. The token stream is memory-mapped, so one copy
+    ranks then load it instead of repeating the work, each waiting for that one rank (no barrier:
+    other nodes' ranks go on). The token stream is memory-mapped, so one copy
     in the page cache serves every rank on the node."""
     build = lambda: build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size)  # noqa: E731
-    if env.world_size == 1:
-        return build()
-    data = build() if env.local_rank == 0 else None
-    dist.barrier()
-    return data if data is not None else build()
+    return leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
 
 
 def _metrics_logger(run_dir: Path, cfg: Config, is_main: bool):
