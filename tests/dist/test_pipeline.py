@@ -23,6 +23,7 @@ from depthscale.parallel.pipeline.stage import (
     sync_tied_grads,
     tied_embedding_ranks,
 )
+from depthscale.parallel.startup import own_group
 from depthscale.train.memory import OffloadStats, offload_activations
 from tolerances import check, fp32_model_bound, scaled_err
 
@@ -100,7 +101,7 @@ def _pipeline_parity(
     )
     tied = tied_embedding_ranks(cfg, world)
     if tied is not None:
-        group = dist.new_group(list(tied))
+        group = own_group([list(tied)], "tied_embedding")  # every rank makes one group
         if rank in tied:
             sync_tied_grads(model, group)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))

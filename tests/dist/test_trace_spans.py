@@ -87,9 +87,10 @@ def test_clock_offsets_undo_injected_skew_and_messages_pair(dist_pool, tmp_path)
 
 def _flight_recorder_while_a_peer_is_late() -> dict:
     from depthscale.observe import flight_recorder
+    from depthscale.parallel.startup import own_group
 
     rank = dist.get_rank()
-    pair = dist.new_group([0, 1])
+    pair = own_group([[0, 1], [2, 3]], "pair")  # not `new_group([0, 1])`: see parallel/startup.py
     x = torch.ones(2)
     dist.all_reduce(x, group=pair)  # collective #1 of the pair, done
     seen = None

@@ -23,7 +23,7 @@ FORBIDDEN = {
 }
 """Layer (subpackage of depthscale) → subpackages it must not import."""
 
-LEAVES = ("depthscale.observe.spans",)
+LEAVES = ("depthscale.observe.spans", "depthscale.observe.startup")
 """Modules any layer may import: they import nothing from depthscale (checked below). The span
 recorder is one, so that the pipeline, the ring and the collectives record where they work."""
 

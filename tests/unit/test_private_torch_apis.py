@@ -95,3 +95,22 @@ def test_default_group_timeout_is_read_when_a_group_is_made():
             assert distributed_c10d._get_default_timeout("nccl") == seconds
     finally:
         distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = old
+
+
+def test_group_creation_internals_the_sync_counter_patches():
+    """parallel/startup.count_synchronizations counts by wrapping `distributed_c10d.barrier`,
+    `_store_based_barrier(rank, store, group_name, rendezvous_count, timeout)` (torch's barrier
+    after init and after each group, with TORCH_DIST_INIT_BARRIER=1), `_new_group_with_tag`
+    (what `new_group` calls, `use_local_synchronization` by keyword) and `split_group`, which
+    device_mesh imports by name; `leader_first` posts to `_get_default_store()`. own_group's name
+    for a members-only group hashes the ranks with the count of groups made (`_hash_ranks_to_str`)."""
+    from torch.distributed import device_mesh, distributed_c10d
+
+    params = list(inspect.signature(distributed_c10d._store_based_barrier).parameters)
+    assert params[:5] == ["rank", "store", "group_name", "rendezvous_count", "timeout"]
+    params = inspect.signature(distributed_c10d._new_group_with_tag).parameters
+    assert list(params)[0] == "ranks" and "use_local_synchronization" in params
+    assert "use_local_synchronization" in inspect.signature(distributed_c10d.new_group).parameters
+    assert device_mesh.split_group is distributed_c10d.split_group
+    assert callable(distributed_c10d._get_default_store)
+    assert "len(_world.pg_names)" in inspect.getsource(distributed_c10d._hash_ranks_to_str)

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from depthscale.config import ParallelConfig
 from depthscale.errors import ConfigError
+from depthscale.parallel.startup import own_group, splits_from_world
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -70,12 +71,33 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh, plus two flattened dimensions: `dp_shard_cp` (dp_shard × cp), FSDP's
         shard dimension (cp ranks hold the same parameters; see `parallelize`), and `dp_cp`
-        (dp_replicate × dp_shard × cp), every rank holding the same parameters."""
+        (dp_replicate × dp_shard × cp), every rank holding the same parameters.
+
+        Each rank creates only its own group of each dimension (`startup.own_group`: no barrier
+        over the world, and no call per group of the world); NCCL with a bound device keeps
+        torch's one communicator split per dimension. The flattened dimensions are torch's: one
+        `new_group` per group on every rank, with no barrier unless TORCH_DIST_INIT_BARRIER=1."""
         shape = tuple(getattr(self, name) for name in DIM_NAMES)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+        if splits_from_world():
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+        else:
+            ranks = torch.arange(self.world_size).reshape(shape)
+            groups = [_dim_group(ranks, d, name) for d, name in enumerate(DIM_NAMES)]
+            mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=DIM_NAMES)
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return mesh
+
+
+def _dim_group(ranks: torch.Tensor, dim: int, name: str) -> dist.ProcessGroup:
+    """This rank's group along mesh dimension `dim` of `ranks`; the world group when the dimension
+    spans every rank (as torch's DeviceMesh does)."""
+    if ranks.shape[dim] == ranks.numel():
+        return dist.group.WORLD
+    parts = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+    group = own_group(parts, f"mesh_{name}")
+    assert group is not None  # the parts cover every rank
+    return group
 
 
 @dataclass

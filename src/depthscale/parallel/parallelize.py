@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from depthscale.config import Config
 from depthscale.errors import ConfigError
 from depthscale.model.transformer import Transformer
+from depthscale.observe import startup
 from depthscale.parallel.mesh import DistEnv, ParallelDims, init_distributed
 from depthscale.parallel.plan import ParallelPlan
 
@@ -79,14 +80,17 @@ class Layout:
 
 def init_layout(cfg: Config, device: torch.device) -> Layout:
     """Join the process group (when launched with several processes), check the layout in `cfg`
-    against the world size, and build the mesh."""
+    against the world size, and build the mesh (each marked as a start-up phase)."""
+    startup.mark("imports")
     dims = ParallelDims.from_config(cfg.parallel)
     env = init_distributed(device.type, cfg.parallel.timeout_s)
+    startup.mark("process_group")
     dims.validate(env.world_size)
     check_layout(cfg)
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
     mesh = dims.build_mesh(device.type) if env.world_size > 1 else None
+    startup.mark("mesh")
     return Layout(env, dims, mesh, device, *dp_rank_and_size(mesh, dims))
 
 

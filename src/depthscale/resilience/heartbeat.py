@@ -13,7 +13,7 @@ hung rank from a busy one:
   collective keeps its heartbeat but stops its progress; the in-flight span says which.
 
 The span API is the single source: the heartbeat reads the active recorder, the training loop only
-reports per-step numbers (`update`) and start-up marks (`mark`).
+reports per-step numbers (`update`); start-up marks come from `observe/startup.py`.
 
 Fencing: a worker that cannot reach its supervisor for `fence_s` kills itself, so that a lost
 supervisor never leaves a group training on unsupervised (and writing checkpoints) beside a new one.
@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any
 
-from depthscale.observe import spans
+from depthscale.observe import spans, startup
 
 SUPERVISOR_ENV = "DEPTHSCALE_SUPERVISOR"
 """host:port of the supervisor's store; set by the supervisor for its workers."""
@@ -93,14 +93,12 @@ class Heartbeat:
             "attempt": attempt,
             "step": 0,
         }
-        self.marks: dict[str, float] = {}
         self.steps: collections.deque[float] = collections.deque(maxlen=100)
         self.seq = 0
         self._progress_without_spans = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="depthscale-heartbeat", daemon=True)
         _dump_stacks_on_sigusr1()
-        self.mark("started")
         self._thread.start()
         atexit.register(self.close)
 
@@ -113,10 +111,6 @@ class Heartbeat:
         return cls(address, rank, attempt, float(os.environ.get(PERIOD_ENV, "0.25")))
 
     # ------------------------------------------------------------------ called by the trainer
-
-    def mark(self, phase: str) -> None:
-        """A start-up phase is done (wall time: the supervisor compares with its own launch time)."""
-        self.marks[phase] = time.time()
 
     def update(self, step_seconds: float | None = None, **fields: Any) -> None:
         """Per-step numbers (step, loss, tokens_per_s, events); `step_seconds` feeds the p99."""
@@ -164,7 +158,8 @@ class Heartbeat:
             "collective": collective,
             "step_p99_s": p99,
             "rss_mb": round(rss_mb(), 1),
-            "marks": dict(self.marks),
+            "process_start": startup.process_start_time(),
+            "marks": startup.marks(),
         }
 
     def _run(self) -> None:

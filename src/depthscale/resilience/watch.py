@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from depthscale.observe.startup import PHASES
 from depthscale.resilience.heartbeat import heartbeat_key
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 POLL_S = 0.05
 SILENT_FLOOR_S = 1.5
 LONG_PHASES = ("checkpoint", "eval")
-MARKS = ("started", "process_group", "model_built", "checkpoint_loaded", "first_step")
 
 
 @dataclass
@@ -297,13 +297,14 @@ class Watch:
 
     def _log_start(self, breakdown: dict[str, float] | None, supervisor) -> None:
         """The (re)start's phases: the slowest rank's time to each start-up mark."""
-        at = {
-            m: max(self._marks(r).get(m, self.launched) for r in range(len(self.ranks)))
-            for m in MARKS
-        }
-        phases = {"launch": at["started"] - self.launched}
-        for before, mark in zip(MARKS, MARKS[1:]):
-            phases[mark] = at[mark] - at[before]
+        n = range(len(self.ranks))
+        at = {m: max(self._marks(r).get(m, self.launched) for r in n) for m in PHASES}
+        start = max((self.ranks[r].hb or {}).get("process_start") or self.launched for r in n)
+        phases = {"launch": start - self.launched}
+        previous = start
+        for mark in PHASES:
+            phases[mark] = at[mark] - previous
+            previous = at[mark]
         if breakdown is None:
             total = at["first_step"] - self.launched
             text = f"attempt {self.attempt}: first step {total:.2f} s after launch"

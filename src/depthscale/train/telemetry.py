@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from depthscale.config import Config
 from depthscale.observe import spans
@@ -31,6 +30,7 @@ from depthscale.observe.stragglers import StragglerDetector
 from depthscale.observe.watchdog import Watchdog, write_hang_dump
 from depthscale.parallel.clock_sync import measure_offset
 from depthscale.parallel.mesh import DistEnv, ParallelDims
+from depthscale.parallel.startup import leader_first
 
 log = logging.getLogger("depthscale.observe")
 
@@ -222,14 +222,17 @@ class MfuAlarm:
 
 def _archive_previous(run_dir: Path, rank: int) -> None:
     """A resumed run keeps the previous invocation's traces: rank 0 moves them to
-    trace/archive/<time>/ before anyone writes (a barrier follows in `Trainer`)."""
+    trace/archive/<time>/ before anyone writes; the others wait for rank 0 alone (no barrier)."""
     trace = Path(run_dir) / "trace"
-    if rank == 0 and trace.is_dir():
+
+    def archive() -> None:
+        if rank != 0 or not trace.is_dir():
+            return
         old = [p for p in trace.iterdir() if p.name != "archive"]
         if old:
             dest = trace / "archive" / time.strftime("%Y%m%d-%H%M%S")
             dest.mkdir(parents=True, exist_ok=True)
             for p in old:
                 shutil.move(str(p), dest / p.name)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+
+    leader_first("archive_traces", 0, archive)

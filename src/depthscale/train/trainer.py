@@ -25,9 +25,10 @@ from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import CheckpointError, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
-from depthscale.observe import spans
+from depthscale.observe import spans, startup
 from depthscale.observe.metrics import Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.parallelize import init_layout, parallelize
+from depthscale.parallel.startup import leader_first
 from depthscale.resilience.faults import FaultPlan, attempt, corrupt_checkpoint, parse_faults
 from depthscale.resilience.heartbeat import Heartbeat
 from depthscale.train import console
@@ -77,7 +78,8 @@ class Trainer:
         self.env, self.device = self.layout.env, self.layout.device
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
         self.faults = FaultPlan(parse_faults(cfg.resilience.faults), self.env.rank)
-        self._mark("process_group", coords=self.layout.dims.coordinates(self.env.rank))
+        if self.heartbeat is not None:
+            self.heartbeat.update(coords=self.layout.dims.coordinates(self.env.rank))
         self.dtype = DTYPES[cfg.train.dtype]
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -89,6 +91,7 @@ class Trainer:
 
         self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
         cfg.resolve_vocab_size(self.data.tokenizer.vocab_size)
+        startup.mark("data")
         # Built on the meta device: parallelize() splits and shards it, then each rank materialises
         # and initialises only its own shards (the values one process would draw).
         with torch.device("meta"):
@@ -102,7 +105,7 @@ class Trainer:
         # autograd Functions is not reliable; a recompile per batch shape is cheap.
         self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self._mark("model_built")
+        startup.mark("model")
         self.step = 0
         self.tokens_seen = 0
         self.signals: StopSignals | None = None
@@ -114,7 +117,7 @@ class Trainer:
         if resume_from is not None:
             _check_same_tokenizer(self.run_dir, self.data.tokenizer)
             self._restore(resume_from)
-        self._mark("checkpoint_loaded")
+        startup.mark("checkpoint_load")
         self.nan_events: list[dict[str, Any]] = []
         # Written last, once everything above has been checked: a refused or failed start leaves an
         # existing run directory as it was, and creates none.
@@ -140,12 +143,6 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "data": self.batches.state_dict(),
         }
-
-    def _mark(self, phase: str, **fields: Any) -> None:
-        """A start-up phase is done: the supervisor's restart breakdown reads these."""
-        if self.heartbeat is not None:
-            self.heartbeat.mark(phase)
-            self.heartbeat.update(**fields)
 
     def _restore(self, path: Path) -> None:
         state = self.checkpointer.load(path, self.model, self.optimizer)
@@ -377,7 +374,8 @@ class Trainer:
                     continue
                 if not history:  # which AttnRes kernels the first step ran, once
                     _print_kernel_paths()
-                    self._mark("first_step")
+                    startup.mark("first_step")
+                    startup.save(self.run_dir, self.env.rank)  # RUN/startup/: where start-up went
                 seconds = time.perf_counter() - t0
                 self.throughput.update(self.tokens_per_step, seconds)
                 metrics |= self.throughput.rate()
@@ -472,14 +470,11 @@ def _print_kernel_paths() -> None:
 
 def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
     """Local rank 0 tokenizes (or trains the BPE tokenizer) and fills the cache; the node's other
-    ranks then load it instead of repeating the work. The token stream is memory-mapped, so one copy
+    ranks then load it instead of repeating the work, each waiting for that one rank (no barrier:
+    other nodes' ranks go on). The token stream is memory-mapped, so one copy
     in the page cache serves every rank on the node."""
     build = lambda: build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size)  # noqa: E731
-    if env.world_size == 1:
-        return build()
-    data = build() if env.local_rank == 0 else None
-    dist.barrier()
-    return data if data is not None else build()
+    return leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
 
 
 def _check_same_tokenizer(run_dir: Path, tokenizer) -> None:

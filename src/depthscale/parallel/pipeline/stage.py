@@ -22,6 +22,7 @@ from depthscale.config import ModelConfig
 from depthscale.model.residual import DepthState, block_assignment, link_groups
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.observe import spans
+from depthscale.parallel.startup import own_group
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -159,20 +160,14 @@ def tied_embedding_ranks(cfg: ModelConfig, pp_size: int) -> tuple[int, int] | No
 def tied_embedding_group(cfg: ModelConfig, mesh: DeviceMesh) -> dist.ProcessGroup | None:
     """The group joining this rank's copy of the tied weight with its twin on the other end of its
     pipeline (same coordinates in every other mesh dim), or None where the rank holds no copy.
-    `new_group` must be called by every rank for every group in the same order, so each rank
-    creates all of them and keeps its own."""
+    Built among the pairs only (`startup.own_group`: no group creation the whole world enters)."""
     pp_dim = mesh.mesh_dim_names.index("pp")
     pp = mesh.size(pp_dim)
     tied = tied_embedding_ranks(cfg, pp)
     if tied is None:
         return None
-    mine = None
-    for pipeline in mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist():
-        ranks = [pipeline[r] for r in tied]
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
+    pipelines = mesh.mesh.movedim(pp_dim, -1).reshape(-1, pp).tolist()
+    return own_group([[pipeline[r] for r in tied] for pipeline in pipelines], "tied_embedding")
 
 
 def sync_tied_grads(model: Transformer, group) -> None:
