@@ -86,7 +86,7 @@ def peer_lost(err: BaseException) -> bool:
     return any(sign in text for sign in _PEER_LOST_SIGNS)
 
 
-def _quiet_elastic_logs() -> None:
+def quiet_elastic_logs() -> None:
     """The agent logs every worker's exit and a banner about OMP_NUM_THREADS; we report failures
     ourselves, once, and set the thread count. Its module loggers set their own levels."""
     for name in list(logging.root.manager.loggerDict):
@@ -128,7 +128,7 @@ def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    _quiet_elastic_logs()
+    quiet_elastic_logs()
     previous = _FirstStopSignal(SignalException).install()
     # torchrun would set 1 thread per worker (with a warning); share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
