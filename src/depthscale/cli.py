@@ -1,10 +1,11 @@
-"""depthscale command line: train, generate, convert.
+"""depthscale command line: train, generate, convert, trace, diagnose.
 
 depthscale train -c configs/tiny.toml --model.residual block --train.steps 100
 depthscale generate --run runs/tiny --prompt "def main("
 depthscale convert hf-to-ds --hf path/to/llama --out runs/llama
 depthscale convert ds-to-hf --run runs/tiny --out exported/
 depthscale trace depth --run runs/tiny
+depthscale diagnose --nproc 4 --run runs/tiny
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from depthscale.config import load_config
     from depthscale.parallel.launcher import launch
     from depthscale.parallel.parallelize import check_layout
+    from depthscale.resilience.faults import check_ranks, parse_faults
 
     cfg = load_config(args.config, overrides)  # bad input fails here, before any process starts
+    check_ranks(parse_faults(cfg.resilience.faults), cfg.world_size)
     if cfg.parallel.nproc > 1 and not is_worker():
         if cfg.world_size != cfg.parallel.nproc:
             raise ConfigError(
@@ -162,6 +165,24 @@ def _trace_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from depthscale.resilience.diagnose import diagnose
+    from depthscale.resilience.report import format_table
+
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    report = diagnose(
+        args.nproc,
+        Path(args.run),
+        ckpt_dir=ckpt_dir,
+        size_mb=args.size_mb,
+        timeout_s=args.timeout_s,
+    )
+    print(report.to_json() if args.json else format_table(report), flush=True)
+    for node, reasons in report.bad_nodes.items():
+        print(f"depthscale: diagnose: node {node} failed: {'; '.join(reasons)}", file=sys.stderr)
+    return 0 if report.healthy else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="depthscale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -236,6 +257,33 @@ def build_parser() -> argparse.ArgumentParser:
         "RUN/trace/stragglers.png; depth: RUN/depth_trace.png, with a .json beside it)",
     )
 
+    diag = sub.add_parser(
+        "diagnose",
+        help="check collectives, neighbour links, memory copies and the checkpoint disk on N local "
+        "ranks; name the bad nodes (exit 1) or say all are healthy (exit 0)",
+        description="Run every diagnostic check on N local ranks, compare each rank with the "
+        "median and with the baseline of the run's first healthy diagnosis, and name the nodes "
+        "that fail (see docs/diagnose.md). Results: RUN/diagnostics/<time>.json.",
+    )
+    diag.add_argument("--nproc", type=_positive_int, required=True, help="local ranks")
+    diag.add_argument("--run", required=True, help="run directory (results go to RUN/diagnostics/)")
+    diag.add_argument(
+        "--checkpoint-dir", help="directory probed with a write+fsync (default: RUN/checkpoints)"
+    )
+    diag.add_argument(
+        "--size-mb",
+        type=_positive_float,
+        default=4.0,
+        help="bytes per rank of each collective and exchange, in MB",
+    )
+    diag.add_argument(
+        "--timeout-s",
+        type=_positive_float,
+        default=60.0,
+        help="how long the checks may take once every rank has joined; a rank silent past it fails",
+    )
+    diag.add_argument("--json", action="store_true", help="print the report as JSON")
+
     conv = sub.add_parser("convert", help="convert between Hugging Face Llama and depthscale runs")
     conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])
     conv.add_argument(
@@ -284,6 +332,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         if args.what not in ("schedule",) and not args.run:
             parser.error(f"trace {args.what} needs --run DIR")
         return _trace(args)
+    if args.command == "diagnose":
+        return _diagnose(args)
     if args.direction == "hf-to-ds" and not args.hf:
         parser.error("convert hf-to-ds needs --hf DIR")
     if args.direction == "ds-to-hf" and not args.run:
@@ -313,6 +363,10 @@ def _non_negative_int(text: str) -> int:
 
 def _non_negative_float(text: str) -> float:
     return _number(text, float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 
 
 def _number(text: str, kind: type, ok, allowed: str):

@@ -12,13 +12,13 @@ import depthscale
 PACKAGE = Path(depthscale.__file__).resolve().parent
 
 FORBIDDEN = {
-    "model": ("parallel", "train", "observe", "cli", "data", "interop"),
-    "kernels": ("model", "parallel", "train", "observe", "cli", "data", "interop"),
-    "data": ("model", "kernels", "parallel", "train", "observe", "cli", "interop"),
-    "parallel": ("train", "observe", "cli", "interop"),
-    "observe": ("train", "cli"),
+    "model": ("parallel", "train", "observe", "cli", "data", "interop", "resilience"),
+    "kernels": ("model", "parallel", "train", "observe", "cli", "data", "interop", "resilience"),
+    "data": ("model", "kernels", "parallel", "train", "observe", "cli", "interop", "resilience"),
+    "parallel": ("train", "observe", "cli", "interop", "resilience"),
+    "observe": ("train", "cli", "resilience"),
     "train": ("cli",),
-    "resilience": ("cli",),
+    "resilience": ("model", "kernels", "data", "cli", "interop"),
     "config": ("model", "kernels", "data", "parallel", "train", "observe", "cli", "interop"),
 }
 """Layer (subpackage of depthscale) → subpackages it must not import."""

@@ -316,10 +316,9 @@ def _check_dir_creatable(key: str, path: Path) -> None:
 
 
 def _check_resilience(cfg: Config) -> None:
-    from depthscale.resilience.faults import check_ranks, parse_faults
-
+    """(`resilience.faults` is parsed by the CLI and the trainer: its grammar lives with the
+    faults, in resilience/faults.py.)"""
     r = cfg.resilience
-    check_ranks(parse_faults(r.faults), cfg.world_size)
     nproc = cfg.parallel.nproc
     if r.local_nodes > 1 and nproc % r.local_nodes:
         raise ConfigError(

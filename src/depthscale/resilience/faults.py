@@ -194,11 +194,12 @@ class FaultPlan:
 
 
 def bad_diag_nodes(faults: tuple[Fault, ...], this_attempt: int) -> list[str]:
-    """Nodes the diagnostics are told to find slow in this attempt (`baddiag@NODE`)."""
+    """Nodes the diagnostics run after attempt `this_attempt` are told to find slow
+    (`baddiag@NODE`: after the first attempt only, unless starred)."""
     return [
         f.node
         for f in faults
-        if f.kind == "baddiag" and (f.every_attempt or this_attempt <= 1) and f.node
+        if f.kind == "baddiag" and f.node and (f.every_attempt or this_attempt == 0)
     ]
 
 

@@ -90,8 +90,7 @@ class Supervisor:
         self.stop_signal = signum
 
     def _loop(self) -> int:
-        attempt, restarts, stalled = 0, 0, 0
-        best = self._newest_checkpoint()
+        attempt, restarts, stalled, best = 0, 0, 0, 0
         pending_breakdown: dict[str, float] | None = None
         while True:
             nodes = self.nodes.active()
@@ -129,24 +128,28 @@ class Supervisor:
             )
             self._diagnose(attempt, fault)
             t_diagnosed = time.time()
-            newest = self._newest_checkpoint()
-            stalled = 0 if (newest or 0) > (best or 0) else stalled + 1
-            best = max(best or 0, newest or 0)
+            newest = watch.checkpoint_step  # the newest this attempt saved (heartbeats)
+            stalled = 0 if newest > best else stalled + 1
+            best = max(best, newest)
             restarts += 1
             if restarts > self.r.max_restarts:
                 return self._give_up(f"{restarts - 1} restarts (resilience.max_restarts)", attempt)
             if stalled > self.r.max_restarts_without_progress:
                 return self._give_up(
-                    f"{stalled - 1} restarts in a row without a newer verified checkpoint "
+                    f"{stalled - 1} restarts in a row without a newer checkpoint "
                     "(resilience.max_restarts_without_progress)",
                     attempt,
                 )
             self.log(
                 "restart",
-                f"restarting (attempt {attempt + 1}) from "
-                + (f"the checkpoint of step {newest}" if newest else "the start (no checkpoint)"),
+                f"restarting (attempt {attempt + 1}) from the newest verified checkpoint"
+                + (
+                    f" (the newest saved is of step {best})"
+                    if best
+                    else " (none yet: from the start)"
+                ),
                 attempt=attempt + 1,
-                checkpoint_step=newest,
+                checkpoint_step=best,
                 restarts=restarts,
                 restarts_without_progress=stalled,
             )
@@ -211,44 +214,43 @@ class Supervisor:
     # ------------------------------------------------------------------ between attempts
 
     def _diagnose(self, attempt: int, fault: Fault) -> None:
-        """Run the diagnostics on every node and exclude those that fail (kept in the run dir)."""
+        """Run the diagnostics on every node (as the group ran: same ranks, same nodes) and exclude
+        those that fail; the list is kept in the run directory. A worker's own error (a Python
+        exception) says what broke; the nodes are not suspected."""
         if not self.r.diagnose or fault.kind == "error":
             return
-        from depthscale.resilience.diagnostics import diagnose
+        from depthscale.resilience.diagnose import diagnose
+        from depthscale.resilience.diagnostics import FAULT_ENV
 
         nodes = self.nodes.active() or []
-        report = diagnose(
-            self.nproc,
-            self.run_dir,
-            nodes=[nodes[r * len(nodes) // self.nproc] for r in range(self.nproc)],
-            slow_nodes=bad_diag_nodes(self.faults, attempt),
-        )
-        bad = report.get("bad_nodes", [])
+        per_node = self.nproc // max(1, len(nodes))
+        slow = ",".join(f"slow@{n}" for n in bad_diag_nodes(self.faults, attempt))
+        env = {
+            r: {NODE_ENV: nodes[r // per_node], **({FAULT_ENV: slow} if slow else {})}
+            for r in range(self.nproc)
+        }
+        report = diagnose(self.nproc, self.run_dir, env, ckpt_dir=self.run_dir / "checkpoints")
+        bad = report.bad_nodes
         self.log(
             "diagnose",
             "diagnostics: "
-            + (f"node(s) {', '.join(bad)} failed; excluded" if bad else "every node passed"),
+            + (
+                "; ".join(f"node {n} failed ({'; '.join(why)}), excluded" for n, why in bad.items())
+                if bad
+                else f"every node passed ({report.info.get('wall_s', 0):.1f} s)"
+            ),
             attempt=attempt,
-            report=report,
+            bad_nodes=bad,
+            warnings=report.warnings,
         )
-        for node in bad:
-            self.nodes.exclude(node, report)
-
-    def _newest_checkpoint(self) -> int | None:
-        """The step of the newest checkpoint that verifies (what the workers will resume from)."""
-        from depthscale.train.manifest import list_checkpoints, verify
-
-        for path in reversed(list_checkpoints(self.run_dir / "checkpoints")):
-            if verify(path) is None:
-                return int(path.name.split("_")[1])
-        return None
+        for node, why in bad.items():
+            self.nodes.exclude(node, {"attempt": attempt, "failures": why})
 
     def _give_up(self, why: str, attempt: int) -> int:
         report = {
             "gave_up": why,
             "attempts": attempt + 1,
             "excluded_nodes": self.nodes.excluded,
-            "newest_verified_checkpoint": self._newest_checkpoint(),
             "log": str(self.dir / "log.jsonl"),
         }
         self.dir.mkdir(parents=True, exist_ok=True)

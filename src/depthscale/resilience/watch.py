@@ -81,6 +81,8 @@ class Watch:
         self.stopping_since: float | None = None
         self.slow_since: dict[int, int] = {}
         self.nan_seen = 0
+        self.checkpoint_step = 0
+        """The newest checkpoint step the group reported saved (rank 0's heartbeat)."""
         self.started_logged = False
 
     # ------------------------------------------------------------------ the loop
@@ -158,6 +160,7 @@ class Watch:
                 continue
             if s.hb is None or hb.get("seq") != s.hb.get("seq"):
                 s.seen_at = now
+            self.checkpoint_step = max(self.checkpoint_step, int(hb.get("checkpoint_step") or 0))
             if hb.get("progress") != s.progress:
                 s.progress, s.progress_at = hb.get("progress"), now
             s.hb = hb

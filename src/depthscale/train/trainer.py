@@ -157,6 +157,8 @@ class Trainer:
             path = self.checkpointer.save(
                 self.step, self.model, self.optimizer, self.trainer_state()
             )
+        if self.heartbeat is not None:
+            self.heartbeat.update(checkpoint_step=self.step)
         if self.faults.corrupts(self.step):
             self.checkpointer.wait()
             if self.env.is_main:
