@@ -102,7 +102,11 @@ class Supervisor:
                 )
             with tempfile.TemporaryDirectory(prefix="depthscale-errors-") as errors:
                 watch = self._launch(attempt, nodes, Path(errors))
-                fault = watch.run(pending_breakdown, self)
+                try:
+                    fault = watch.run(pending_breakdown, self)
+                except BaseException:  # a supervisor bug must not leave the workers running
+                    watch.stop_group()
+                    raise
                 pending_breakdown = None
                 if fault is None:  # every worker finished
                     return 0

@@ -258,7 +258,10 @@ class Watch:
     def _note_nan(self, supervisor) -> None:
         events = (self.ranks[0].hb or {}).get("nan_events") or []
         for event in events[self.nan_seen :]:
-            supervisor.log("nan", f"attempt {self.attempt}: {event['text']}", **event)
+            supervisor.log(
+                "nan", f"attempt {self.attempt}: {event['text']}", step=event["step"],
+                kind=event["kind"],
+            )  # fmt: skip
         self.nan_seen = len(events)
 
     # ------------------------------------------------------------------ reports
@@ -284,6 +287,7 @@ class Watch:
                 "heartbeat_age_s": round(now - s.seen_at, 3) if s.hb else None,
                 "progress_age_s": round(now - s.progress_at, 3),
                 "step": hb.get("step"),
+                "step_p99_s": hb.get("step_p99_s"),
                 "phase": hb.get("phase"),
                 "waiting": hb.get("waiting"),
                 "in_flight": hb.get("in_flight"),

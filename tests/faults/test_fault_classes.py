@@ -1,0 +1,108 @@
+"""Every fault class recovers with no human action, and the result is what an uninterrupted run
+(or, for a skipped batch, a run told to skip it) computes, bit for bit: transient and persistent
+NaN, a NaN on one rank of several, a corrupt newest checkpoint, a slow rank, a node that fails the
+diagnostics (excluded, a spare takes its place). Kill and hang are in test_supervisor.py, a full
+disk in test_checkpoint_faults.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import pytest
+from supervised import assert_same_run, events, losses, train
+
+from depthscale.train.nan_guard import SKIPPED
+
+DP2 = ["--nproc", "2", "--parallel.dp_shard", "2", "--resilience.diagnose", "false"]
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_transient_nan_is_replayed(tmp_path):
+    """A NaN once: no update from it, the step replayed, the run identical to a clean one."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _ok(train(reference))
+    proc = train(run, "--faults", "nan@0:5")
+    _ok(proc)
+    assert "step 5: the replay was finite: a transient fault" in proc.stdout
+    assert not (run / SKIPPED).exists()
+    assert_same_run(run, reference)
+
+
+def test_persistent_nan_rolls_back_and_skips_the_batch(tmp_path):
+    """A batch that is NaN on every try: rolled back to the newest checkpoint, the batch recorded
+    by data position and skipped; a clean run given the same skip list computes the same."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    proc = train(run, "--faults", "badbatch@0:7")
+    _ok(proc)
+    assert "step 7: still non-finite on replay: rolling back to step_00000004" in proc.stdout
+    (skipped,) = json.loads((run / SKIPPED).read_text())
+    assert skipped["step"] == 7
+    reference.mkdir()
+    shutil.copy(run / SKIPPED, reference / SKIPPED)
+    _ok(train(reference))
+    assert_same_run(run, reference)
+    assert len(losses(run)) == 12
+
+
+@pytest.mark.dist
+def test_nan_on_one_rank_stops_the_update_on_every_rank(tmp_path):
+    """Rank 1's NaN is seen by rank 0 in the same step (one collective flag): nobody updates."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _ok(train(reference, *DP2))
+    proc = train(run, *DP2, "--faults", "nan@1:5")
+    _ok(proc)
+    assert "step 5: the replay was finite" in proc.stdout
+    assert_same_run(run, reference)
+    assert not events(run, "fault")  # handled inside the group: no restart
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_falls_back(tmp_path):
+    """The checkpoint of step 8 is damaged, then a rank dies: the restart takes step 4's."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _ok(train(reference, *DP2))
+    proc = train(run, *DP2, "--faults", "corrupt@8,kill@0:10")
+    _ok(proc)
+    assert "step_00000008" in proc.stderr and "resumed at step 4" in proc.stdout
+    assert_same_run(run, reference)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_slow_rank_is_restarted(tmp_path):
+    """A rank 3× slower than its peers for resilience.slow_steps steps: forensics, restart."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    extra = ["--checkpoint.every", "5"]
+    _ok(train(reference, *DP2, *extra, steps=40))
+    proc = train(
+        run, *DP2, *extra, "--faults", "slow@1:3", "--resilience.slow_steps", "4", steps=40
+    )
+    _ok(proc)
+    (fault,) = events(run, "fault")
+    assert fault["fault"]["kind"] == "slow" and fault["fault"]["ranks"] == [1], fault["text"]
+    assert_same_run(run, reference)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_node_failing_diagnostics_is_excluded(tmp_path):
+    """Two simulated nodes and a spare; after a rank dies, the diagnostics find node n1 slow: it
+    is excluded (kept in the run directory) and the spare n2 takes its ranks."""
+    layout = ["--nproc", "4", "--parallel.dp_shard", "4"]
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _ok(train(reference, *layout, "--resilience.diagnose", "false"))
+    host_nodes = ["--resilience.local_nodes", "2", "--resilience.spare_nodes", "1"]
+    faults = f"kill@3:6,baddiag@{socket.gethostname()}/n1"
+    proc = train(run, *layout, *host_nodes, "--faults", faults)
+    _ok(proc)
+    excluded = json.loads((run / "supervisor" / "excluded_nodes.json").read_text())
+    assert [n.rsplit("/", 1)[1] for n in excluded] == ["n1"], excluded
+    (launch,) = [e for e in events(run, "launch") if e["attempt"] == 1]
+    assert [n.rsplit("/", 1)[1] for n in launch["nodes"]] == ["n0", "n2"]
+    assert_same_run(run, reference)
