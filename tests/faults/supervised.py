@@ -23,7 +23,9 @@ TINY = [
 HEARTBEAT_S = 0.25
 
 
-def train(run: Path, *args: str, steps: int = 12, timeout: float = 600) -> subprocess.CompletedProcess:
+def train(
+    run: Path, *args: str, steps: int = 12, timeout: float = 600
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "depthscale.cli", "train", "-c", CONFIG, *TINY,
          "--train.steps", str(steps), "--train.run_dir", str(run), *args],

@@ -122,7 +122,14 @@ def test_fault_to_first_step_within_ten_seconds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (restart,) = events(run, "restart_time")
     phases = restart["phases_s"]
-    for phase in ("detect", "diagnose", "relaunch", "process_group", "checkpoint_load", "first_step"):
+    for phase in (
+        "detect",
+        "diagnose",
+        "relaunch",
+        "process_group",
+        "checkpoint_load",
+        "first_step",
+    ):
         assert phase in phases, phases
     assert restart_seconds(run)[0] <= 10.0, restart["text"]
 

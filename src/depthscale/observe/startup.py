@@ -27,11 +27,15 @@ PHASES = (
     "imports",  # process start → the trainer starts building: interpreter, imports, config
     "process_group",  # rendezvous and the world process group
     "mesh",  # the device mesh's groups
+    "diagnose",  # a supervised restart's diagnostics, run by the new group itself (optional)
     "data",  # tokenizer and token cache (the node's local rank 0 first)
     "model",  # build on meta, split, shard, materialise, optimizer
     "checkpoint_load",  # finding, verifying and loading the newest checkpoint (if any)
     "first_step",  # the rest of set-up (telemetry, clock offsets) and the first optimizer step
 )
+
+OPTIONAL = ("diagnose",)
+"""Phases only some starts have."""
 
 _IMPORTED = time.time()
 _marks: dict[str, float] = {}

@@ -80,18 +80,34 @@ def diagnose(
         rows, failures = _run_group(
             nproc, work, env_per_rank, ckpt_dir, size_mb, timeout_s, start_timeout_s
         )
-    out_dir = run_dir / "diagnostics"
+    return verdict(rows, run_dir, size_mb, ckpt_dir, failures, slow_factor, started)
+
+
+def verdict(
+    rows: list[dict],
+    run_dir: Path,
+    size_mb: float,
+    ckpt_dir: Path,
+    failures: list[Failure] = (),
+    slow_factor: float = SLOW_FACTOR,
+    started: float | None = None,
+) -> Report:
+    """Judge every rank's row (`diagnostics.run_checks`) against its peers and the run's baseline;
+    write the report to RUN/diagnostics/ (and the baseline, on the first healthy run of a shape).
+    Used by `diagnose` and by a supervised group that ran the checks itself on restart."""
+    nproc = len(rows) or len({f.rank for f in failures})
+    out_dir = Path(run_dir) / "diagnostics"
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = f"nproc={nproc},size_mb={size_mb:g}"
     baselines = _read_json(out_dir / "baseline.json") or {}
-    report = flag_outliers(rows, baselines.get(shape), slow_factor, _free_floor(ckpt_dir))
+    report = flag_outliers(rows, baselines.get(shape), slow_factor, _free_floor(Path(ckpt_dir)))
     report.failures.extend(failures)
     report.info = {
         "nproc": nproc,
         "size_mb": size_mb,
         "ckpt_dir": str(ckpt_dir),
         "time": datetime.now(UTC).isoformat(),
-        "wall_s": round(time.monotonic() - started, 2),
+        "wall_s": round(time.monotonic() - started, 2) if started is not None else None,
         "baseline": "compared" if shape in baselines else "none",
     }
     if report.healthy and shape not in baselines:

@@ -291,3 +291,22 @@ def _free_disk(ckpt_dir: Path) -> dict:
     except OSError as err:
         return {"ok": False, "value": None, "detail": f"cannot read free space of {path}: {err}"}
     return {"ok": True, "value": free, "detail": str(path)}
+
+
+DIAGNOSE_ENV = "DEPTHSCALE_DIAGNOSE"
+"""Set by the supervisor for a group restarted after a fault: run the checks first (MB per rank)."""
+
+
+def diagnose_in_group(ckpt_dir: Path, publish: Callable[[str], None]) -> None:
+    """The checks, run by a restarted training group itself right after its process group is up
+    (every rank calls this), instead of in a group of its own: a restart then pays no second
+    launch. Rank 0 gathers the rows and `publish`es them as JSON; the supervisor judges them
+    (`diagnose.verdict`) and stops the group if a node fails."""
+    import json
+
+    size_mb = float(os.environ.get(DIAGNOSE_ENV) or 4)
+    row = run_checks(ckpt_dir, size_mb, node_id())
+    rows = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(row, rows, dst=0)
+    if rows is not None:
+        publish(json.dumps({"size_mb": size_mb, "rows": rows}))

@@ -193,13 +193,13 @@ class FaultPlan:
         return self._at("corrupt", step) is not None
 
 
-def bad_diag_nodes(faults: tuple[Fault, ...], this_attempt: int) -> list[str]:
-    """Nodes the diagnostics run after attempt `this_attempt` are told to find slow
-    (`baddiag@NODE`: after the first attempt only, unless starred)."""
+def bad_diag_nodes(faults: tuple[Fault, ...], diagnostic_run: int) -> list[str]:
+    """Nodes the `diagnostic_run`-th diagnostics (0: the first) are told to find slow
+    (`baddiag@NODE`: the first only, unless starred)."""
     return [
         f.node
         for f in faults
-        if f.kind == "baddiag" and f.node and (f.every_attempt or this_attempt == 0)
+        if f.kind == "baddiag" and f.node and (f.every_attempt or diagnostic_run == 0)
     ]
 
 

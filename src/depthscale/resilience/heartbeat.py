@@ -54,6 +54,11 @@ def heartbeat_key(attempt: int, rank: int) -> str:
     return f"hb/{attempt}/{rank}"
 
 
+def diagnostics_key(attempt: int) -> str:
+    """Where a restarted group's rank 0 publishes every rank's diagnostics row."""
+    return f"diag/{attempt}"
+
+
 def rss_mb() -> float:
     try:
         with open("/proc/self/statm") as fh:
@@ -118,6 +123,10 @@ class Heartbeat:
             self.steps.append(step_seconds)
         self.fields.update(fields)
         self._progress_without_spans += 1
+
+    def publish_diagnostics(self, report: str) -> None:
+        """Rank 0 of a restarted group: every rank's diagnostics rows, for the supervisor."""
+        self.store.set(diagnostics_key(self.fields["attempt"]), report)
 
     def close(self, state: str = "exiting") -> None:
         """Stop beating, after a last record saying so: the interpreter's shutdown (which stops

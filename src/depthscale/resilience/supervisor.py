@@ -1,5 +1,6 @@
 """The supervisor: launch the worker group, watch it, and on a fault collect forensics, stop the
-group, diagnose, exclude bad nodes and restart from the newest verified checkpoint (MegaScale §4).
+group and restart it from the newest verified checkpoint; the restarted group first runs the
+diagnostics, and a node that fails them is excluded for good (MegaScale §4).
 
     depthscale train -c configs/tiny.toml --nproc 4       # supervised by default when --nproc > 1
 
@@ -14,6 +15,11 @@ heartbeat went silent (SIGSTOP, a frozen host); **hung** — the group's progres
 past a limit derived from the measured step time; **slow** — the straggler detector flagged the same
 rank for `resilience.slow_steps` steps; **error** — a worker raised. Bad input is not a fault: it is
 reported once and the supervisor exits 2 without a restart.
+
+Diagnostics run inside the restarted group itself (`diagnostics.diagnose_in_group`, right after
+its process group is up), not in a group of their own: a restart then pays one launch, not two.
+The supervisor judges the rows rank 0 publishes (`diagnose.verdict`: peers and the run's
+baseline); a failing node is a fault — excluded (`nodes.py`), a spare takes its ranks.
 
 Every decision goes to `RUN/supervisor/log.jsonl` with its inputs, and one line to the console.
 Exit codes: 0 done; 2 bad input; 75 gave up (restart limits; `RUN/supervisor/report.json`);
@@ -41,10 +47,16 @@ from depthscale.parallel.launcher import (
     read_worker_errors,
     root_cause,
 )
+from depthscale.resilience.diagnostics import DIAGNOSE_ENV, FAULT_ENV
 from depthscale.resilience.faults import ATTEMPT_ENV, bad_diag_nodes, parse_faults
 from depthscale.resilience.heartbeat import NODE_ENV, PERIOD_ENV, STACKS_ENV, SUPERVISOR_ENV
 from depthscale.resilience.nodes import NodePool
 from depthscale.resilience.watch import Fault, Watch
+
+SUSPECT_NODES = ("dead", "hung", "slow", "bad_node")
+"""Faults after which the restarted group runs the diagnostics first: a node may be to blame (a
+worker's own Python error is not: it names its cause)."""
+DIAGNOSE_MB = 4
 
 GAVE_UP = 75
 """Exit code when the restart limits are reached (EX_TEMPFAIL: a person must look)."""
@@ -64,7 +76,10 @@ class Supervisor:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.nodes = NodePool(self.dir, self.host, self.r.local_nodes, self.r.spare_nodes)
         self.stop_signal: int | None = None
-        self.log_file = None
+        self.diagnose_next = False
+        """Whether the next group runs the diagnostics before training (after a fault that may be
+        a node's)."""
+        self.diagnostic_runs = 0
 
     # ------------------------------------------------------------------ logging
 
@@ -130,9 +145,11 @@ class Supervisor:
                 fault=asdict(fault),
                 attempt=attempt,
             )
-            self._diagnose(attempt, fault)
-            t_diagnosed = time.time()
-            newest = watch.checkpoint_step  # the newest this attempt saved (heartbeats)
+            if fault.kind == "bad_node":
+                for node in fault.nodes:
+                    self.nodes.exclude(node, {"attempt": attempt, **fault.evidence})
+            self.diagnose_next = self.r.diagnose and fault.kind in SUSPECT_NODES
+            newest = max(watch.checkpoint_step, self._newest_published())
             stalled = 0 if newest > best else stalled + 1
             best = max(best, newest)
             restarts += 1
@@ -162,7 +179,6 @@ class Supervisor:
                 "detected": fault.detected_at,
                 "forensics": t_forensics - t_stop,
                 "stop": t_stopped - t_forensics,
-                "diagnose": t_diagnosed - t_stopped,
                 "relaunch_at": time.time(),
             }
             attempt += 1
@@ -187,6 +203,14 @@ class Supervisor:
             ERROR_DIR_ENV: str(errors),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
         }
+        judge = None
+        if self.diagnose_next and self.nproc > 1:
+            base[DIAGNOSE_ENV] = str(DIAGNOSE_MB)
+            slow = bad_diag_nodes(self.faults, self.diagnostic_runs)
+            if slow:
+                base[FAULT_ENV] = ",".join(f"slow@{n}" for n in slow)
+            self.diagnostic_runs += 1
+            judge = self._judge(attempt, nodes, per_node)
         envs = {
             rank: {
                 **base,
@@ -213,42 +237,59 @@ class Supervisor:
             nodes=nodes,
             pids=context.pids(),
         )
-        return Watch(context, self.store, attempt, self.r, [envs[r][NODE_ENV] for r in envs])
+        return Watch(context, self.store, attempt, self.r, [envs[r][NODE_ENV] for r in envs], judge)
 
     # ------------------------------------------------------------------ between attempts
 
-    def _diagnose(self, attempt: int, fault: Fault) -> None:
-        """Run the diagnostics on every node (as the group ran: same ranks, same nodes) and exclude
-        those that fail; the list is kept in the run directory. A worker's own error (a Python
-        exception) says what broke; the nodes are not suspected."""
-        if not self.r.diagnose or fault.kind == "error":
-            return
-        from depthscale.resilience.diagnose import diagnose
-        from depthscale.resilience.diagnostics import FAULT_ENV
+    def _judge(self, attempt: int, nodes: list[str], per_node: int):
+        """How the diagnostics a restarted group publishes are judged: against the peers and the
+        run's baseline (`diagnose.verdict`); a failing node becomes a fault (and is excluded)."""
+        from depthscale.resilience.diagnose import verdict
 
-        nodes = self.nodes.active() or []
-        per_node = self.nproc // max(1, len(nodes))
-        slow = ",".join(f"slow@{n}" for n in bad_diag_nodes(self.faults, attempt))
-        env = {
-            r: {NODE_ENV: nodes[r // per_node], **({FAULT_ENV: slow} if slow else {})}
-            for r in range(self.nproc)
-        }
-        report = diagnose(self.nproc, self.run_dir, env, ckpt_dir=self.run_dir / "checkpoints")
-        bad = report.bad_nodes
-        self.log(
-            "diagnose",
-            "diagnostics: "
-            + (
-                "; ".join(f"node {n} failed ({'; '.join(why)}), excluded" for n, why in bad.items())
-                if bad
-                else f"every node passed ({report.info.get('wall_s', 0):.1f} s)"
-            ),
-            attempt=attempt,
-            bad_nodes=bad,
-            warnings=report.warnings,
-        )
-        for node, why in bad.items():
-            self.nodes.exclude(node, {"attempt": attempt, "failures": why})
+        started = time.monotonic()
+
+        def judge(published: dict) -> Fault | None:
+            report = verdict(
+                published["rows"], self.run_dir, published["size_mb"], self.run_dir / "checkpoints"
+            )
+            bad = report.bad_nodes
+            self.log(
+                "diagnose",
+                f"attempt {attempt}: diagnostics "
+                + (
+                    "; ".join(f"node {n} failed ({'; '.join(why)})" for n, why in bad.items())
+                    if bad
+                    else f"passed on every node ({time.monotonic() - started:.2f} s after launch)"
+                ),
+                attempt=attempt,
+                bad_nodes=bad,
+                warnings=report.warnings,
+            )
+            if not bad:
+                return None
+            now = time.time()
+            ranks = [r for r in range(self.nproc) if nodes[r // per_node] in bad]
+            return Fault(
+                "bad_node",
+                ranks,
+                sorted(bad),
+                "failed the diagnostics: excluded",
+                now,
+                now,
+                {"failures": bad},
+            )
+
+        return judge
+
+    def _newest_published(self) -> int:
+        """The newest step whose checkpoint directory was published (renamed into place when
+        complete; the workers verify it before resuming). The heartbeats say the same a moment
+        later, and also where the run directory is not shared."""
+        steps = [0]
+        for path in (self.run_dir / "checkpoints").glob("step_*"):
+            if path.is_dir() and path.name[5:].isdigit():
+                steps.append(int(path.name[5:]))
+        return max(steps)
 
     def _give_up(self, why: str, attempt: int) -> int:
         report = {

@@ -19,12 +19,13 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from depthscale.observe.startup import PHASES
-from depthscale.resilience.heartbeat import heartbeat_key
+from depthscale.resilience.heartbeat import diagnostics_key, heartbeat_key
 
 if TYPE_CHECKING:
     from depthscale.config.schema import ResilienceConfig
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 POLL_S = 0.05
 SILENT_FLOOR_S = 1.5
 LONG_PHASES = ("checkpoint", "eval")
+ENDING = ("finishing", "exiting")
 
 
 @dataclass
@@ -47,10 +49,14 @@ class Fault:
     evidence: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        who = ", ".join(
-            f"rank {r}{_where(self.evidence.get('coords', {}).get(str(r)))} on node {n}"
-            for r, n in zip(self.ranks, self.nodes)
-        )
+        if len(self.nodes) == len(self.ranks):
+            who = ", ".join(
+                f"rank {r}{_where(self.evidence.get('coords', {}).get(str(r)))} on node {n}"
+                for r, n in zip(self.ranks, self.nodes)
+            )
+        else:  # a node's ranks
+            who = f"node(s) {', '.join(self.nodes)} (ranks {', '.join(map(str, self.ranks))})"
+
         return (
             f"{self.kind}: {who}: {self.detail} "
             f"(detected {self.detected_at - self.since:.2f} s after it began)"
@@ -73,9 +79,20 @@ class _Rank:
 
 
 class Watch:
-    def __init__(self, context, store, attempt: int, r: ResilienceConfig, nodes: list[str]) -> None:
+    def __init__(
+        self,
+        context,
+        store,
+        attempt: int,
+        r: ResilienceConfig,
+        nodes: list[str],
+        diagnose: Callable[[dict], Fault | None] | None = None,
+    ) -> None:
+        """`diagnose`: judges the diagnostics rows the group publishes on a restart (a Fault when
+        a node fails them); None when the group runs none."""
         self.context, self.store, self.attempt, self.r = context, store, attempt, r
         self.nodes = nodes
+        self.diagnose = diagnose
         self.launched = time.time()
         self.ranks = [_Rank(self.launched) for _ in nodes]
         self.stopping_since: float | None = None
@@ -98,7 +115,11 @@ class Watch:
             elif all(s.exit == 0 for s in self.ranks):
                 return None
             else:
-                fault = self._exit_fault(now) or self._read_and_judge(now, supervisor)
+                fault = (
+                    self._exit_fault(now)
+                    or self._diagnosed()
+                    or self._read_and_judge(now, supervisor)
+                )
                 if fault is not None:
                     return fault
                 if not self.started_logged and self._all_marked("first_step"):
@@ -146,6 +167,20 @@ class Watch:
             now,
             self._evidence(exits=failed),
         )
+
+    def _diagnosed(self) -> Fault | None:
+        """The restarted group's diagnostics, once rank 0 has published them."""
+        if self.diagnose is None:
+            return None
+        key = diagnostics_key(self.attempt)
+        try:
+            if not self.store.check([key]):
+                return None
+            published = json.loads(self.store.get(key))
+        except Exception:
+            return None
+        judge, self.diagnose = self.diagnose, None
+        return judge(published)
 
     # ------------------------------------------------------------------ heartbeats
 
@@ -215,7 +250,7 @@ class Watch:
 
     def _progress_limit(self, running: list[int]) -> tuple[float, str]:
         hbs = [self.ranks[r].hb or {} for r in running]
-        if any(hb.get("phase") in LONG_PHASES or hb.get("state") == "finishing" for hb in hbs):
+        if any(hb.get("phase") in LONG_PHASES or hb.get("state") in ENDING for hb in hbs):
             return (
                 self.r.long_phase_s,
                 "a checkpoint save, evaluation or the run's end: long_phase_s",
@@ -305,11 +340,12 @@ class Watch:
     def _log_start(self, breakdown: dict[str, float] | None, supervisor) -> None:
         """The (re)start's phases: the slowest rank's time to each start-up mark."""
         n = range(len(self.ranks))
-        at = {m: max(self._marks(r).get(m, self.launched) for r in n) for m in PHASES}
+        marked = [m for m in PHASES if all(m in self._marks(r) for r in n)]
+        at = {m: max(self._marks(r)[m] for r in n) for m in marked}
         start = max((self.ranks[r].hb or {}).get("process_start") or self.launched for r in n)
         phases = {"launch": start - self.launched}
         previous = start
-        for mark in PHASES:
+        for mark in marked:
             phases[mark] = at[mark] - previous
             previous = at[mark]
         if breakdown is None:
@@ -321,7 +357,6 @@ class Watch:
                 "detect": breakdown["detected"] - breakdown["fault"],
                 "forensics": breakdown["forensics"],
                 "stop": breakdown["stop"],
-                "diagnose": breakdown["diagnose"],
                 "relaunch": self.launched - breakdown["relaunch_at"],
             }
             phases = {**before, **phases}

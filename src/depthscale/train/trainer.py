@@ -29,6 +29,7 @@ from depthscale.observe import spans, startup
 from depthscale.observe.metrics import Throughput, detect_peak_flops, flops_per_token
 from depthscale.parallel.parallelize import init_layout, parallelize
 from depthscale.parallel.startup import leader_first
+from depthscale.resilience.diagnostics import DIAGNOSE_ENV, diagnose_in_group
 from depthscale.resilience.faults import FaultPlan, attempt, corrupt_checkpoint, parse_faults
 from depthscale.resilience.heartbeat import Heartbeat
 from depthscale.train import console
@@ -80,6 +81,9 @@ class Trainer:
         self.faults = FaultPlan(parse_faults(cfg.resilience.faults), self.env.rank)
         if self.heartbeat is not None:
             self.heartbeat.update(coords=self.layout.dims.coordinates(self.env.rank))
+            if os.environ.get(DIAGNOSE_ENV) and self.env.world_size > 1:  # a restart after a fault
+                diagnose_in_group(cfg.run_path / "checkpoints", self.heartbeat.publish_diagnostics)
+                startup.mark("diagnose")
         self.dtype = DTYPES[cfg.train.dtype]
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
