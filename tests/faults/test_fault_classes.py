@@ -92,8 +92,8 @@ def test_slow_rank_is_restarted(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_node_failing_diagnostics_is_excluded(tmp_path):
-    """Two simulated nodes and a spare; after a rank dies, the diagnostics find node n1 slow: it
-    is excluded (kept in the run directory) and the spare n2 takes its ranks."""
+    """Two simulated nodes and a spare; after a rank dies, the restarted group's diagnostics find
+    node n1 slow: it is excluded (kept in the run directory) and the spare n2 takes its ranks."""
     layout = ["--nproc", "4", "--parallel.dp_shard", "4"]
     run, reference = tmp_path / "run", tmp_path / "reference"
     _ok(train(reference, *layout, "--resilience.diagnose", "false"))
@@ -103,6 +103,8 @@ def test_node_failing_diagnostics_is_excluded(tmp_path):
     _ok(proc)
     excluded = json.loads((run / "supervisor" / "excluded_nodes.json").read_text())
     assert [n.rsplit("/", 1)[1] for n in excluded] == ["n1"], excluded
-    (launch,) = [e for e in events(run, "launch") if e["attempt"] == 1]
-    assert [n.rsplit("/", 1)[1] for n in launch["nodes"]] == ["n0", "n2"]
+    launches = [[n.rsplit("/", 1)[1] for n in e["nodes"]] for e in events(run, "launch")]
+    assert launches == [["n0", "n1"], ["n0", "n1"], ["n0", "n2"]], launches
+    kinds = [e["fault"]["kind"] for e in events(run, "fault")]
+    assert kinds == ["dead", "bad_node"], kinds
     assert_same_run(run, reference)

@@ -116,9 +116,9 @@ def test_hang_drills_name_the_culprit(tmp_path, drill):
 
 @pytest.mark.slow
 def test_fault_to_first_step_within_ten_seconds(tmp_path):
-    """The restart budget, with each phase in the supervisor's log."""
+    """The restart budget, diagnostics included, with each phase in the supervisor's log."""
     run = tmp_path / "run"
-    proc = train(run, *DP2, "--faults", "kill@1:6")
+    proc = train(run, "--nproc", "2", "--parallel.dp_shard", "2", "--faults", "kill@1:6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (restart,) = events(run, "restart_time")
     phases = restart["phases_s"]
