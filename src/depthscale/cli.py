@@ -17,7 +17,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from depthscale.errors import CheckpointError, ConfigError, DepthscaleError
+from depthscale.errors import CheckpointError, ConfigError, DepthscaleError, PeersFailed
 from depthscale.parallel.launcher import (
     BUG,
     INPUT,
@@ -36,11 +36,19 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)  # bad input fails here, before any process starts
     check_ranks(parse_faults(cfg.resilience.faults), cfg.world_size)
-    if cfg.parallel.nproc > 1 and not is_worker():
-        if cfg.world_size != cfg.parallel.nproc:
+    p = cfg.parallel
+    if (p.nproc > 1 or p.nnodes > 1) and not is_worker():
+        if cfg.world_size != p.nproc * p.nnodes:
             raise ConfigError(
                 f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} "
-                f"processes, but --nproc is {cfg.parallel.nproc}; allowed: equal numbers"
+                f"processes, but --nproc × parallel.nnodes is {p.nproc} × {p.nnodes}; allowed: "
+                "equal numbers"
+            )
+        if p.nnodes > 1 and cfg.resilience.supervise == "false":
+            raise ConfigError(
+                "parallel.nnodes > 1 runs one supervisor per node; with "
+                "resilience.supervise=false start the workers with torchrun instead "
+                "(docs/fault-tolerance.md, Multi-node)"
             )
         check_layout(cfg)  # every rule a worker would enforce, checked once here
         passthrough = ["-c", args.config] if args.config else []
@@ -300,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         return _run(parser, args, rest)
+    except PeersFailed as err:
+        return _fail(f"depthscale: error: {err}", PEER_LOST, 1)
     except DepthscaleError as err:
         kind = "config error" if isinstance(err, ConfigError) else "error"
         return _fail(f"depthscale: {kind}: {err}", INPUT, 2)

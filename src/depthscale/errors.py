@@ -19,3 +19,8 @@ class CheckpointError(DepthscaleError, RuntimeError):
 
 class TrainingError(DepthscaleError, RuntimeError):
     """Training cannot go on (a NaN/Inf loss); the message says why and what was kept."""
+
+
+class PeersFailed(TrainingError):
+    """A collective or message timed out or lost its peer: a consequence of another rank's
+    failure, not a cause (reported after the rank that failed first)."""

@@ -165,9 +165,11 @@ HANG_DRILLS = {
 
 
 def _hang_drill(tmp_path: Path, kind: str) -> None:
+    """Unsupervised: the peers' own timeouts and hang dumps (supervised, the supervisor acts
+    first: tests/faults)."""
     layout, culprit, op, waiter, waits_in = HANG_DRILLS[kind]
     run, proc = train(
-        tmp_path, *layout, "--train.steps", "6",
+        tmp_path, *layout, "--train.steps", "6", "--resilience.supervise", "false",
         "--parallel.timeout_s", "10", "--logging.hang_dump_s", "2",
         env={"DEPTHSCALE_INJECT_HANG": f"{culprit}:3:{op}"}, check=False,
     )  # fmt: skip
@@ -198,6 +200,7 @@ STRAGGLER_RUN = [
     *("--nproc", "4", "--parallel.dp_shard", "4", "--model.dim", "128", "--model.n_layers", "2"),
     *("--model.n_heads", "4", "--data.seq_len", "128", "--data.max_bytes", "400000"),
     *("--train.batch_size", "16", "--train.steps", "22", "--logging.log_every", "100"),
+    *("--resilience.supervise", "false"),  # the detector alone: supervised, it restarts slow ranks
 ]
 
 

@@ -83,3 +83,53 @@ def restart_seconds(run: Path) -> list[float]:
 
 def mentions(text: str, pattern: str) -> bool:
     return re.search(pattern, text) is not None
+
+
+def train_nodes(run: Path, nnodes: int, *args: str, steps: int = 12, timeout: float = 600):
+    """A multi-node job on one host: one supervisor per simulated node (DEPTHSCALE_NODE_ID),
+    node 0's hosting the store on a free port. Returns each node's completed process."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "depthscale.cli",
+                "train",
+                "-c",
+                CONFIG,
+                *TINY,
+                "--train.steps",
+                str(steps),
+                "--train.run_dir",
+                str(run),
+                *args,
+                "--parallel.nnodes",
+                str(nnodes),
+                "--parallel.node_rank",
+                str(k),
+                "--parallel.master_port",
+                str(port),
+            ],
+            cwd=run.parent,
+            env=dict(os.environ, PYTHONWARNINGS="ignore", DEPTHSCALE_NODE_ID=f"node{k}"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for k in range(nnodes)
+    ]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def node_events(run: Path, node: int, kind: str) -> list[dict]:
+    path = run / "supervisor" / f"node{node}" / "log.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]

@@ -15,8 +15,10 @@ from supervised import (
     assert_same_run,
     detection_s,
     events,
+    node_events,
     restart_seconds,
     train,
+    train_nodes,
 )
 
 pytestmark = pytest.mark.dist
@@ -28,6 +30,7 @@ LAYOUTS = {
     "pp": ["--nproc", "4", "--parallel.pp", "4", "--model.n_layers", "4",
            "--resilience.diagnose", "false"],
     "cp": ["--nproc", "2", "--parallel.cp", "2", "--resilience.diagnose", "false"],
+    "dp4": ["--nproc", "4", "--parallel.dp_shard", "4", "--resilience.diagnose", "false"],
 }  # fmt: skip
 
 
@@ -146,3 +149,22 @@ def test_no_progress_gives_up_with_a_report(tmp_path):
     report = (run / "supervisor" / "report.json").read_text()
     assert "without a newer checkpoint" in report
     assert len(events(run, "fault")) == 3
+
+
+@pytest.mark.slow
+def test_two_nodes_recover_together(tmp_path, references):
+    """One supervisor per node, coordinating through node 0's store: a rank killed on node 1 is
+    reported there, node 0 stops its part of the group too, both restart, and the job equals an
+    uninterrupted single-node run of the same layout."""
+    run = tmp_path / "run"
+    layout = ["--nproc", "2", "--parallel.dp_shard", "4", "--resilience.diagnose", "false"]
+    node0, node1 = train_nodes(run, 2, *layout, "--faults", "kill@3:6")
+    assert node0.returncode == 0 and node1.returncode == 0, (
+        node0.stderr[-3000:] + node1.stderr[-3000:]
+    )
+    (fault,) = node_events(run, 1, "fault")
+    assert fault["fault"]["kind"] == "dead" and fault["fault"]["ranks"] == [3], fault["text"]
+    (seen,) = node_events(run, 0, "fault")
+    assert seen["fault"]["kind"] == "peer" and "node 1 reported: dead" in seen["text"]
+    assert len(node_events(run, 0, "launch")) == len(node_events(run, 1, "launch")) == 2
+    assert_same_run(run, references("dp4"))

@@ -215,7 +215,15 @@ class ParallelConfig:
     """How long a collective or message may wait for its peers before it fails (the process
     group's timeout); every rank then writes its hang dump."""
     nproc: int = 1
-    """Local worker processes to launch (depthscale train --nproc N)."""
+    """Local worker processes to launch (depthscale train --nproc N): per node."""
+    nnodes: int = 1
+    """Nodes of the job. Each runs `depthscale train --nproc N --parallel.node_rank K` (one
+    supervisor per node; node 0's hosts the rendezvous store at master_addr:master_port)."""
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    """Node 0's address, reachable from every node."""
+    master_port: int = 0
+    """The rendezvous store's port on node 0; 0 = any free port (one node only)."""
     tp_overlap_chunks: int = 1
     """MegaScale TP overlap: split the sequence-parallel all-gather / reduce-scatter around the
     column- / row-parallel GEMMs into this many chunks, so communication of chunk i+1 overlaps the

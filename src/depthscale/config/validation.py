@@ -318,7 +318,22 @@ def _check_dir_creatable(key: str, path: Path) -> None:
 def _check_resilience(cfg: Config) -> None:
     """(`resilience.faults` is parsed by the CLI and the trainer: its grammar lives with the
     faults, in resilience/faults.py.)"""
-    r = cfg.resilience
+    r, p = cfg.resilience, cfg.parallel
+    if p.nnodes < 1 or not 0 <= p.node_rank < p.nnodes:
+        raise ConfigError(
+            f"parallel.nnodes={p.nnodes}, parallel.node_rank={p.node_rank}: allowed: nnodes >= 1 "
+            "and 0 <= node_rank < nnodes"
+        )
+    if not 0 <= p.master_port <= 65535 or (p.nnodes > 1 and p.master_port == 0):
+        raise ConfigError(
+            f"parallel.master_port={p.master_port} is not allowed; allowed: 1..65535 (0, any "
+            "free port, only with parallel.nnodes=1)"
+        )
+    if p.nnodes > 1 and (r.local_nodes > 1 or r.spare_nodes):
+        raise ConfigError(
+            "resilience.local_nodes / spare_nodes simulate nodes on one host; with "
+            f"parallel.nnodes={p.nnodes} every node is real: allowed: local_nodes=1, spare_nodes=0"
+        )
     nproc = cfg.parallel.nproc
     if r.local_nodes > 1 and nproc % r.local_nodes:
         raise ConfigError(

@@ -28,10 +28,10 @@ Exit codes: 0 done; 2 bad input; 75 gave up (restart limits; `RUN/supervisor/rep
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -49,8 +49,15 @@ from depthscale.parallel.launcher import (
 )
 from depthscale.resilience.diagnostics import DIAGNOSE_ENV, FAULT_ENV
 from depthscale.resilience.faults import ATTEMPT_ENV, bad_diag_nodes, parse_faults
-from depthscale.resilience.heartbeat import NODE_ENV, PERIOD_ENV, STACKS_ENV, SUPERVISOR_ENV
+from depthscale.resilience.heartbeat import (
+    NODE_ENV,
+    PERIOD_ENV,
+    STACKS_ENV,
+    SUPERVISOR_ENV,
+    node_id,
+)
 from depthscale.resilience.nodes import NodePool
+from depthscale.resilience.peers import Peers, PeersLost
 from depthscale.resilience.watch import Fault, Watch
 
 SUSPECT_NODES = ("dead", "hung", "slow", "bad_node")
@@ -66,15 +73,28 @@ class Supervisor:
     def __init__(self, cfg: Config, train_args: list[str]) -> None:
         import torch.distributed as dist
 
-        self.cfg, self.r = cfg, cfg.resilience
-        self.nproc = cfg.parallel.nproc
+        self.cfg, self.r, p = cfg, cfg.resilience, cfg.parallel
+        self.nproc, self.nnodes, self.node_rank = p.nproc, p.nnodes, p.node_rank
         self.train_args = train_args
         self.run_dir = cfg.run_path
         self.dir = self.run_dir / "supervisor"
         self.faults = parse_faults(self.r.faults)
-        self.host = socket.gethostname()
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.nodes = NodePool(self.dir, self.host, self.r.local_nodes, self.r.spare_nodes)
+        self.peers: Peers | None = None
+        if self.nnodes == 1:
+            self.addr = "127.0.0.1"
+            self.store = dist.TCPStore(self.addr, 0, is_master=True, wait_for_workers=False)
+            self.nodes = NodePool(self.dir, node_id(), self.r.local_nodes, self.r.spare_nodes)
+        else:  # node 0 hosts the store; every node's supervisor and workers are its clients
+            self.addr, self.dir = p.master_addr, self.dir / f"node{self.node_rank}"
+            self.store = dist.TCPStore(
+                p.master_addr,
+                p.master_port,
+                is_master=self.node_rank == 0,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.r.startup_timeout_s),
+            )
+            self.peers = Peers(self.store, self.nnodes, self.node_rank, self.r.startup_timeout_s)
+            self.nodes = NodePool(self.dir, node_id(), 1, 0)
         self.stop_signal: int | None = None
         self.diagnose_next = False
         """Whether the next group runs the diagnostics before training (after a fault that may be
@@ -94,12 +114,21 @@ class Supervisor:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = self._catch_stop_signals()
         try:
             return self._loop()
+        except (PeersLost, TimeoutError) as lost:  # multi-node coordination is gone
+            self.log("lost", str(lost))
+            return 1
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def _catch_stop_signals(self) -> dict[int, Any]:
+        """SIGINT / SIGTERM only set a flag: the watch forwards SIGTERM to the workers (they save
+        and exit) and returns. Installed again after every launch: torch's process context
+        installs its own handlers, which would raise out of the watch loop."""
+        return {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stop_signal = signum
@@ -115,6 +144,8 @@ class Supervisor:
                     f"(excluded: {', '.join(self.nodes.excluded) or 'none'}; no spare left)",
                     attempt,
                 )
+            if self.peers is not None:
+                self.peers.ready(attempt)
             with tempfile.TemporaryDirectory(prefix="depthscale-errors-") as errors:
                 watch = self._launch(attempt, nodes, Path(errors))
                 try:
@@ -124,14 +155,19 @@ class Supervisor:
                     raise
                 pending_breakdown = None
                 if fault is None:  # every worker finished
+                    if self.peers is not None:
+                        self.peers.finish()
                     return 0
                 if fault.kind == "stopped":
                     return 128 + (self.stop_signal or signal.SIGTERM)
                 cause = root_cause(read_worker_errors(Path(errors)))
-                if cause is not None and cause.kind == INPUT:
+                # bad input ends the job, unless it only followed another fault (a dead peer)
+                if cause is not None and cause.kind == INPUT and fault.kind == "error":
                     watch.stop_group()
                     print(cause.message, file=sys.stderr, flush=True)
                     return 2
+                if self.peers is not None:
+                    fault = self._agree(attempt, fault)
                 t_stop = time.time()
                 watch.forensics(fault, self.dir / f"attempt{attempt}")
                 t_forensics = time.time()
@@ -153,14 +189,23 @@ class Supervisor:
             stalled = 0 if newest > best else stalled + 1
             best = max(best, newest)
             restarts += 1
+            why = None
             if restarts > self.r.max_restarts:
-                return self._give_up(f"{restarts - 1} restarts (resilience.max_restarts)", attempt)
-            if stalled > self.r.max_restarts_without_progress:
-                return self._give_up(
+                why = f"{restarts - 1} restarts (resilience.max_restarts)"
+            elif stalled > self.r.max_restarts_without_progress:
+                why = (
                     f"{stalled - 1} restarts in a row without a newer checkpoint "
-                    "(resilience.max_restarts_without_progress)",
-                    attempt,
+                    "(resilience.max_restarts_without_progress)"
                 )
+            elif self.peers is not None and self.nodes.excluded:
+                why = (
+                    f"node(s) {', '.join(self.nodes.excluded)} failed the diagnostics; a "
+                    "multi-node job has no spare: requeue it without them (SLURM --exclude)"
+                )
+            if self.peers is not None:  # node 0 sees rank 0 (progress, diagnostics): it decides
+                why = self.peers.decide(attempt, {"give_up": why})["give_up"]
+            if why is not None:
+                return self._give_up(why, attempt)
             self.log(
                 "restart",
                 f"restarting (attempt {attempt + 1}) from the newest verified checkpoint"
@@ -190,33 +235,35 @@ class Supervisor:
 
         per_node = self.nproc // len(nodes)
         threads = str(max(1, (os.cpu_count() or 1) // self.nproc))
+        first = self.node_rank * self.nproc  # this node's first global rank
         base = {
-            "WORLD_SIZE": str(self.nproc),
+            "WORLD_SIZE": str(self.nproc * self.nnodes),
             "LOCAL_WORLD_SIZE": str(self.nproc),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": self.addr,
             "MASTER_PORT": str(self.store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             ATTEMPT_ENV: str(attempt),
-            SUPERVISOR_ENV: f"127.0.0.1:{self.store.port}",
+            SUPERVISOR_ENV: f"{self.addr}:{self.store.port}",
             PERIOD_ENV: str(self.r.heartbeat_s),
             STACKS_ENV: str(self.dir / f"attempt{attempt}" / "stacks"),
             ERROR_DIR_ENV: str(errors),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
         }
         judge = None
-        if self.diagnose_next and self.nproc > 1:
+        if self.diagnose_next and self.nproc * self.nnodes > 1:
             base[DIAGNOSE_ENV] = str(DIAGNOSE_MB)
             slow = bad_diag_nodes(self.faults, self.diagnostic_runs)
             if slow:
                 base[FAULT_ENV] = ",".join(f"slow@{n}" for n in slow)
             self.diagnostic_runs += 1
-            judge = self._judge(attempt, nodes, per_node)
+            if self.node_rank == 0:  # global rank 0 publishes the rows here
+                judge = self._judge(attempt)
         envs = {
             rank: {
                 **base,
-                "RANK": str(rank),
+                "RANK": str(first + rank),
                 "LOCAL_RANK": str(rank),
-                "GROUP_RANK": str(rank // per_node),
+                "GROUP_RANK": str(self.node_rank if self.nnodes > 1 else rank // per_node),
                 NODE_ENV: nodes[rank // per_node],
             }
             for rank in range(self.nproc)
@@ -229,6 +276,7 @@ class Supervisor:
             envs=envs,
             logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="depthscale-elastic-")),
         )
+        self._catch_stop_signals()
         self.log(
             "launch",
             f"attempt {attempt}: started {self.nproc} workers on "
@@ -237,11 +285,13 @@ class Supervisor:
             nodes=nodes,
             pids=context.pids(),
         )
-        return Watch(context, self.store, attempt, self.r, [envs[r][NODE_ENV] for r in envs], judge)
+        remote = (lambda: self.peers.fault(attempt)) if self.peers is not None else None
+        node_of = [envs[r][NODE_ENV] for r in envs]
+        return Watch(context, self.store, attempt, self.r, node_of, judge, first, remote)
 
     # ------------------------------------------------------------------ between attempts
 
-    def _judge(self, attempt: int, nodes: list[str], per_node: int):
+    def _judge(self, attempt: int):
         """How the diagnostics a restarted group publishes are judged: against the peers and the
         run's baseline (`diagnose.verdict`); a failing node becomes a fault (and is excluded)."""
         from depthscale.resilience.diagnose import verdict
@@ -268,7 +318,8 @@ class Supervisor:
             if not bad:
                 return None
             now = time.time()
-            ranks = [r for r in range(self.nproc) if nodes[r // per_node] in bad]
+            rows = published["rows"]
+            ranks = [r for r, row in enumerate(rows) if (row or {}).get("node") in bad]
             return Fault(
                 "bad_node",
                 ranks,
@@ -280,6 +331,28 @@ class Supervisor:
             )
 
         return judge
+
+    def _agree(self, attempt: int, fault: Fault) -> Fault:
+        """Multi-node: one fault per attempt, the first any node saw. A worker that only lost its
+        peers exits with an error a moment after the real fault elsewhere: wait briefly for it."""
+        if fault.kind == "peer":
+            return fault
+        if fault.kind == "error":
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and self.peers.fault(attempt) is None:
+                time.sleep(0.05)
+        won = self.peers.report_fault(attempt, asdict(fault))
+        if won["node_rank"] == self.node_rank:
+            return fault
+        return Fault(
+            "peer",
+            won["ranks"],
+            won["nodes"],
+            f"node {won['node_rank']} reported: {won['kind']}: {won['detail']}",
+            won["since"],
+            won["detected_at"],
+            {"remote": won},
+        )
 
     def _newest_published(self) -> int:
         """The newest step whose checkpoint directory was published (renamed into place when

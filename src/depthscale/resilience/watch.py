@@ -87,12 +87,18 @@ class Watch:
         r: ResilienceConfig,
         nodes: list[str],
         diagnose: Callable[[dict], Fault | None] | None = None,
+        base: int = 0,
+        remote_fault: Callable[[], dict | None] | None = None,
     ) -> None:
-        """`diagnose`: judges the diagnostics rows the group publishes on a restart (a Fault when
-        a node fails them); None when the group runs none."""
+        """`nodes`: the node of each local worker; `base`: the global rank of the first (a node
+        of a multi-node job). `diagnose`: judges the diagnostics rows the group publishes on a
+        restart (a Fault when a node fails them); None when the group runs none.
+        `remote_fault`: another node's fault, if any (multi-node): this group then stops too."""
         self.context, self.store, self.attempt, self.r = context, store, attempt, r
         self.nodes = nodes
         self.diagnose = diagnose
+        self.base = base
+        self.remote_fault = remote_fault
         self.launched = time.time()
         self.ranks = [_Rank(self.launched) for _ in nodes]
         self.stopping_since: float | None = None
@@ -117,6 +123,7 @@ class Watch:
             else:
                 fault = (
                     self._exit_fault(now)
+                    or self._remote(now)
                     or self._diagnosed()
                     or self._read_and_judge(now, supervisor)
                 )
@@ -160,12 +167,27 @@ class Watch:
             detail, kind = f"exited with code {code}", "error"
         return Fault(
             kind,
-            [rank],
+            [self.base + rank],
             [self.nodes[rank]],
             detail,
             now - POLL_S / 2,
             now,
             self._evidence(exits=failed),
+        )
+
+    def _remote(self, now: float) -> Fault | None:
+        """Another node's supervisor found a fault: this node's part of the group stops too."""
+        other = self.remote_fault() if self.remote_fault is not None else None
+        if other is None:
+            return None
+        return Fault(
+            "peer",
+            other.get("ranks", []),
+            other.get("nodes", []),
+            f"node {other.get('node_rank')} reported: {other.get('kind')}: {other.get('detail')}",
+            other.get("since", now),
+            now,
+            {"remote": other},
         )
 
     def _diagnosed(self) -> Fault | None:
@@ -186,7 +208,7 @@ class Watch:
 
     def _read(self, now: float) -> None:
         for rank, s in enumerate(self.ranks):
-            key = heartbeat_key(self.attempt, rank)
+            key = heartbeat_key(self.attempt, self.base + rank)
             try:
                 if s.hb is None and not self.store.check([key]):
                     continue
@@ -234,6 +256,12 @@ class Watch:
             return None
         limit, why = self._progress_limit(running)
         culprit = self._culprit(running)
+        if (
+            culprit is not None
+            and self.remote_fault is not None
+            and ((self.ranks[culprit].hb or {}).get("waiting"))
+        ):  # every local rank waits: the culprit is on another node, whose supervisor names it
+            limit, why = 2 * limit, why + "; doubled: every rank of this node is waiting"
         if culprit is not None and now - self.ranks[culprit].progress_at > limit:
             s = self.ranks[culprit]
             phase = (s.hb or {}).get("phase") or "between spans"
@@ -274,14 +302,15 @@ class Watch:
             return None
         hb = self.ranks[running[0]].hb or {}
         step = int(hb.get("step", 0))
-        flagged = set(hb.get("slow_ranks") or [])
+        local = range(self.base, self.base + len(self.ranks))
+        flagged = {r for r in hb.get("slow_ranks") or [] if r in local}
         self.slow_since = {r: self.slow_since.get(r, step) for r in flagged}
         for rank, since in sorted(self.slow_since.items()):
             if step - since >= self.r.slow_steps:
                 return Fault(
                     "slow",
                     [rank],
-                    [self.nodes[rank]],
+                    [self.nodes[rank - self.base]],
                     f"slower than its peers for {step - since} steps (resilience.slow_steps="
                     f"{self.r.slow_steps}; see the straggler lines above)",
                     now,
@@ -304,7 +333,7 @@ class Watch:
     def _hang(self, ranks: list[int], detail: str, since: float, now: float, limit: float) -> Fault:
         return Fault(
             "hung",
-            ranks,
+            [self.base + r for r in ranks],
             [self.nodes[r] for r in ranks],
             detail,
             since,
@@ -317,7 +346,7 @@ class Watch:
         ranks = {}
         for r, s in enumerate(self.ranks):
             hb = s.hb or {}
-            ranks[str(r)] = {
+            ranks[str(self.base + r)] = {
                 "exit": s.exit,
                 "heartbeat_age_s": round(now - s.seen_at, 3) if s.hb else None,
                 "progress_age_s": round(now - s.progress_at, 3),
@@ -328,7 +357,7 @@ class Watch:
                 "in_flight": hb.get("in_flight"),
                 "last_collective": hb.get("collective"),
             }
-        coords = {str(r): (s.hb or {}).get("coords") for r, s in enumerate(self.ranks)}
+        coords = {str(self.base + r): (s.hb or {}).get("coords") for r, s in enumerate(self.ranks)}
         return {"ranks": ranks, "coords": coords, **more}
 
     def _marks(self, rank: int) -> dict[str, float]:
@@ -378,7 +407,7 @@ class Watch:
                 if self.ranks[rank].exit is None:
                     _signal(pid, signal.SIGUSR1)
             time.sleep(0.3)
-        heartbeats = {str(r): s.hb for r, s in enumerate(self.ranks)}
+        heartbeats = {str(self.base + r): s.hb for r, s in enumerate(self.ranks)}
         record = {
             "fault": asdict(fault),
             "heartbeats": heartbeats,

@@ -22,7 +22,7 @@ from torch import Tensor
 from depthscale.config import Config, ConfigError, to_toml
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.data.prefetch import Prefetcher
-from depthscale.errors import CheckpointError, TrainingError
+from depthscale.errors import CheckpointError, PeersFailed, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans, startup
@@ -339,7 +339,7 @@ class Trainer:
         except Exception as err:  # every rank says where it was: the hang analysis reads it
             self.telemetry.on_error(err)
             if _peers_failed(err):
-                raise TrainingError(
+                raise PeersFailed(
                     f"rank {self.env.rank}: waiting for its peers failed at step {self.step + 1} "
                     f"({str(err).splitlines()[0][-160:]}); every rank that could wrote its hang "
                     f"dump: `depthscale trace hang --run {self.run_dir}` names the rank the "
