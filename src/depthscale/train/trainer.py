@@ -125,7 +125,7 @@ class Trainer:
         }
 
     def _restore(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        state = self.checkpointer.load(path, self.model, self.optimizer, self.layout.mesh)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
         if not is_model_only(state):
@@ -284,6 +284,8 @@ class Trainer:
                 ):
                     _write(bar, f"depthscale: {text}")
                     logger.event(self.step, kind, fields)
+                for kind, fields in self.checkpointer.events():  # blocking time, failed saves
+                    logger.event(self.step, kind, fields)
                 history.append(metrics)
                 if not math.isfinite(metrics["loss"]):
                     self._stop_on_non_finite(metrics, bar)
@@ -314,7 +316,7 @@ class Trainer:
                         loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
                     )
             self.save_checkpoint()
-            self.checkpointer.wait()
+            self.checkpointer.wait(final=True)
         if bar is not None:
             bar.close()
         _print(
@@ -332,7 +334,7 @@ class Trainer:
         name = received.name if received is not None else "a signal on another rank"
         if self.cfg.checkpoint.on_signal and saved_at != self.step:
             self.save_checkpoint()
-        self.checkpointer.wait()
+        self.checkpointer.wait(final=True)
         latest = self.checkpointer.latest()
         where = (
             f"checkpoint {latest}; run the same command to resume"
