@@ -245,8 +245,9 @@ def test_resave_replaces_a_verified_step_only_when_complete(tmp_path, monkeypatc
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "write_manifest", crash)
-    with pytest.raises(OSError, match="disk full"):
-        Run(tmp_path).save(2)
+    failed = Run(tmp_path).save(2)
+    with pytest.raises(CheckpointError, match="step 2.* could not be saved .*disk full"):
+        failed.ckpt.wait(final=True)
     assert verify(step_dir(tmp_path, 2), ARCH) is None
     assert (step_dir(tmp_path, 2) / "__0_0.distcp").read_bytes() == before
 
@@ -267,16 +268,27 @@ def test_resave_over_a_damaged_step_keeps_it_aside(tmp_path, capsys):
     assert f"as {aside}: __0_0.distcp has" in warning
 
 
-def test_failed_dcp_save_is_a_checkpoint_error_and_prunes_nothing(tmp_path, monkeypatch):
+def test_failed_dcp_save_is_reported_and_prunes_nothing(tmp_path, monkeypatch, capsys):
     Run(tmp_path, keep=1).save(1)
 
     def fail(*args, **kwargs):
         raise OSError("no space left on device")
 
     monkeypatch.setattr(ckpt.dcp, "save", fail)
-    with pytest.raises(CheckpointError, match="cannot save checkpoint .*no space left"):
-        Run(tmp_path, keep=1).save(2)
+    Run(tmp_path, keep=1).save(2)
+    [warning] = warnings_in(capsys.readouterr().err)
+    assert "checkpoint of step 2 was not saved (rank 0: OSError: no space left" in warning
     assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 1)]
+
+
+def test_a_failed_save_that_is_not_storage_is_still_an_error(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(ckpt.dcp, "save", fail)
+    with pytest.raises(CheckpointError, match="cannot save checkpoint: rank 0: ValueError: a bug"):
+        Run(tmp_path).save(1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dcp_load_failures_name_the_path_and_the_cause(tmp_path):

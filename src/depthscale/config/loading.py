@@ -25,24 +25,35 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLS |= {"0": False, "false": False, "no": False, "off": False}
+
+
+def _toml_repr(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
+
+
 def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
     """Check (TOML) or parse (command line) one value against its declared type."""
     if get_origin(tp) is Literal:
         allowed = get_args(tp)
-        if value not in allowed:
+        if (
+            any(a is True for a in allowed)
+            and from_string
+            and isinstance(value, str)
+            and value.lower() in _BOOLS
+        ):
+            value = _BOOLS[value.lower()]  # a tri-state such as "auto" | true | false
+        if not any(value == a and type(value) is type(a) for a in allowed):
             raise ConfigError(
-                f"{key}: {value!r} is not allowed; allowed: " + ", ".join(repr(a) for a in allowed)
+                f"{key}: {value!r} is not allowed; allowed: " + ", ".join(map(_toml_repr, allowed))
             )
         return value
     if get_origin(tp) in (typing.Union, types.UnionType):
         raise ConfigError(f"{key}: union types are not supported in the config schema")
     if tp is bool:
-        if from_string and isinstance(value, str):
-            low = value.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
+        if from_string and isinstance(value, str) and value.lower() in _BOOLS:
+            return _BOOLS[value.lower()]
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected a bool (true/false), got {value!r}")

@@ -247,7 +247,9 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints; 0 = keep all."""
     resume: str = "auto"
     """'auto' (newest checkpoint in the run directory, if any), 'none', or a checkpoint directory."""
-    async_save: bool = False
+    async_save: Literal["auto", True, False] = "auto"
+    """Write checkpoints in the background after staging them in host memory (training waits only
+    for the copy); 'auto': when several processes train, since one process writes fast enough."""
     on_signal: bool = True
     """On SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption notice), finish the current step, save
     a checkpoint and exit; False exits after the step without saving."""

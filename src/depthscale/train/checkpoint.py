@@ -1,6 +1,7 @@
 """Checkpoints: model and optimizer through torch.distributed.checkpoint (sharded, reshardable on
 load), plus the trainer's own small state (step, data position, RNG). What makes a checkpoint
-directory complete and trustworthy (its manifest, verification, choosing one) is in manifest.py.
+directory complete and trustworthy (its manifest, verification, choosing one) is in manifest.py;
+reading one back (once per replica group, bytes counted) in restore.py.
 
 Writing: everything goes into `step_XXXXXXXX.tmp/`. Each rank saves its DCP shards and RNG state,
 fsyncs them and hashes what it wrote (SHA-256; one read per rank, in parallel, usually from the page
@@ -8,22 +9,33 @@ cache); rank 0 gathers the hashes, writes `trainer_state.json`, then the manifes
 the directory renamed to `step_XXXXXXXX/` and its parent fsynced. A re-save of an existing step moves
 the old directory aside and deletes it only once the new one is in place.
 
+Two stages (MegaScale), the default when several processes train (`async_save='auto'`): the state
+is copied into host memory — training waits only for this, `last_blocking_s` — and a background
+thread writes it, with its collectives on a gloo group of its own.
+
+A failing write (a full disk, a file-size limit: any OSError) does not stop training. After each
+stage of a save every rank learns whether any rank failed (`_agree`), so no rank waits in a
+collective for a peer that gave up, and only a save that succeeded everywhere is published. A
+failed one is named once, on rank 0, its `.tmp` directory removed; the previous checkpoint is
+untouched and the next save is attempted as usual. Only the last save of a run (`wait(final=True)`)
+turns such a failure into an error: the run would otherwise end believing its end state was kept.
+
 Reading: resuming takes the newest checkpoint that verifies ('auto'), or a named one that must
 verify; a multi-rank run verifies on rank 0 alone and broadcasts the choice.
 
 Retention (`checkpoint.keep`) counts verified checkpoints only, runs after the new one is complete,
 and never deletes a damaged one (it is named in a warning instead, for inspection).
-
-With `async_save`, saving is MegaScale's two stages: the state is first copied into host memory
-(training waits only for this), then a background thread writes it to disk.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import threading
-import warnings
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.config import CheckpointConfig, ModelConfig
 from depthscale.errors import CheckpointError
@@ -59,35 +68,44 @@ from depthscale.train.manifest import (
     write_manifest,
     write_synced,
 )
+from depthscale.train.restore import (
+    RestoreStats,
+    cause,
+    dcp_quiet,
+    failed_rank,
+    is_model_only,
+    load_model,
+    read_trainer_state,
+    restore,
+)
 
 if TYPE_CHECKING:
     from depthscale.model.transformer import Transformer
 
-
-# ---------------------------------------------------------------------------- DCP calls
-
-
-def _dcp_quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        # DCP warns that it runs without a process group on a single process; that is intended.
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        return fn(*args, **kwargs)
+__all__ = ["Checkpointer", "SaveRecord", "is_model_only", "load_model", "read_trainer_state"]
 
 
-def _cause(err: BaseException) -> str:
-    """One line: DCP's CheckpointException message is every failing rank's whole traceback."""
-    if isinstance(err, CheckpointException) and err.failures:
-        rank, (exc, _) = min(err.failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {type(exc).__name__}: {exc}"
-    return f"{type(err).__name__}: {err}"
+class _Writer(FileSystemWriter):
+    """DCP's file writer with the drill hook: `fail` makes this rank write its files, then fail
+    as a full disk would (what `Checkpointer.inject_write_error_at` asks for)."""
+
+    def __init__(self, path: Path, fail: bool) -> None:
+        super().__init__(str(path))
+        self._fail = fail
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        if not self._fail:
+            return written
+        written.wait()
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected)", str(self.path))
 
 
-def _dcp_save(state: dict, path: Path, group: dist.ProcessGroup | None) -> None:
+def _dcp_save(state: dict, path: Path, group: dist.ProcessGroup | None, fail: bool) -> None:
     try:
-        _dcp_quiet(dcp.save, state, checkpoint_id=str(path), process_group=group)
+        dcp_quiet(dcp.save, state, storage_writer=_Writer(path, fail), process_group=group)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
-        raise CheckpointError(f"cannot save checkpoint {path}: {_cause(err)}") from err
+        raise CheckpointError(f"cannot save checkpoint {path}: {cause(err)}") from err
 
 
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -95,22 +113,6 @@ _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 ("optim.param_groups.<fqn>.lr"): ranks holding different parameters (pipeline stages) then write
 different keys. Nested, the param groups are keyed by group index, every rank writes the same keys
 with its own parameter list, and one rank's list wins — resuming a pipeline mixed up the groups."""
-
-
-def _optimizer_flat(path: Path) -> bool:
-    """Whether the checkpoint's optimizer state is flattened (older checkpoints are nested)."""
-    try:
-        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as err:
-        raise CheckpointError(f"cannot read checkpoint metadata {path}: {_cause(err)}") from err
-    return not any(k.startswith("optim.param_groups.0.") for k in keys)
-
-
-def _dcp_load(state: dict, path: Path) -> None:
-    try:
-        _dcp_quiet(dcp.load, state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as err:  # the latter is a BaseException
-        raise CheckpointError(f"cannot load checkpoint {path}: {_cause(err)}") from err
 
 
 def _stage(obj: Any) -> Any:
@@ -142,15 +144,64 @@ def _gathered(mine: dict, group: dist.ProcessGroup | None) -> dict:
     return {k: v for part in parts for k, v in part.items()} if parts is not None else mine
 
 
+def _storage_error(err: BaseException) -> bool:
+    """Whether a save failed on storage (a full disk, a quota, a file-size limit: an OSError),
+    as opposed to a bug, which should still stop the run."""
+    while isinstance(err, CheckpointError) and err.__cause__ is not None:
+        err = err.__cause__
+    if isinstance(err, CheckpointException):
+        return bool(err.failures) and all(
+            isinstance(exc, OSError) for exc, _ in err.failures.values()
+        )
+    return isinstance(err, OSError)
+
+
+def _root_cause(err: BaseException) -> str:
+    """'rank R: OSError: ...' from DCP's collective error or this rank's own."""
+    inner = err.__cause__ if isinstance(err, CheckpointError) and err.__cause__ else err
+    rank, exc = failed_rank(inner)
+    return f"rank {global_rank() if rank is None else rank}: {type(exc).__name__}: {exc}"
+
+
+class _SaveFailed(Exception):
+    """A save that failed on some rank, the same on every rank (see `Checkpointer._agree`)."""
+
+    def __init__(self, message: str, storage: bool) -> None:
+        super().__init__(message)
+        self.storage = storage
+
+
+@dataclass
+class SaveRecord:
+    """One save, as logged: `blocking_s` is what training waited for (for an async save, the
+    previous save's tail plus staging into host memory; for a sync one, the whole write)."""
+
+    step: int
+    is_async: bool
+    blocking_s: float = 0.0
+    write_s: float | None = None
+    error: str | None = None
+
+
 class Checkpointer:
+    inject_write_error_at: int | None = None
+    """Drills: when saving this step, this rank's writer fails with ENOSPC after writing its
+    shards (`--faults enospc@STEP`)."""
+
     def __init__(self, root: Path, cfg: CheckpointConfig, model: ModelConfig | None = None) -> None:
         """`model` is recorded in each manifest and checked on resume; it is read at each use, so a
         vocab_size resolved after construction is the one recorded."""
         self.root = Path(root)
         self.cfg = cfg
         self.model = model
+        self.last_blocking_s: float | None = None
+        """Seconds training waited in the latest `save`."""
+        self.last_restore: RestoreStats | None = None
+        """What this rank read from storage in the latest `load`."""
         self._pending: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._last: SaveRecord | None = None
+        self._done: list[SaveRecord] = []
         self._group: dist.ProcessGroup | None = None
         self._verdicts: dict[Path, str | None] = {}
 
@@ -176,6 +227,13 @@ class Checkpointer:
             return newest_verified(self.root, self.model)
         return verified(Path(self.cfg.resume), self.model)
 
+    @property
+    def is_async(self) -> bool:
+        """`async_save`: 'auto' writes in the background when several processes train."""
+        if self.cfg.async_save == "auto":
+            return dist.is_initialized() and dist.get_world_size() > 1
+        return bool(self.cfg.async_save)
+
     def save(
         self,
         step: int,
@@ -183,54 +241,122 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         trainer_state: dict[str, Any],
     ) -> Path:
-        """Save; with async_save, returns once the state is staged in host memory."""
+        """Save; with async_save, returns once the state is staged in host memory. A failure on
+        storage is reported, not raised (see the module docstring)."""
+        start = time.perf_counter()
         self.wait()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)
         state = {"model": model_sd, "optim": optim_sd}
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        if self.cfg.async_save and dist.is_initialized() and self._group is None:
-            # A background save must not interleave its collectives with training's on one group.
-            self._group = dist.new_group(backend="gloo")
-        if self.cfg.async_save:
-            staged = _stage(state)
-            self._pending = threading.Thread(
-                target=self._write_guarded, args=(step, staged, rng, trainer_state), daemon=True
-            )
+        record = self._last = SaveRecord(step, self.is_async)
+        args = (record, step, state, rng, trainer_state)
+        if record.is_async:
+            if dist.is_initialized() and self._group is None:
+                # A background save must not interleave its collectives with training's on one group.
+                self._group = dist.new_group(backend="gloo")
+            args = (record, step, _stage(state), rng, trainer_state)
+            self._pending = threading.Thread(target=self._write_recorded, args=args, daemon=True)
+            record.blocking_s = time.perf_counter() - start
             self._pending.start()
         else:
-            self._write(step, state, rng, trainer_state)
+            self._write_recorded(*args)
+            record.blocking_s = time.perf_counter() - start
+        self.last_blocking_s = record.blocking_s
         return step_dir(self.root, step)
 
-    def wait(self) -> None:
-        """Block until a background save has finished; re-raise its error here, not silently."""
+    def wait(self, final: bool = False) -> None:
+        """Block until a background save has finished. A bug in it is raised here; a storage
+        failure was reported and training goes on, unless `final` (the run's last save)."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
         if self._error is not None:
             err, self._error = self._error, None
             raise CheckpointError(f"background checkpoint save failed: {err}") from err
+        if final and self._last is not None and self._last.error is not None:
+            latest = self.latest()
+            raise CheckpointError(
+                f"the last checkpoint of this run (step {self._last.step}) could not be saved "
+                f"({self._last.error}); "
+                + (f"the newest checkpoint is {latest}" if latest else "no checkpoint was kept")
+                + ": free space and resume from it"
+            )
 
-    def _write_guarded(self, *args: Any) -> None:
+    def events(self) -> list[tuple[str, dict[str, Any]]]:
+        """Finished saves since the last call, as (kind, fields) for metrics.jsonl: 'checkpoint'
+        (step, blocking_s, write_s, async) or 'checkpoint_failed' (with the error)."""
+        done, self._done = self._done, []
+        return [("checkpoint_failed" if r.error else "checkpoint", asdict(r)) for r in done]
+
+    def _write_recorded(self, record: SaveRecord, *args: Any) -> None:
+        """_write, timed and recorded; a storage failure is reported, anything else raised (in
+        the background: kept for `wait` to raise)."""
+        start = time.perf_counter()
         try:
             self._write(*args)
-        except BaseException as err:  # surfaced by wait() on the training thread
-            self._error = err
+        except _SaveFailed as err:
+            if not err.storage:
+                self._fail(record, CheckpointError(f"cannot save checkpoint: {err}"))
+                return
+            record.error = str(err)
+            latest = self.latest()
+            warn_from_rank0(
+                f"checkpoint of step {record.step} was not saved ({err}); its partial files are "
+                "removed, "
+                + (f"the newest checkpoint is still {latest}" if latest else "no checkpoint yet")
+                + "; training continues and the next save is attempted as usual"
+            )
+        except BaseException as err:
+            self._fail(record, err)
+        finally:
+            record.write_s = time.perf_counter() - start
+            self._done.append(record)
+
+    def _fail(self, record: SaveRecord, err: BaseException) -> None:
+        if not record.is_async:
+            raise err
+        self._error = err  # raised by wait() on the training thread
+
+    def _agree(self, err: BaseException | None) -> None:
+        """Every rank learns whether any rank failed the stage just done, and all raise the same
+        _SaveFailed if one did: no rank then waits in a collective for a peer that gave up."""
+        mine = None if err is None else (_root_cause(err), _storage_error(err))
+        everyone = [mine]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(everyone, mine, group=self._group)
+        failed = [f for f in everyone if f is not None]
+        if failed:
+            raise _SaveFailed(failed[0][0], storage=all(storage for _, storage in failed)) from err
 
     def _write(self, step: int, state: dict, rng: dict, trainer_state: dict) -> None:
         final = step_dir(self.root, step)
         tmp = tmp_dir_of(final)
-        if global_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save of this step
-            tmp.mkdir(parents=True)
-        if dist.is_initialized():
-            dist.barrier(group=self._group)
-        _dcp_save(state, tmp, self._group)
+        rank = global_rank()
+        try:
+            self._agree(_attempt(_fresh_dir, tmp)[1] if rank == 0 else None)
+            fail = self.inject_write_error_at == step
+            mine, err = _attempt(self._write_own, state, rng, tmp, fail)
+            self._agree(err)
+            files = _gathered(mine, self._group)
+            published = None
+            if rank == 0:
+                published = _attempt(self._publish, step, trainer_state, files, tmp, final)[1]
+            self._agree(published)
+        except _SaveFailed:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _write_own(self, state: dict, rng: dict, tmp: Path, fail: bool) -> dict:
+        """This rank's shards and RNG state; returns their manifest entries."""
+        _dcp_save(state, tmp, self._group, fail)
         torch_save_synced(rng, tmp / rng_file_name(global_rank()))
-        files = _gathered(manifest_entries(_own_files(tmp, global_rank())), self._group)
-        if global_rank() != 0:
-            return
+        return manifest_entries(_own_files(tmp, global_rank()))
+
+    def _publish(self, step: int, trainer_state: dict, files: dict, tmp: Path, final: Path) -> None:
         write_synced(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1).encode())
         files |= manifest_entries([tmp / TRAINER_STATE])
         ranks = dist.get_world_size(self._group) if dist.is_initialized() else 1
@@ -279,77 +405,32 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
             del self._verdicts[old]
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    def load(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        mesh: DeviceMesh | None = None,
+    ) -> dict:
         """Load model (and optimizer) state in place; returns the trainer state. `path` should
-        have been chosen through verification (resolve_resume).
-
-        The optimizer's state (moments, step counts) comes from the checkpoint, its group settings
-        (weight decay, betas, eps, LAMB's options) from `optimizer` as the config built it. Torch's
-        flattened load would give each group the saved settings of its *first* parameter: after a
-        config change that moves a parameter between groups (`optim.decay_embeddings`), the
-        embedding's saved weight_decay 0 would end up on every matrix."""
-        trainer_state = read_trainer_state(path)
-        if optimizer is None or is_model_only(trainer_state):
-            load_model(path, model)
-            return trainer_state
-        configured = [
-            {k: v for k, v in g.items() if k not in ("params", "lr")}
-            for g in optimizer.param_groups
-        ]
-        settings = [set(g) for g in optimizer.param_groups]
-        options = StateDictOptions(flatten_optimizer_state_dict=_optimizer_flat(path))
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        state = {"model": model_sd, "optim": optim_sd}
-        _dcp_load(state, path)
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=options,
-        )
-        if [set(g) for g in optimizer.param_groups] != settings:
-            raise CheckpointError(
-                f"the optimizer state in {path} was written by an older depthscale that mixed up "
-                "the parameter groups of pipeline stages; its weights load "
-                "(`depthscale generate --run`), its optimizer state cannot: resume from a newer "
-                "checkpoint or start a new run (--checkpoint.resume none)"
-            )
-        for group, own in zip(optimizer.param_groups, configured):
-            group.update(own)  # lr: the schedule sets it before every step
-        rng_file = path / rng_file_name(global_rank())
-        if rng_file.is_file():  # absent for ranks beyond the saving run's world size
-            try:
-                rng = torch.load(rng_file, weights_only=True)
-            except Exception as err:
-                raise CheckpointError(f"cannot load {rng_file}: {_cause(err)}") from err
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
+        have been chosen through verification (resolve_resume). With replicas in `mesh`, one rank
+        per replica group reads and broadcasts (restore.py); `last_restore` says what was read."""
+        trainer_state, self.last_restore = restore(path, model, optimizer, mesh)
         return trainer_state
 
 
-def is_model_only(trainer_state: dict) -> bool:
-    """A model-only checkpoint (`save_model`: an imported model) has weights but no optimizer or
-    data position: training starts from its weights with a fresh optimizer."""
-    return bool(trainer_state.get("model_only", False))
+def _fresh_dir(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save of this step
+    tmp.mkdir(parents=True)
 
 
-def read_trainer_state(path: Path) -> dict:
-    file = Path(path) / TRAINER_STATE
-    if not file.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {TRAINER_STATE} is missing")
+def _attempt(fn, *args: Any) -> tuple[Any, BaseException | None]:
+    """(fn(*args), None) or (None, its error): returned for `_agree`, not raised past a peer's
+    collective."""
     try:
-        return json.loads(file.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{file} is not valid JSON: {err}") from err
-
-
-def load_model(path: Path, model: nn.Module) -> None:
-    """Load only the model weights of a checkpoint (generation, conversion, evaluation)."""
-    state = {"model": model.state_dict()}
-    _dcp_load(state, path)
-    model.load_state_dict(state["model"])
+        return fn(*args), None
+    except Exception as err:
+        return None, err
 
 
 def save_model(path: Path, model: Transformer, trainer_state: dict[str, Any]) -> None:
@@ -360,7 +441,7 @@ def save_model(path: Path, model: Transformer, trainer_state: dict[str, Any]) ->
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     trainer_state = {**trainer_state, "model_only": True}
-    _dcp_save({"model": model.state_dict()}, tmp, None)
+    _dcp_save({"model": model.state_dict()}, tmp, None, fail=False)
     write_synced(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1).encode())
     files = manifest_entries([*tmp.glob("*.distcp"), tmp / DCP_METADATA, tmp / TRAINER_STATE])
     write_manifest(tmp, trainer_state.get("step", 0), 0, model.cfg, files)

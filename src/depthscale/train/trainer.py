@@ -149,7 +149,7 @@ class Trainer:
         }
 
     def _restore(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        state = self.checkpointer.load(path, self.model, self.optimizer, self.layout.mesh)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
         if not is_model_only(state):
@@ -398,6 +398,8 @@ class Trainer:
                 ):
                     console.write(bar, f"depthscale: {text}")
                     logger.event(self.step, kind, fields)
+                for kind, fields in self.checkpointer.events():  # blocking time, failed saves
+                    logger.event(self.step, kind, fields)
                 history.append(metrics)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
                     logger.log(self.step, metrics)
@@ -428,7 +430,7 @@ class Trainer:
             if self.heartbeat is not None:
                 self.heartbeat.update(state="finishing")
             self.save_checkpoint()
-            self.checkpointer.wait()
+            self.checkpointer.wait(final=True)
         if bar is not None:
             bar.close()
         console.say(
@@ -446,7 +448,7 @@ class Trainer:
         name = received.name if received is not None else "a signal on another rank"
         if self.cfg.checkpoint.on_signal and saved_at != self.step:
             self.save_checkpoint()
-        self.checkpointer.wait()
+        self.checkpointer.wait(final=True)
         latest = self.checkpointer.latest()
         where = (
             f"checkpoint {latest}; run the same command to resume"
