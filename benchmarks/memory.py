@@ -104,7 +104,7 @@ def _rank(rank: int, world: int, dp_shard: int, cp: int, old_path: bool, port: i
     from depthscale.model.transformer import Transformer
     from depthscale.parallel.parallelize import init_layout, parallelize
     from depthscale.train.optim import build_optimizer
-    from depthscale.train.trainer import seed_everything
+    from depthscale.train.setup import seed_everything
 
     cfg = load_config(None, _overrides(dp_shard, cp))
     layout = init_layout(cfg, torch.device("cpu"))

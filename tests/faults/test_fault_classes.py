@@ -108,3 +108,19 @@ def test_node_failing_diagnostics_is_excluded(tmp_path):
     kinds = [e["fault"]["kind"] for e in events(run, "fault")]
     assert kinds == ["dead", "bad_node"], kinds
     assert_same_run(run, reference)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_full_disk_during_an_async_save_does_not_stop_training(tmp_path):
+    """The save of step 8 fails with ENOSPC in the background writer: reported, its partial
+    directory removed, the previous checkpoint intact, training goes on and saves again."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _ok(train(reference, *DP2))
+    proc = train(run, *DP2, "--faults", "enospc@8")
+    _ok(proc)
+    assert "No space left on device" in proc.stderr, proc.stderr[-3000:]
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["step_00000004", "step_00000012"], names
+    assert not events(run, "fault")
+    assert_same_run(run, reference)

@@ -186,8 +186,9 @@ class FaultPlan:
         fault = next((f for f in self.faults if f.kind == "slow"), None)
         return (fault.value, fault.step) if fault is not None else None
 
-    def fails_save(self, step: int) -> bool:
-        return self._at("enospc", step) is not None
+    def failing_save(self) -> int | None:
+        """The step whose checkpoint save fails with a full disk (`enospc@S`), if any."""
+        return next((f.step for f in self.faults if f.kind == "enospc"), None)
 
     def corrupts(self, step: int) -> bool:
         return self._at("corrupt", step) is not None

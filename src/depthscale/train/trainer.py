@@ -8,31 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from depthscale.config import Config, ConfigError, to_toml
-from depthscale.data.loader import DataBundle, build_data
+from depthscale.config import Config, to_toml
+from depthscale.data.loader import DataBundle
 from depthscale.data.prefetch import Prefetcher
-from depthscale.errors import CheckpointError, PeersFailed, TrainingError
+from depthscale.errors import PeersFailed, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans, startup
-from depthscale.observe.metrics import Throughput, detect_peak_flops, flops_per_token
+from depthscale.observe.metrics import Throughput, flops_per_token
 from depthscale.parallel.parallelize import init_layout, parallelize
-from depthscale.parallel.startup import leader_first
 from depthscale.resilience.diagnostics import DIAGNOSE_ENV, diagnose_in_group
 from depthscale.resilience.faults import FaultPlan, attempt, corrupt_checkpoint, parse_faults
 from depthscale.resilience.heartbeat import Heartbeat
-from depthscale.train import console
+from depthscale.train import console, setup
 from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.host import keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, offload_activations
@@ -51,28 +48,12 @@ from depthscale.train.telemetry import Telemetry
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "train.device='cuda' but no CUDA device is available; allowed here: 'auto', 'cpu'"
-        )
-    return torch.device(name)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         # first: a supervised worker is watched from the start (a hang in start-up is a hang too)
         self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), attempt())
-        self.device = resolve_device(cfg.train.device)
+        self.device = setup.resolve_device(cfg.train.device)
         if cfg.train.keep_host_memory:
             keep_freed_host_memory()
         self.layout = init_layout(cfg, self.device)
@@ -87,13 +68,14 @@ class Trainer:
         self.dtype = DTYPES[cfg.train.dtype]
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
-        seed_everything(cfg.train.seed)
+        setup.seed_everything(cfg.train.seed)
         self.run_dir = cfg.run_path
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint, cfg.model)
+        self.checkpointer.inject_write_error_at = self.faults.failing_save()
         # the newest checkpoint that verifies, of this model (see train/manifest.py)
         resume_from = self.checkpointer.resolve_resume()
 
-        self.data: DataBundle = _build_data_once_per_node(cfg, self.env, self.dp_size)
+        self.data: DataBundle = setup.build_data_once_per_node(cfg, self.env, self.dp_size)
         cfg.resolve_vocab_size(self.data.tokenizer.vocab_size)
         startup.mark("data")
         # Built on the meta device: parallelize() splits and shards it, then each rank materialises
@@ -119,7 +101,7 @@ class Trainer:
 
         self.data.train.skip = read_skipped(self.run_dir)
         if resume_from is not None:
-            _check_same_tokenizer(self.run_dir, self.data.tokenizer)
+            setup.check_same_tokenizer(self.run_dir, self.data.tokenizer)
             self._restore(resume_from)
         startup.mark("checkpoint_load")
         self.nan_events: list[dict[str, Any]] = []
@@ -134,7 +116,7 @@ class Trainer:
         self.batches = Prefetcher(self.data.train, self.dp_rank, self.dp_size)
 
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-        peak, self.peak_source = _peak_flops(cfg, self.device, self.dtype)
+        peak, self.peak_source = setup.peak_flops(cfg, self.device, self.dtype)
         self.throughput = Throughput(
             flops_per_token(cfg.model, cfg.data.seq_len), peak, n_devices=self.env.world_size
         )
@@ -474,34 +456,3 @@ def _print_kernel_paths() -> None:
     paths = kernel_paths(reasons=True)
     if paths:
         console.say("AttnRes kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(paths.items())))
-
-
-def _build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
-    """Local rank 0 tokenizes (or trains the BPE tokenizer) and fills the cache; the node's other
-    ranks then load it instead of repeating the work, each waiting for that one rank (no barrier:
-    other nodes' ranks go on). The token stream is memory-mapped, so one copy
-    in the page cache serves every rank on the node."""
-    build = lambda: build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size)  # noqa: E731
-    return leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
-
-
-def _check_same_tokenizer(run_dir: Path, tokenizer) -> None:
-    """The checkpoints were trained on the run's saved tokenizer; another one would decode garbage."""
-    from depthscale.data.tokenizer import load_tokenizer
-
-    saved_dir = run_dir / "tokenizer"
-    if not saved_dir.is_dir():
-        return
-    saved = load_tokenizer(saved_dir)
-    if saved.fingerprint != tokenizer.fingerprint:
-        raise CheckpointError(
-            f"cannot resume {run_dir}: its checkpoints were trained with the tokenizer in "
-            f"{saved_dir} ({saved.name}), but data.tokenizer gives another one ({tokenizer.name}); "
-            "allowed: the run's own tokenizer (or start a new run with a new --train.name)"
-        )
-
-
-def _peak_flops(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    if cfg.logging.peak_tflops > 0:
-        return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
-    return detect_peak_flops(device, dtype)

@@ -1,0 +1,63 @@
+"""What `Trainer.__init__` resolves and checks before training: the device, the seeds, the data
+(built once per node), the tokenizer a resumed run must keep, the peak FLOP/s for MFU."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from depthscale.config import Config, ConfigError
+from depthscale.data.loader import DataBundle, build_data
+from depthscale.errors import CheckpointError
+from depthscale.observe.metrics import detect_peak_flops
+from depthscale.parallel.startup import leader_first
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device='cuda' but no CUDA device is available; allowed here: 'auto', 'cpu'"
+        )
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
+    """Local rank 0 tokenizes (or trains the BPE tokenizer) and fills the cache; the node's other
+    ranks then load it instead of repeating the work, each waiting for that one rank (no barrier:
+    other nodes' ranks go on). The token stream is memory-mapped, so one copy
+    in the page cache serves every rank on the node."""
+    build = lambda: build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size)  # noqa: E731
+    return leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
+
+
+def check_same_tokenizer(run_dir: Path, tokenizer) -> None:
+    """The checkpoints were trained on the run's saved tokenizer; another one would decode garbage."""
+    from depthscale.data.tokenizer import load_tokenizer
+
+    saved_dir = run_dir / "tokenizer"
+    if not saved_dir.is_dir():
+        return
+    saved = load_tokenizer(saved_dir)
+    if saved.fingerprint != tokenizer.fingerprint:
+        raise CheckpointError(
+            f"cannot resume {run_dir}: its checkpoints were trained with the tokenizer in "
+            f"{saved_dir} ({saved.name}), but data.tokenizer gives another one ({tokenizer.name}); "
+            "allowed: the run's own tokenizer (or start a new run with a new --train.name)"
+        )
+
+
+def peak_flops(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    if cfg.logging.peak_tflops > 0:
+        return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
+    return detect_peak_flops(device, dtype)
