@@ -39,10 +39,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     p = cfg.parallel
     if (p.nproc > 1 or p.nnodes > 1) and not is_worker():
         if cfg.world_size != p.nproc * p.nnodes:
+            launched = (
+                f"--nproc is {p.nproc}"
+                if p.nnodes == 1
+                else f"--nproc × parallel.nnodes is {p.nproc} × {p.nnodes}"
+            )
             raise ConfigError(
                 f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} "
-                f"processes, but --nproc × parallel.nnodes is {p.nproc} × {p.nnodes}; allowed: "
-                "equal numbers"
+                f"processes, but {launched}; allowed: equal numbers"
             )
         if p.nnodes > 1 and cfg.resilience.supervise == "false":
             raise ConfigError(

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from depthscale.errors import ConfigError
+from depthscale.parallel import p2p
 
 NODE_ENV = "DEPTHSCALE_NODE_ID"
 FAULT_ENV = "DEPTHSCALE_DIAG_FAULT"
@@ -223,16 +224,23 @@ class _Probe:
         return {"ok": not bad, "pairs": readings, "bad_sources": bad, "detail": detail}
 
     def _exchange(self, a: int, b: int, sent: torch.Tensor):
-        got = torch.empty_like(sent)
+        """One message each way between a and b, posted as one batch through `parallel/p2p.py`
+        (as training's messages are: sends before receives, no tags)."""
+        peer = b if self.rank == a else a
+        got: list[torch.Tensor] = []
 
         def op() -> None:
-            ops = [dist.P2POp(dist.isend, sent, b), dist.P2POp(dist.irecv, got, b)]
-            if self.rank == b:  # the same order on both sides: the a→b message first
-                ops = [dist.P2POp(dist.irecv, got, a), dist.P2POp(dist.isend, sent, a)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            batch = p2p.post(
+                dist.group.WORLD,
+                [p2p.Send(sent, peer, "diag")],
+                [p2p.Recv(tuple(sent.shape), sent.dtype, peer, "diag")],
+                self.device,
+                p2p.Traffic(),
+            )
+            got[:] = [batch.recv("diag")]
+            batch.wait()
 
-        return self._best_seconds(lambda: None, op, barrier=False), got
+        return self._best_seconds(lambda: None, op, barrier=False), got[-1]
 
     def memcpy(self) -> dict:
         src = torch.ones(self.elems)
