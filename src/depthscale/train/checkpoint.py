@@ -29,7 +29,6 @@ and never deletes a damaged one (it is named in a warning instead, for inspectio
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -108,9 +107,6 @@ def _dcp_save(state: dict, path: Path, group: dist.ProcessGroup | None, fail: bo
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         raise CheckpointError(f"cannot save checkpoint {path}: {cause(err)}") from err
 
-
-WRITER_NICE = 10
-"""How much the background writer thread yields to training (Linux nice; 0 = as training)."""
 
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state saved with per-parameter keys, param-group settings included
@@ -261,7 +257,7 @@ class Checkpointer:
                 # A background save must not interleave its collectives with training's on one group.
                 self._group = dist.new_group(backend="gloo")
             args = (record, step, _stage(state), rng, trainer_state)
-            self._pending = threading.Thread(target=self._write_behind, args=args, daemon=True)
+            self._pending = threading.Thread(target=self._write_recorded, args=args, daemon=True)
             record.blocking_s = time.perf_counter() - start
             self._pending.start()
         else:
@@ -293,14 +289,6 @@ class Checkpointer:
         (step, blocking_s, write_s, async) or 'checkpoint_failed' (with the error)."""
         done, self._done = self._done, []
         return [("checkpoint_failed" if r.error else "checkpoint", asdict(r)) for r in done]
-
-    def _write_behind(self, *args: Any) -> None:
-        """The background stage, at a lower CPU priority: on a busy host (a CPU run uses every
-        core) the writer's serialising and hashing then takes the cores only when training
-        leaves them idle, instead of slowing every step while it runs."""
-        with contextlib.suppress(AttributeError, OSError):  # per-thread nice: Linux
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        self._write_recorded(*args)
 
     def _write_recorded(self, record: SaveRecord, *args: Any) -> None:
         """_write, timed and recorded; a storage failure is reported, anything else raised (in
