@@ -157,7 +157,7 @@ def test_two_nodes_recover_together(tmp_path, references):
     reported there, node 0 stops its part of the group too, both restart, and the job equals an
     uninterrupted single-node run of the same layout."""
     run = tmp_path / "run"
-    layout = ["--nproc", "2", "--parallel.dp_shard", "4", "--resilience.diagnose", "false"]
+    layout = ["--nproc", "2", "--parallel.dp_shard", "4"]  # diagnostics on: every node runs them
     node0, node1 = train_nodes(run, 2, *layout, "--faults", "kill@3:6")
     assert node0.returncode == 0 and node1.returncode == 0, (
         node0.stderr[-3000:] + node1.stderr[-3000:]
@@ -167,4 +167,6 @@ def test_two_nodes_recover_together(tmp_path, references):
     (seen,) = node_events(run, 0, "fault")
     assert seen["fault"]["kind"] == "peer" and "node 1 reported: dead" in seen["text"]
     assert len(node_events(run, 0, "launch")) == len(node_events(run, 1, "launch")) == 2
+    (diagnosed,) = node_events(run, 0, "diagnose")  # node 0 judges the whole group's rows
+    assert diagnosed["bad_nodes"] == {}, diagnosed["text"]
     assert_same_run(run, references("dp4"))

@@ -184,7 +184,9 @@ class Supervisor:
             if fault.kind == "bad_node":
                 for node in fault.nodes:
                     self.nodes.exclude(node, {"attempt": attempt, **fault.evidence})
-            self.diagnose_next = self.r.diagnose and fault.kind in SUSPECT_NODES
+            # every node decides alike (the diagnostics are collective): by the original fault
+            kind = fault.evidence.get("remote", {}).get("kind", fault.kind)
+            self.diagnose_next = self.r.diagnose and kind in SUSPECT_NODES
             newest = max(watch.checkpoint_step, self._newest_published())
             stalled = 0 if newest > best else stalled + 1
             best = max(best, newest)

@@ -39,7 +39,8 @@ ENDING = ("finishing", "exiting")
 @dataclass
 class Fault:
     kind: str
-    """dead, hung, slow, error, or stopped (a stop signal to the supervisor, not a fault)."""
+    """dead, hung, slow, error, bad_node (failed the diagnostics), peer (another node's fault,
+    multi-node), or stopped (a stop signal to the supervisor, not a fault)."""
     ranks: list[int]
     nodes: list[str]
     detail: str
