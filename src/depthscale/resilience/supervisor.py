@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from depthscale.config import Config
+from depthscale.errors import TrainingError
 from depthscale.parallel.launcher import (
     ERROR_DIR_ENV,
     INPUT,
@@ -86,13 +87,23 @@ class Supervisor:
             self.nodes = NodePool(self.dir, node_id(), self.r.local_nodes, self.r.spare_nodes)
         else:  # node 0 hosts the store; every node's supervisor and workers are its clients
             self.addr, self.dir = p.master_addr, self.dir / f"node{self.node_rank}"
-            self.store = dist.TCPStore(
-                p.master_addr,
-                p.master_port,
-                is_master=self.node_rank == 0,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.r.startup_timeout_s),
-            )
+            try:
+                self.store = dist.TCPStore(
+                    p.master_addr,
+                    p.master_port,
+                    is_master=self.node_rank == 0,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=self.r.startup_timeout_s),
+                )
+            except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
+                where = f"{p.master_addr}:{p.master_port}"
+                role = "host the rendezvous store on" if self.node_rank == 0 else "reach node 0 at"
+                raise TrainingError(
+                    f"node {self.node_rank}: cannot {role} {where} within "
+                    f"resilience.startup_timeout_s={self.r.startup_timeout_s:g} s "
+                    f"({str(err).splitlines()[0]}); check parallel.master_addr / master_port "
+                    "and that node 0's supervisor runs"
+                ) from None
             self.peers = Peers(self.store, self.nnodes, self.node_rank, self.r.startup_timeout_s)
             self.nodes = NodePool(self.dir, node_id(), 1, 0)
         self.stop_signal: int | None = None
