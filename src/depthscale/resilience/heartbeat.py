@@ -15,8 +15,9 @@ hung rank from a busy one:
 The span API is the single source: the heartbeat reads the active recorder, the training loop only
 reports per-step numbers (`update`); start-up marks come from `observe/startup.py`.
 
-Fencing: a worker that cannot reach its supervisor for `fence_s` kills itself, so that a lost
-supervisor never leaves a group training on unsupervised (and writing checkpoints) beside a new one.
+Fencing: a worker whose supervisor (its parent process) is gone kills itself at the next beat, and
+one that cannot reach the store for `fence_s` too, so that a lost supervisor never leaves a group
+training on unsupervised (and writing checkpoints) beside a new one.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Heartbeat:
             timeout=datetime.timedelta(seconds=max(2.0, 4 * period)),
         )
         self.key = heartbeat_key(attempt, rank)
+        self.supervisor_pid = os.getppid()
         self.period, self.fence_s = period, fence_s
         self.fields: dict[str, Any] = {
             "rank": rank,
@@ -174,20 +176,24 @@ class Heartbeat:
     def _run(self) -> None:
         unreachable_since: float | None = None
         while not self._stop.is_set():
+            if os.getppid() != self.supervisor_pid:  # the supervisor (our parent) died
+                self._fence("its supervisor process is gone")
             try:
                 self.store.set(self.key, json.dumps(self.record(), default=str))
                 unreachable_since = None
-            except Exception:  # the supervisor is gone or the store is unreachable
+            except Exception:  # the store is unreachable (node 0's supervisor is gone)
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > self.fence_s:
-                    print(
-                        f"depthscale: rank {self.fields['rank']}: supervisor unreachable for "
-                        f"{self.fence_s:g} s; stopping (a group must not train unsupervised)",
-                        flush=True,
-                    )
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    self._fence(f"the supervisor's store was unreachable for {self.fence_s:g} s")
+                self._stop.wait(1.0)  # each failed call makes torch log a stack trace: not 4/s
+                continue
             self._stop.wait(self.period)
+
+    def _fence(self, why: str) -> None:
+        """A group must not train on unsupervised beside the one a new supervisor starts."""
+        print(f"depthscale: rank {self.fields['rank']}: {why}; stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 _COMMUNICATION = ("torch/distributed/",)
