@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -100,8 +102,14 @@ def _flight_recorder_while_a_peer_is_late() -> dict:
         dist.barrier()
         work.wait()
     else:
-        if rank == 1:
-            seen = flight_recorder.snapshot()  # before it enqueues #2
+        if rank == 1:  # before it enqueues #2; gloo marks #1 complete from its own thread,
+            deadline = time.monotonic() + 30  # a moment after wait() returned: poll for that
+            while True:
+                seen = flight_recorder.snapshot()
+                pending = [e for e in seen["in_flight"] if e["group"] == pair.group_name]
+                if not pending or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
         dist.barrier()
         if rank == 1:
             dist.all_reduce(x, group=pair)
