@@ -5,13 +5,17 @@
 A real `Trainer` (real data, AdamW, gloo processes with parallel.dp_replicate = world) measures:
 
 - blocking: what training waits for per save, sync (the whole write) vs async (the two-stage
-  default of multi-process runs: staging into host memory; the write runs in a background
-  thread), as a fraction of the median step time (goal ≤ 10 %);
+  default of multi-process runs: staging into host memory, then a background write), with each
+  background writer (`checkpoint.async_writer`: a writer process, the default, or a thread), as a
+  fraction of the median step time (goal ≤ 10 %);
 - throughput loss: blocks of 30 steps, with async saves after steps 10 and 20 (the second one's
-  write finishing within the block) or without, interleaved; the loss is the median block time
-  with saves over the one without, the order alternating per round (goal ≤ 2 %). It includes the background writer competing
-  with training for the same cores; `_spare_core`: the same with 1 rank of one thread, a core
-  left to the writer (as a GPU run leaves the host's cores);
+  write finishing within the block) by each writer, or without saves, the order rotating per
+  round; the loss is the median over rounds of the block time with saves over the same round's
+  block without (goal ≤ 2 %), with its range over rounds. With 2
+  ranks on 2 cores the writer competes with training for the cores; `_spare_core`: 1 rank of one
+  thread, a core left to the writer (as a GPU run leaves the host's cores). A writer thread also
+  takes the training process's GIL for its Python work (DCP serialises each of the ~570 items of
+  this state dict on its own); a writer process does not;
 - restore reads at dp = 1, 2, 4: storage bytes of the tensor files read by all ranks together,
   as a multiple of those files' size, loading once per replica group (the default) and with
   every rank reading (MegaScale's load-once-and-broadcast, `train/restore.py`). DCP's torch.load
@@ -40,6 +44,17 @@ TIMED = (1, 2)
 """World sizes whose steps and saves are timed: 2 ranks on the 2 cores (training saturates them:
 the background writer competes), and 1 rank of one thread (a core left to the writer, as the host
 cores are beside GPU training). 4 ranks on 2 cores only count restore bytes."""
+
+
+WRITERS = ("process", "thread")
+"""The two background writers (`checkpoint.async_writer`)."""
+SAVES = ("sync", *WRITERS)
+
+
+def _set_mode(ckpt, mode: str) -> None:
+    ckpt.cfg.async_save = mode in WRITERS
+    if mode in WRITERS:
+        ckpt.cfg.async_writer = mode
 
 
 def _config(args: argparse.Namespace, work: Path, world: int, name: str):
@@ -73,26 +88,27 @@ def _worker(rank: int, world: int, args: argparse.Namespace, work: Path, port: i
     for _ in range(3):  # warm-up
         trainer.train_step()
     if world in TIMED:
-        blocking: dict[str, list[float]] = {"sync": [], "async": []}
+        blocking: dict[str, list[float]] = {mode: [] for mode in SAVES}
         for _ in range(args.rounds):
-            for mode in ("sync", "async"):
+            for mode in SAVES:
                 t0 = time.perf_counter()
                 trainer.train_step()
                 steps.append(time.perf_counter() - t0)
-                ckpt.cfg.async_save = mode == "async"
+                _set_mode(ckpt, mode)
                 trainer.save_checkpoint()
                 blocking[mode].append(ckpt.last_blocking_s)
                 ckpt.wait(final=True)
-        ckpt.cfg.async_save = True  # the two-stage save (the default from 2 processes on)
-        rounds: dict[str, list[float]] = {"save_every_10": [], "no_save": []}
+        blocks = ("no_save", *WRITERS)
+        rounds: dict[str, list[float]] = {mode: [] for mode in blocks}
         for r in range(args.rounds):
-            for mode in sorted(rounds, reverse=r % 2 == 1):  # alternate which block goes first
+            for mode in blocks[r % 3 :] + blocks[: r % 3]:  # rotate which block goes first
+                _set_mode(ckpt, mode)
                 t0 = time.perf_counter()
                 for i in range(1, 31):
                     s0 = time.perf_counter()
                     trainer.train_step()
                     steps.append(time.perf_counter() - s0)
-                    if mode == "save_every_10" and i in (10, 20):
+                    if mode != "no_save" and i in (10, 20):
                         trainer.save_checkpoint()
                 ckpt.wait()  # the last write overlapped steps 21-30: what is left is its cost
                 rounds[mode].append(time.perf_counter() - t0)
@@ -143,8 +159,28 @@ def _rounds(results: list[dict], n: int) -> dict[str, float]:
     """Median over rounds of the slowest rank's block time, per mode."""
     return {
         m: statistics.median(max(r["rounds"][m][i] for r in results) for i in range(n))
-        for m in ("save_every_10", "no_save")
+        for m in ("no_save", *WRITERS)
     }
+
+
+def _losses(results: list[dict], n: int) -> dict[str, dict[str, float]]:
+    """Per writer, the loss of each round: its block over the same round's block without saves
+    (the slowest rank's each), paired so that drifts of the machine's speed cancel; the median
+    and the range over rounds (the range is the noise to read the median against)."""
+    out = {}
+    for m in WRITERS:
+        per_round = [
+            max(r["rounds"][m][i] for r in results)
+            / max(r["rounds"]["no_save"][i] for r in results)
+            - 1
+            for i in range(n)
+        ]
+        out[m] = {
+            "median": round(statistics.median(per_round), 4),
+            "min": round(min(per_round), 4),
+            "max": round(max(per_round), 4),
+        }
+    return out
 
 
 def main() -> None:
@@ -167,11 +203,8 @@ def main() -> None:
     alone = by_world[1][0]["restore_once=True"].shard_bytes
     two = by_world[2]
     step = statistics.median(s for r in two for s in r["steps"])
-    blocking = {
-        m: statistics.median(b for r in two for b in r["blocking"][m]) for m in ("sync", "async")
-    }
+    blocking = {m: statistics.median(b for r in two for b in r["blocking"][m]) for m in SAVES}
     rounds = _rounds(two, args.rounds)
-    spare = _rounds(by_world[1], args.rounds)
     result = {
         **device_info(),
         "date": datetime.date.today().isoformat(),
@@ -183,12 +216,10 @@ def main() -> None:
         "step_s": round(step, 4),
         "blocking_s": {m: round(v, 4) for m, v in blocking.items()},
         "blocking_fraction_of_step": {m: round(v / step, 3) for m, v in blocking.items()},
-        "blocking_async_vs_sync": round(blocking["async"] / blocking["sync"], 3),
+        "blocking_async_vs_sync": {m: round(blocking[m] / blocking["sync"], 3) for m in WRITERS},
         "block_of_30_steps_s": {m: round(v, 4) for m, v in rounds.items()},
-        "throughput_loss_save_every_10": round(rounds["save_every_10"] / rounds["no_save"] - 1, 4),
-        "throughput_loss_save_every_10_spare_core": round(
-            spare["save_every_10"] / spare["no_save"] - 1, 4
-        ),
+        "throughput_loss_save_every_10": _losses(two, args.rounds),
+        "throughput_loss_save_every_10_spare_core": _losses(by_world[1], args.rounds),
         "restore": {f"dp{w}": _restore_summary(r, alone) for w, r in by_world.items()},
         "goals": {"blocking_fraction_async": 0.10, "throughput_loss": 0.02, "restore_x_size": 1.0},
         "wall_s": round(time.time() - started, 1),

@@ -8,9 +8,13 @@ import contextlib
 import errno
 import io
 import json
+import os
 import resource
 import signal
+import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -102,7 +106,28 @@ def _flat_saved(path) -> dict:
 
 
 def _quiet_stderr():
-    return contextlib.redirect_stderr(io.StringIO())
+    return _stderr_captured()
+
+
+@contextlib.contextmanager
+def _stderr_captured():
+    """This rank's stderr, at file descriptor 2 too: what its checkpoint writer process prints
+    (it inherits the descriptor when it starts, inside the block) is included. Yields a list
+    that holds the text once the block ends."""
+    out: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    text = io.StringIO()
+    with tempfile.TemporaryFile(mode="w+") as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(text):
+                yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            out.append(text.getvalue() + file.read())
 
 
 def _warnings(text: str) -> list[str]:
@@ -112,17 +137,23 @@ def _warnings(text: str) -> list[str]:
 # ---------------------------------------------------------------------------- async == sync
 
 
-def _save_both_ways(root: str, layout: dict) -> bool:
+_WAYS = (("sync", False, "process"), ("process", True, "process"), ("thread", True, "thread"))
+"""(directory, async_save, async_writer): a synchronous save, and the two background writers."""
+
+
+def _save_every_way(root: str, layout: dict) -> bool:
     from pathlib import Path
 
     torch.manual_seed(0)
     model, optimizer, _, _ = _build(layout)
     _step(model, optimizer)
-    for name, is_async in (("sync", False), ("async", True)):
-        ckpt = Checkpointer(Path(root) / name, CheckpointConfig(keep=0, async_save=is_async))
-        torch.manual_seed(7)  # the same RNG state saved both ways
+    for name, is_async, writer in _WAYS:
+        cfg = CheckpointConfig(keep=0, async_save=is_async, async_writer=writer)
+        ckpt = Checkpointer(Path(root) / name, cfg)
+        torch.manual_seed(7)  # the same RNG state saved every way
         ckpt.save(3, model, optimizer, {"step": 3, "data": {"position": 12}})
         assert ckpt.is_async is is_async and ckpt.last_blocking_s > 0
+        assert (ckpt.writer_pid is not None) is (name == "process")
         ckpt.wait(final=True)
     if dist.is_initialized():
         dist.barrier()
@@ -130,20 +161,23 @@ def _save_both_ways(root: str, layout: dict) -> bool:
 
 
 def _assert_saves_equal(root) -> None:
-    sync, asyn = _flat_saved(step_dir(root / "sync", 3)), _flat_saved(step_dir(root / "async", 3))
-    assert sync.keys() == asyn.keys() and any(k.startswith("optim.state.") for k in sync)
-    _assert_same(sync, asyn)
+    sync = _flat_saved(step_dir(root / "sync", 3))
+    assert any(k.startswith("optim.state.") for k in sync)
     assert sync["trainer_state.data.position"] == 12
+    for name, _, _ in _WAYS[1:]:
+        other = _flat_saved(step_dir(root / name, 3))
+        assert sync.keys() == other.keys(), name
+        _assert_same(sync, other)
 
 
 def test_async_and_sync_saves_are_bitwise_equal(tmp_path):
-    _save_both_ways(str(tmp_path), {})
+    _save_every_way(str(tmp_path), {})
     _assert_saves_equal(tmp_path)
 
 
-@pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"dp_replicate": 2}])
+@pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"dp_replicate": 2}, {"tp": 2}])
 def test_async_and_sync_saves_are_bitwise_equal_on_two_ranks(dist_pool, tmp_path, layout):
-    dist_pool(2).run(_save_both_ways, str(tmp_path), layout)
+    dist_pool(2).run(_save_every_way, str(tmp_path), layout)
     _assert_saves_equal(tmp_path)
 
 
@@ -171,23 +205,25 @@ def _disk_full_drill(root: str, is_async: bool, fail_rank: int, real: bool) -> d
     model, optimizer, _, _ = _build({"dp_shard": 2} if dist.is_initialized() else {})
     ckpt = Checkpointer(Path(root), CheckpointConfig(keep=0, async_save=is_async))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with _stderr_captured() as err:
         for step in (1, 2, 3):
             _step(model, optimizer, seed=step)
             limited = real and step == 2 and rank == fail_rank
             if step == 2 and rank == fail_rank and not real:
                 ckpt.inject_write_error_at = 2
+            # the limit on whichever process writes: the writer process (started at step 1's
+            # save, it ignores SIGXFSZ itself) or this one
+            writer = ckpt.writer_pid or 0
             if limited:
                 old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-                soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-                resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, hard))
+                soft, hard = resource.prlimit(writer, resource.RLIMIT_FSIZE)
+                resource.prlimit(writer, resource.RLIMIT_FSIZE, (16 << 10, hard))
             try:
                 ckpt.save(step, model, optimizer, {"step": step})
                 ckpt.wait()  # the background write ends before the limit is lifted
             finally:
                 if limited:
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+                    resource.prlimit(writer, resource.RLIMIT_FSIZE, (soft, hard))
                     signal.signal(signal.SIGXFSZ, old)
             if step == 2:
                 if dist.is_initialized():
@@ -198,7 +234,7 @@ def _disk_full_drill(root: str, is_async: bool, fail_rank: int, real: bool) -> d
                 }
         ckpt.wait(final=True)
     return {
-        "stderr": err.getvalue(),
+        "stderr": err[0],
         "events": [(kind, fields["step"], fields["error"]) for kind, fields in ckpt.events()],
         **after_failure,
     }
@@ -276,14 +312,13 @@ def test_full_disk_in_a_training_run_is_an_event_and_the_run_finishes(tmp_path):
     cfg.checkpoint.keep, cfg.checkpoint.async_save = 0, True
     trainer = Trainer(cfg)
     trainer.checkpointer.inject_write_error_at = 2
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with _stderr_captured() as err:
         history = trainer.fit()
     assert len(history) == 4
     root = cfg.run_path / "checkpoints"
     assert [p.name for p in list_checkpoints(root)] == [f"step_0000000{s}" for s in (1, 3, 4)]
     assert not list(root.glob("*.tmp"))
-    [warning] = _warnings(err.getvalue())
+    [warning] = _warnings(err[0])
     assert "checkpoint of step 2 was not saved" in warning
     lines = (cfg.run_path / "metrics.jsonl").read_text().splitlines()
     events = [e for e in map(json.loads, lines) if e["split"].startswith("checkpoint")]
@@ -397,3 +432,71 @@ def _full_after_restore(root: str, layout: dict) -> dict:
         f"model.{k}": v.full_tensor() if isinstance(v, DTensor) else v.clone()
         for k, v in model_sd.items()
     }
+
+
+# ---------------------------------------------------------------------------- the writer process
+
+
+def _tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_killed_writer_process_is_an_error_naming_it_and_published_saves_stay(tmp_path):
+    model, optimizer = _tiny()
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(keep=0, async_save=True))
+    ckpt.save(1, model, optimizer, {"step": 1})
+    ckpt.wait()
+    pid = ckpt.writer_pid
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.save(2, model, optimizer, {"step": 2})
+        ckpt.wait()
+    message = str(raised.value)
+    assert f"checkpoint writer process of this rank (pid {pid}) was killed by SIGKILL" in message
+    assert newest_verified(tmp_path) == step_dir(tmp_path, 1)
+
+
+_ORPHAN = """
+import sys, time, torch
+from pathlib import Path
+from depthscale.config import CheckpointConfig
+from depthscale.train.checkpoint import Checkpointer
+model = torch.nn.Linear(8, 8)
+ckpt = Checkpointer(Path(sys.argv[1]), CheckpointConfig(async_save=True))
+ckpt.save(1, model, torch.optim.SGD(model.parameters(), lr=0.1), {"step": 1})
+ckpt.wait()
+print(ckpt.writer_pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_writer_process_dies_with_its_rank(tmp_path):
+    """A rank SIGKILLed (by the supervisor, the OOM killer) leaves no writer behind."""
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        writer = int(rank.stdout.readline())
+        assert _running(writer)
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 30
+    while _running(writer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(writer):
+        os.kill(writer, signal.SIGKILL)
+        pytest.fail(f"writer {writer} outlived its rank by 30 s")
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow, or absent in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -253,6 +253,11 @@ class CheckpointConfig:
     on_signal: bool = True
     """On SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption notice), finish the current step, save
     a checkpoint and exit; False exits after the step without saving."""
+    async_writer: Literal["process", "thread"] = "process"
+    """Who writes an async save: 'process', one writer process per rank (started at the first
+    save; it takes none of training's GIL time), or 'thread', in the training process (no extra
+    process; its Python work competes with training's). Without a TCP store (a process group not
+    made through env:// or torchrun) saves use a thread."""
 
 
 @dataclass

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -78,6 +79,7 @@ from depthscale.train.restore import (
     read_trainer_state,
     restore,
 )
+from depthscale.train.save_process import SaveProcess, can_start
 
 if TYPE_CHECKING:
     from depthscale.model.transformer import Transformer
@@ -101,9 +103,16 @@ class _Writer(FileSystemWriter):
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected)", str(self.path))
 
 
-def _dcp_save(state: dict, path: Path, group: dist.ProcessGroup | None, fail: bool) -> None:
+def _dcp_save(
+    state: dict,
+    path: Path,
+    group: dist.ProcessGroup | None,
+    fail: bool,
+    planner: SavePlanner | None = None,
+) -> None:
     try:
-        dcp_quiet(dcp.save, state, storage_writer=_Writer(path, fail), process_group=group)
+        writer = _Writer(path, fail)
+        dcp_quiet(dcp.save, state, storage_writer=writer, planner=planner, process_group=group)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         raise CheckpointError(f"cannot save checkpoint {path}: {cause(err)}") from err
 
@@ -199,6 +208,7 @@ class Checkpointer:
         self.last_restore: RestoreStats | None = None
         """What this rank read from storage in the latest `load`."""
         self._pending: threading.Thread | None = None
+        self._writer: SaveProcess | None = None
         self._error: BaseException | None = None
         self._last: SaveRecord | None = None
         self._done: list[SaveRecord] = []
@@ -240,9 +250,11 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         trainer_state: dict[str, Any],
+        last: bool = False,
     ) -> Path:
         """Save; with async_save, returns once the state is staged in host memory. A failure on
-        storage is reported, not raised (see the module docstring)."""
+        storage is reported, not raised (see the module docstring). `last`: the run waits for
+        this save next, so a writer process not yet started is not started for it."""
         start = time.perf_counter()
         self.wait()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)
@@ -250,9 +262,13 @@ class Checkpointer:
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        record = self._last = SaveRecord(step, self.is_async)
+        record = self._last = SaveRecord(step, self.is_async and not (last and self._idle()))
         args = (record, step, state, rng, trainer_state)
-        if record.is_async:
+        if record.is_async and self._writer_process() is not None:
+            fail = self.inject_write_error_at == step
+            self._writer.submit(step, state, rng, trainer_state, fail, global_rank())
+            record.blocking_s = time.perf_counter() - start
+        elif record.is_async:
             if dist.is_initialized() and self._group is None:
                 # A background save must not interleave its collectives with training's on one group.
                 self._group = dist.new_group(backend="gloo")
@@ -266,12 +282,43 @@ class Checkpointer:
         self.last_blocking_s = record.blocking_s
         return step_dir(self.root, step)
 
+    def _idle(self) -> bool:
+        """No background writer running yet (a writer process is started by the first async save
+        that is not the run's last)."""
+        return self._writer is None and self._pending is None
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The pid of this rank's checkpoint writer process, once started (for drills)."""
+        return self._writer.pid if self._writer is not None else None
+
+    def _writer_process(self) -> SaveProcess | None:
+        """This rank's writer process, started at the first async save; None where saves are
+        written by a thread (`async_writer='thread'`, or no writer process can start here)."""
+        if self.cfg.async_writer != "process":
+            return None
+        if self._writer is None and can_start():
+            self._writer = SaveProcess(self.root, self.cfg, self.model)
+        return self._writer
+
+    def _collect(self, outcome: tuple[SaveRecord, BaseException | None]) -> None:
+        """A save the writer process finished: its record replaces the one staged."""
+        record, err = outcome
+        if self._last is not None and self._last.step == record.step:
+            record.blocking_s = self._last.blocking_s
+        self._last = record
+        self._done.append(record)
+        if err is not None:
+            self._error = err
+
     def wait(self, final: bool = False) -> None:
         """Block until a background save has finished. A bug in it is raised here; a storage
         failure was reported and training goes on, unless `final` (the run's last save)."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
+        if self._writer is not None and self._writer.in_flight:
+            self._collect(self._writer.result())
         if self._error is not None:
             err, self._error = self._error, None
             raise CheckpointError(f"background checkpoint save failed: {err}") from err
@@ -287,6 +334,8 @@ class Checkpointer:
     def events(self) -> list[tuple[str, dict[str, Any]]]:
         """Finished saves since the last call, as (kind, fields) for metrics.jsonl: 'checkpoint'
         (step, blocking_s, write_s, async) or 'checkpoint_failed' (with the error)."""
+        if self._writer is not None and (outcome := self._writer.poll()) is not None:
+            self._collect(outcome)
         done, self._done = self._done, []
         return [("checkpoint_failed" if r.error else "checkpoint", asdict(r)) for r in done]
 
@@ -331,14 +380,21 @@ class Checkpointer:
         if failed:
             raise _SaveFailed(failed[0][0], storage=all(storage for _, storage in failed)) from err
 
-    def _write(self, step: int, state: dict, rng: dict, trainer_state: dict) -> None:
+    def _write(
+        self,
+        step: int,
+        state: dict,
+        rng: dict,
+        trainer_state: dict,
+        planner: SavePlanner | None = None,
+    ) -> None:
         final = step_dir(self.root, step)
         tmp = tmp_dir_of(final)
         rank = global_rank()
         try:
             self._agree(_attempt(_fresh_dir, tmp)[1] if rank == 0 else None)
             fail = self.inject_write_error_at == step
-            mine, err = _attempt(self._write_own, state, rng, tmp, fail)
+            mine, err = _attempt(self._write_own, state, rng, tmp, fail, planner)
             self._agree(err)
             files = _gathered(mine, self._group)
             published = None
@@ -350,9 +406,11 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _write_own(self, state: dict, rng: dict, tmp: Path, fail: bool) -> dict:
+    def _write_own(
+        self, state: dict, rng: dict, tmp: Path, fail: bool, planner: SavePlanner | None
+    ) -> dict:
         """This rank's shards and RNG state; returns their manifest entries."""
-        _dcp_save(state, tmp, self._group, fail)
+        _dcp_save(state, tmp, self._group, fail, planner)
         torch_save_synced(rng, tmp / rng_file_name(global_rank()))
         return manifest_entries(_own_files(tmp, global_rank()))
 

@@ -138,10 +138,11 @@ class Trainer:
             loader = getattr(self, "batches", self.data.train)  # the prefetcher once running
             loader.load_state_dict(state["data"])
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, last: bool = False) -> Path:
+        """Save this step (in the background where async); `last`: the run ends after it."""
         with spans.span("checkpoint", "checkpoint"):
             path = self.checkpointer.save(
-                self.step, self.model, self.optimizer, self.trainer_state()
+                self.step, self.model, self.optimizer, self.trainer_state(), last=last
             )
         if self.heartbeat is not None:
             self.heartbeat.update(checkpoint_step=self.step)
@@ -411,7 +412,7 @@ class Trainer:
                     )
             if self.heartbeat is not None:
                 self.heartbeat.update(state="finishing")
-            self.save_checkpoint()
+            self.save_checkpoint(last=True)
             self.checkpointer.wait(final=True)
         if bar is not None:
             bar.close()
@@ -429,7 +430,7 @@ class Trainer:
         received = self.signals.received if self.signals else None
         name = received.name if received is not None else "a signal on another rank"
         if self.cfg.checkpoint.on_signal and saved_at != self.step:
-            self.save_checkpoint()
+            self.save_checkpoint(last=True)
         self.checkpointer.wait(final=True)
         latest = self.checkpointer.latest()
         where = (

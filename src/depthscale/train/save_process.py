@@ -1,0 +1,362 @@
+"""The background half of an asynchronous checkpoint save, in a process of its own.
+
+A writer thread shares the training process's GIL: DCP serialises every item of the state dict
+(a tensor or a small object: an AdamW run has ~10 per parameter) with `torch.save`, and on a CPU
+run those tenths of a second of Python are taken from training (`benchmarks/checkpoint.py`
+measures 6 % with a save every 10 steps). Here each rank starts one writer process, at its first
+asynchronous save, and hands it every later one:
+
+- staging: the state is copied into one shared-memory buffer, allocated once and reused while the
+  state's layout (names, shapes, dtypes) stays the same; the writer maps the same buffer. A save
+  sends only the small values (learning rates, the step, RNG state) through a pipe.
+- planning: DCP's local plan is made here, from the live state, where DTensors know their global
+  shape and offsets; the writer plays it back over the staged shards (`StagedPlanner`), so it never
+  needs a device mesh.
+- writing: the writer runs `Checkpointer._write` — DCP, fsync, hashes, manifest, publish, with
+  every rank learning whether any failed — over a gloo group of the writer processes, joined
+  through the training run's own store under a fresh key prefix.
+
+The writer runs at a lower priority (nice 10), so where training keeps every core busy it writes
+in the gaps. It dies with its parent (PR_SET_PDEATHSIG): a killed rank leaves no writer behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
+
+from depthscale.config import CheckpointConfig, ModelConfig
+from depthscale.errors import CheckpointError
+
+_ALIGN = 64
+_NICE = 10
+_started = 0
+
+
+@dataclass
+class _Peers:
+    """How a rank's writer joins the other ranks' writers: a gloo group made through the run's
+    TCP store, under a key prefix fresh for each set of writers."""
+
+    host: str
+    port: int
+    timeout_s: float
+    prefix: str
+    rank: int
+    world: int
+
+
+def _tcp_store() -> tuple[str, int, float] | None:
+    """(host, port, timeout_s) of the TCP store under the default process group, or None when it
+    was made without one (a file store)."""
+    store = distributed_c10d._get_default_store()
+    timeout_s = store.timeout.total_seconds()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    return store.host, store.port, timeout_s
+
+
+def _peers() -> _Peers | None:
+    """This rank's writer's group (called by every rank, in the same order); None alone."""
+    global _started
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    address = _tcp_store()
+    assert address is not None, "checked by can_start()"
+    _started += 1  # every rank starts its writers in the same order: the n-th ones pair up
+    key = f"depthscale/checkpoint_writer/{_started}"
+    store = distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        store.set(key, uuid.uuid4().hex)
+    token = store.get(key).decode()
+    return _Peers(*address, f"depthscale/ckpt/{token}/", dist.get_rank(), dist.get_world_size())
+
+
+def can_start() -> bool:
+    """Whether this rank can hand its saves to a writer process: a platform that shares memory
+    by file descriptor (Linux), and peers reachable through a TCP store (where there are any)."""
+    if not (hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
+        return False
+    return not dist.is_initialized() or dist.get_world_size() == 1 or _tcp_store() is not None
+
+
+@dataclass
+class _Spec:
+    """What the writer process needs to start: where to write, whom to write with."""
+
+    root: Path
+    cfg: CheckpointConfig
+    model: ModelConfig | None
+    peers: _Peers | None
+    parent: int
+
+
+@dataclass
+class _Layout:
+    """The staged state's shape: each tensor's (name, offset, dtype, shape) in the shared buffer
+    of `size` bytes (its file descriptor travels beside this), and the DCP plan made from the
+    live state."""
+
+    size: int
+    slots: list[tuple[str, int, torch.dtype, tuple[int, ...]]]
+    plan: SavePlan
+    mappings: dict
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    """The shared buffer behind a memfd, mapped into this process."""
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+
+
+def _views(buffer: torch.Tensor, slots: list) -> dict[str, torch.Tensor]:
+    return {
+        fqn: buffer[offset : offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+        for fqn, offset, dtype, shape in slots
+    }
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def _layout_key(flat: dict[str, Any]) -> tuple:
+    key = []
+    for fqn, obj in flat.items():
+        if isinstance(obj, DTensor):
+            local = obj.to_local()
+            key.append(
+                (fqn, local.dtype, tuple(local.shape), tuple(obj.shape), str(obj.placements))
+            )
+        elif isinstance(obj, torch.Tensor):
+            key.append((fqn, obj.dtype, tuple(obj.shape)))
+        else:
+            key.append(fqn)
+    return tuple(key)
+
+
+class SaveProcess:
+    """This rank's writer process, seen from training: `submit` stages a save and returns, `poll`
+    and `result` collect its outcome. One save is in flight at a time."""
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, model: ModelConfig | None) -> None:
+        """Start the writer (every rank at once: the writers of a run form a group)."""
+        spec = _Spec(Path(root), cfg, model, _peers(), os.getpid())
+        self._conn, conn = Pipe()
+        self._fds, fds = socket.socketpair()
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])  # however depthscale was found
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self._process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "depthscale.train.save_process",
+                str(conn.fileno()),
+                str(fds.fileno()),
+            ],
+            pass_fds=(conn.fileno(), fds.fileno()),
+            env=env,
+        )
+        conn.close()
+        fds.close()
+        self._conn.send(spec)
+        self._key: tuple | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._in_flight: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def submit(
+        self, step: int, state: dict, rng: dict, trainer_state: dict, fail: bool, rank: int
+    ) -> None:
+        """Copy `state` into the shared buffer and ask the writer to save it as `step`."""
+        if self._process.poll() is not None:
+            raise self._died(f"before saving step {step}")
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, is_coordinator=rank == 0)
+        flat = planner.state_dict
+        layout = None
+        key = _layout_key(flat)
+        if key != self._key:
+            layout = self._allocate(flat, planner.create_local_plan(), planner.mappings)
+            self._key = key
+        objects = {}
+        for fqn, obj in flat.items():
+            if isinstance(obj, torch.Tensor):
+                self._views[fqn].copy_(obj.to_local() if isinstance(obj, DTensor) else obj)
+            else:
+                objects[fqn] = obj
+        rng_bytes = {k: v.numpy().tobytes() for k, v in rng.items()}
+        try:
+            self._conn.send((layout, step, objects, rng_bytes, trainer_state, fail))
+        except OSError:
+            raise self._died(f"while receiving step {step}") from None
+        self._in_flight = step
+
+    def _allocate(self, flat: dict, plan: SavePlan, mappings: dict) -> _Layout:
+        """A new shared buffer for a new layout; its memfd goes to the writer, which maps it."""
+        slots, offset = [], 0
+        for fqn, obj in flat.items():
+            if isinstance(obj, torch.Tensor):
+                local = obj.to_local() if isinstance(obj, DTensor) else obj
+                slots.append((fqn, offset, local.dtype, tuple(local.shape)))
+                offset += -(-_nbytes(local.dtype, tuple(local.shape)) // _ALIGN) * _ALIGN
+        size = max(offset, _ALIGN)
+        fd = os.memfd_create("depthscale-checkpoint")
+        try:
+            os.ftruncate(fd, size)
+            buffer = _map(fd, size)
+            socket.send_fds(self._fds, [b"b"], [fd])
+        finally:
+            os.close(fd)  # both mappings keep the memory; nothing is left in any file system
+        self._views = _views(buffer, slots)
+        return _Layout(size, slots, plan, mappings)
+
+    def poll(self) -> tuple[Any, BaseException | None] | None:
+        """The finished save's (SaveRecord, error), or None while it is still being written."""
+        if self._in_flight is None or not self._conn.poll():
+            return None
+        return self._receive()
+
+    def result(self) -> tuple[Any, BaseException | None]:
+        """Wait for the save in flight; a writer that died is an error naming its exit."""
+        while not self._conn.poll(0.2):
+            if self._process.poll() is not None and not self._conn.poll():
+                step, self._in_flight = self._in_flight, None
+                raise self._died(f"while saving step {step}")
+        return self._receive()
+
+    def _receive(self) -> tuple[Any, BaseException | None]:
+        step, self._in_flight = self._in_flight, None
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):  # closed, or reset by a writer that was killed
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(5)
+            raise self._died(f"while saving step {step}") from None
+
+    def _died(self, when: str) -> CheckpointError:
+        code = self._process.poll()
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        return CheckpointError(
+            f"the checkpoint writer process of this rank (pid {self._process.pid}) {how} {when}; "
+            "the checkpoints already published are complete"
+        )
+
+
+class StagedPlanner(DefaultSavePlanner):
+    """Plays back the local plan that training made from the live state over the staged copies:
+    `state_dict` maps each flattened name to its staged local shard or value."""
+
+    def __init__(self, plan: SavePlan, mappings: dict) -> None:
+        super().__init__()
+        self._plan = plan
+        self.mappings = mappings
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = self._plan
+        return self.plan
+
+    def lookup_object(self, index):
+        return self.state_dict[index.fqn]
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+def _serve(conn: Connection, fds: socket.socket) -> None:
+    """The writer process: join the writers' group, then save each request until the pipe
+    closes."""
+    spec: _Spec = conn.recv()
+    _die_with_parent(spec.parent)
+    os.nice(_NICE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: a failed save (EFBIG)
+    torch.set_num_threads(1)
+    from depthscale.train.checkpoint import Checkpointer, SaveRecord
+
+    if spec.peers is not None:
+        peers = spec.peers
+        timeout = timedelta(seconds=peers.timeout_s)
+        client = dist.TCPStore(peers.host, peers.port, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(peers.prefix, client),
+            rank=peers.rank,
+            world_size=peers.world,
+            timeout=timeout,
+        )
+    checkpointer = Checkpointer(spec.root, spec.cfg, spec.model)
+    layout: _Layout | None = None
+    views: dict[str, torch.Tensor] = {}
+    while True:
+        try:
+            new_layout, step, objects, rng_bytes, trainer_state, fail = conn.recv()
+        except EOFError:  # training exited
+            break
+        if new_layout is not None:
+            _, (fd,), _, _ = socket.recv_fds(fds, 1, 1)
+            layout, views = new_layout, _views(_map(fd, new_layout.size), new_layout.slots)
+            os.close(fd)
+        assert layout is not None, "the first request carries the layout"
+        state = {**views, **objects}
+        rng = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng_bytes.items()}
+        checkpointer.inject_write_error_at = step if fail else None
+        record = SaveRecord(step, is_async=True)
+        planner = StagedPlanner(layout.plan, layout.mappings)
+        checkpointer._write_recorded(record, step, state, rng, trainer_state, planner)
+        error, checkpointer._error = checkpointer._error, None
+        checkpointer._done.clear()
+        conn.send((record, _picklable(error)))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _picklable(err: BaseException | None) -> BaseException | None:
+    if err is None or isinstance(err, CheckpointError):
+        return err
+    text = "".join(traceback.format_exception_only(type(err), err)).strip()
+    return CheckpointError(f"in the checkpoint writer process: {text}")
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])), socket.socket(fileno=int(sys.argv[2])))
