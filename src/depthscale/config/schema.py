@@ -167,10 +167,12 @@ class TrainConfig:
     offload_activations: bool = False
     """Keep the tensors saved for backward in host memory until backward needs them (with pipeline
     parallelism: while a micro-batch is in flight). A no-op copy on CPU; its bytes are counted."""
-    keep_host_memory: bool = True
+    keep_host_memory: Literal["auto", True, False] = "auto"
     """Let glibc malloc reuse freed host memory instead of returning it to the OS, so a step does
     not page-fault its activations in again (`train.host.keep_freed_host_memory`); RSS then stays
-    at the peak. False leaves the allocator's defaults."""
+    at the peak. 'auto': on where training runs on the CPU (its activations are host memory), off
+    on a GPU, whose host memory is the data workers' and the checkpoint stager's. False leaves
+    the allocator's defaults."""
     gc_interval: int = 0
     """0: Python's garbage collector runs whenever it decides. N > 0: it is disabled and run on
     every rank at the start of every N-th step, so that no rank pauses for it in the middle of a

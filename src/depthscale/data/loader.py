@@ -2,8 +2,9 @@
 
 The token stream is every document followed by EOS, concatenated. Training reads it as windows of
 seq_len+1 tokens starting every seq_len tokens: inputs never overlap, and every token is a label
-exactly once. Each epoch visits the windows in a permutation seeded by (seed, epoch), so the order is
-reproducible and a run resumes exactly from (epoch, cursor) alone.
+exactly once. Each epoch visits the windows in an order seeded by (seed, epoch) and computed per
+position (`data/order.py`), so the order is reproducible, a run resumes exactly from (epoch,
+cursor) alone, and no rank holds a permutation of the corpus.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path, cache_key, cache_root
+from depthscale.data.order import WindowOrder
 from depthscale.data.sources import corpus_identity, is_pretokenized, iter_documents, read_bin
 from depthscale.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from depthscale.errors import DataError
@@ -26,6 +28,9 @@ __all__ = ["DataBundle", "PackedBatches", "build_data", "split_stream", "tokeniz
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 _CHUNK_CHARS = 1 << 22  # documents are encoded in batches of about this much text
+ORDER = "feistel-6"
+"""The data order's name and version, kept in the loader state: resuming under another order
+would not continue the same sequence of batches."""
 
 
 @dataclass
@@ -63,7 +68,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
-    """The corpus as one token stream (EOS after each document); cached, so later runs are instant.
+    """The corpus as one token stream (EOS after each document), memory-mapped from the cache:
+    written there once, a piece at a time (never whole in memory), so later runs are instant.
 
     A .bin corpus is already tokens: it is memory-mapped (at most `max_bytes` bytes of it, if set)
     and checked to fit the tokenizer's vocabulary.
@@ -83,17 +89,37 @@ def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
     path = cache_root(cfg) / "tokens" / f"{key}.npy"
     if path.is_file():
         return np.load(path, mmap_mode="r")
-    tokens = encode_documents(iter_documents(cfg), tokenizer)
-    with atomic_path(path) as tmp, tmp.open("wb") as f:
-        np.save(f, tokens)
-    return tokens
-
-
-def encode_documents(docs: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
-    """Encode documents into one stream, EOS after each; bytes take a vectorised fast path."""
     dtype = token_dtype(tokenizer.vocab_size)
-    chunks = [_encode_chunk(chunk, tokenizer, dtype) for chunk in _chunks(docs)]
-    return np.concatenate(chunks) if chunks else np.empty(0, dtype)
+    with atomic_path(path) as tmp, tmp.open("wb") as f:
+        _write_npy_stream(f, dtype, encode_documents(iter_documents(cfg), tokenizer))
+    return np.load(path, mmap_mode="r")
+
+
+def encode_documents(docs: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:
+    """Encode documents into consecutive pieces of one stream, EOS after each document (bytes
+    take a vectorised fast path); a piece holds about `_CHUNK_CHARS` of text."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    for chunk in _chunks(docs):
+        yield _encode_chunk(chunk, tokenizer, dtype)
+
+
+def _write_npy_stream(f: BinaryIO, dtype: np.dtype, pieces: Iterable[np.ndarray]) -> None:
+    """Write pieces as one 1-D .npy array without holding it: the header is written first with
+    length 0 and rewritten at the end (numpy pads headers so that the length can grow in place)."""
+    header = {
+        "descr": np.lib.format.dtype_to_descr(dtype),
+        "fortran_order": False,
+        "shape": (0,),
+    }
+    np.lib.format.write_array_header_1_0(f, header)
+    data_start, n = f.tell(), 0
+    for piece in pieces:
+        f.write(piece.astype(dtype, copy=False).tobytes())
+        n += len(piece)
+    f.seek(0)
+    np.lib.format.write_array_header_1_0(f, header | {"shape": (n,)})
+    if f.tell() != data_start:
+        raise AssertionError("the .npy header changed length")  # numpy reserves room for it
 
 
 def split_stream(
@@ -120,7 +146,7 @@ class PackedBatches:
     """Batches of (inputs, labels) LongTensor[B, T] packed from one token stream, reproducibly.
 
     Window i is tokens[i*T : i*T + T + 1]; inputs = window[:-1], labels = window[1:]. Epoch e visits
-    the windows in the permutation drawn from (seed, e), B at a time; the < B windows left at an
+    the windows in the order `WindowOrder(n_windows, seed, e)`, B at a time; the < B windows left at an
     epoch's end are skipped (a different few each epoch). The position is just (epoch, cursor);
     `state_dict()` adds seed, seq_len and n_windows so resuming over a different stream is refused.
 
@@ -150,7 +176,7 @@ class PackedBatches:
         non-finite on every try (`train/nan_guard.py`); passed over as if consumed."""
         self.position: tuple[int, int] | None = None
         """(epoch, cursor) of the batch `next_batch` returned last."""
-        self._perm: tuple[int, np.ndarray] | None = None
+        self._order: WindowOrder | None = None
 
     @property
     def batches_per_epoch(self) -> int:
@@ -164,7 +190,7 @@ class PackedBatches:
             self.cursor += self.batch_size
             self._to_next_batch()
         self.position = (self.epoch, self.cursor)
-        windows = self._permutation(self.epoch)[self.cursor : self.cursor + self.batch_size]
+        windows = self._order_of(self.epoch)[self.cursor : self.cursor + self.batch_size]
         self.cursor += self.batch_size
         return self._gather(windows[rows])
 
@@ -186,21 +212,23 @@ class PackedBatches:
             "seed": self.seed,
             "seq_len": self.seq_len,
             "n_windows": self.n_windows,
+            "order": ORDER,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at (epoch, cursor); refuses a state taken over a different stream or seed."""
         mine = self.state_dict()
+        state = {"order": "permutation", **state}  # saved before orders were computed per index
         diffs = [
             f"{k}: saved {state[k]!r}, now {mine[k]!r}"
-            for k in ("seed", "seq_len", "n_windows")
+            for k in ("seed", "seq_len", "n_windows", "order")
             if k in state and state[k] != mine[k]
         ]
         if diffs:
             raise DataError(
                 "cannot resume the data stream: it differs from the saved one ("
                 + "; ".join(diffs)
-                + "); the corpus, tokenizer, seq_len or seed changed"
+                + "); the corpus, tokenizer, seq_len, seed or the data order's version changed"
             )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
@@ -213,11 +241,10 @@ class PackedBatches:
         per_rank = self.batch_size // world
         return slice(rank * per_rank, (rank + 1) * per_rank)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if self._perm is None or self._perm[0] != epoch:
-            rng = np.random.default_rng([self.seed % (1 << 64), epoch])
-            self._perm = (epoch, rng.permutation(self.n_windows))
-        return self._perm[1]
+    def _order_of(self, epoch: int) -> WindowOrder:
+        if self._order is None or self._order.epoch != epoch:
+            self._order = WindowOrder(self.n_windows, self.seed, epoch)
+        return self._order
 
     def _gather(self, windows: np.ndarray) -> Batch:
         t = self.seq_len

@@ -17,9 +17,17 @@ from depthscale.data.loader import Batch, PackedBatches
 
 class Prefetcher:
     def __init__(
-        self, loader: PackedBatches, rank: int = 0, world: int = 1, depth: int = 2
+        self,
+        loader: PackedBatches,
+        rank: int = 0,
+        world: int = 1,
+        depth: int = 2,
+        pin: bool = False,
     ) -> None:
+        """`pin`: batches come in page-locked memory (training on a GPU), so that the training
+        thread's copy to the device is asynchronous (`non_blocking=True`)."""
         self.loader, self.rank, self.world, self.depth = loader, rank, world, depth
+        self.pin = pin
         self._state = loader.state_dict()
         self.position: tuple[int, int] | None = None
         """The data position (epoch, cursor) of the batch handed out last."""
@@ -35,6 +43,8 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 batch = self.loader.next_batch(self.rank, self.world)
+                if self.pin:
+                    batch = (batch[0].pin_memory(), batch[1].pin_memory())
                 item = (batch, self.loader.state_dict(), self.loader.position)
                 while not self._stop.is_set():
                     try:

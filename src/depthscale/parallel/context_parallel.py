@@ -220,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, y, lse = ctx.saved_tensors
         plan, stats = ctx.plan, ctx.stats
         ring = Ring(ctx.group, stats, f"call {ctx.call} backward")
-        n, rank, (B, H, T, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
+        n, rank, (B, H, _, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
         scale = 1.0 / math.sqrt(d)
         with torch.autocast(q.device.type, enabled=False):
             qg = q.unflatten(1, (Hkv, H // Hkv)).float()
@@ -274,7 +274,7 @@ class _RingAttention(torch.autograd.Function):
                 held = _next_block(group, plan, ring, step)
             if home is not None:
                 home_dkv = home.recv(ring.home_label(rank))
-                Index(plan.payload(rank, 1), T, q.device).add(dkv_own, home_dkv, 3)
+                plan.home_selection().add(dkv_own, home_dkv, 3)
         stats.ring_s += time.perf_counter() - t_start
         dk, dv = dkv_own.to(k.dtype).unbind(0)
         return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None

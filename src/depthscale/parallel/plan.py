@@ -103,8 +103,8 @@ class ParallelPlan:
         `forward` is the model or its compiled form; `around_forward` is entered around every
         micro-batch's forward (e.g. activation offloading)."""
         device, microbatches = self._device(), self.microbatches
-        xs = [x.to(device) for x in inputs.chunk(microbatches)]
-        ys = [y.to(device) for y in labels.chunk(microbatches)]
+        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(microbatches)]
+        ys = [y.to(device, non_blocking=True) for y in labels.chunk(microbatches)]
         if self.pipeline is not None:
             return self._pipeline_step(xs, ys, True, autocast, around_forward)
         total = torch.zeros((), device=device)
@@ -145,8 +145,8 @@ class ParallelPlan:
         `self.microbatches` pieces like a training step, so that evaluation never needs more
         activation memory than training (pieces of equal size: the mean of their means)."""
         device = self._device()
-        xs = [x.to(device) for x in inputs.chunk(self.microbatches)]
-        ys = [y.to(device) for y in labels.chunk(self.microbatches)]
+        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(self.microbatches)]
+        ys = [y.to(device, non_blocking=True) for y in labels.chunk(self.microbatches)]
         if self.pipeline is not None:
             return self._pipeline_step(xs, ys, False, autocast, None)
         reports = [self._loss(forward, x, y, autocast)[1] for x, y in zip(xs, ys)]

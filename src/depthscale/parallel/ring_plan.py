@@ -143,7 +143,7 @@ class RingPlan:
     hops: list[int]
     _tiles: dict[int, list[Tile]] = field(default_factory=dict)
     _payloads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
-    _selections: dict[int, Index] = field(default_factory=dict)
+    _selections: dict[int | str, Index] = field(default_factory=dict)
 
     @classmethod
     def build(cls, positions: Tensor, span: Span, kv_tile: int, group: ProcessGroup) -> RingPlan:
@@ -203,6 +203,15 @@ class RingPlan:
                 else self.carry[j][hop].nonzero().flatten()
             )
         return self._payloads[(j, hop)]
+
+    def home_selection(self) -> Index:
+        """Where this rank's keys that left on hop 1 sit in its own block (their dK/dV come home
+        there), built once: the index is planned on the host, like the rest of the plan."""
+        if "home" not in self._selections:
+            self._selections["home"] = Index(
+                self.payload(self.rank, 1), self.pos[self.rank].numel(), self.device
+            )
+        return self._selections["home"]
 
     def forward_selection(self, step: int) -> Index:
         """Which entries of the payload held at `step` travel on to hop step + 1."""

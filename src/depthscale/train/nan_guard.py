@@ -32,16 +32,47 @@ class PersistentNonFinite(Exception):
         self.step, self.position = step, position
 
 
-def all_finite(loss_share: Tensor, grad_norm: Tensor) -> bool:
-    """Whether every rank's loss share and the (global) gradient norm are finite: one flag,
-    the same on every rank."""
-    ok = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_share.detach()).all())
+def finite_flag(loss_share: Tensor, grad_norm: Tensor) -> Tensor:
+    """1.0 if every rank's loss share and the (global) gradient norm are finite, else 0.0: a
+    one-element tensor on the device, the same on every rank (a MIN all-reduce), not read here."""
+    ok = torch.isfinite(grad_norm) & torch.isfinite(loss_share.detach()).all()
+    flag = ok.to(torch.float32)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([1.0 if ok else 0.0], device=grad_norm.device)
         with spans.collective("all_reduce", None, flag):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ok = bool(flag.item() > 0)
-    return ok
+    return flag
+
+
+class EarlyRead:
+    """A device flag copied to host memory as soon as it is computed (asynchronously, into pinned
+    memory), to be read later: reading it then waits for the kernels up to the flag, not for
+    those queued after it (the optimizer step)."""
+
+    def __init__(self, flag: Tensor) -> None:
+        self._event = None
+        self._host = flag
+        if flag.device.type == "cuda":
+            self._host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def true(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.item() > 0
+
+
+def skip_if_not_finite(optimizer: torch.optim.Optimizer, flag: Tensor) -> bool:
+    """Make `optimizer.step()` a no-op on the device when `flag` is 0, where the optimizer can:
+    torch's fused Adam/AdamW read `found_inf` (as under AMP's GradScaler) and then change no
+    parameter, moment or step count. Returns whether it can; if not, the caller must read the
+    flag before stepping."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    if not fused or not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return False
+    optimizer.found_inf = 1.0 - flag
+    return True
 
 
 def poison(loss_share: Tensor, params: list[Tensor]) -> Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from depthscale.config import OptimConfig
 from depthscale.observe import spans
@@ -338,23 +339,40 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     if cfg.name == "adamw":
         for g in groups:
             g.pop("adaptive", None)
-        return torch.optim.AdamW(
+        fused = _fused_adamw_applies(g["params"] for g in groups)
+        sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
+        cls = ShardedFusedAdamW if fused and sharded else torch.optim.AdamW
+        return cls(
             groups,
             lr=cfg.lr,
             betas=betas,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
-            fused=_fused_adamw_applies(g["params"] for g in groups) or None,
+            fused=fused or None,
         )
     raise ValueError(f"optim.name={cfg.name!r} is not supported; allowed: 'adamw', 'lamb'")
 
 
+class ShardedFusedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW over DTensor parameters. Its step counts (and `found_inf`, when the NaN
+    guard sets it) are plain one-element tensors, and so are the parameters FSDP leaves whole
+    (the AttnRes queries, replicated by hand); DTensor refuses to mix those with DTensors unless
+    told to treat them as replicated, which they are (the same on every rank)."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        with implicit_replication():
+            return super().step(closure)
+
+
 def _fused_adamw_applies(param_lists: Iterable[list[Tensor]]) -> bool:
     """torch's fused AdamW (one kernel over all tensors; on CPU ~4x faster than the per-tensor
-    loop torch otherwise picks there): for plain floating-point parameters on CPU or CUDA. DTensor
-    parameters (FSDP2, TP) keep torch's default (foreach on CUDA)."""
+    loop torch otherwise picks there), for floating-point parameters on CPU or CUDA, plain or
+    DTensors (FSDP2, TP; see `ShardedFusedAdamW`). It is also what skips a non-finite update on
+    the device (`nan_guard.skip_if_not_finite`)."""
     params = [p for ps in param_lists for p in ps]
     return all(
-        type(p) is nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+        (type(p) is nn.Parameter or isinstance(p, DTensor))
+        and p.device.type in ("cpu", "cuda")
+        and p.is_floating_point()
         for p in params
     )

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from depthscale.config import Config, ConfigError
+from depthscale.data.agreement import check_ranks_agree, data_identity
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.errors import CheckpointError
 from depthscale.observe.metrics import detect_peak_flops
@@ -36,9 +37,12 @@ def build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
     """Local rank 0 tokenizes (or trains the BPE tokenizer) and fills the cache; the node's other
     ranks then load it instead of repeating the work, each waiting for that one rank (no barrier:
     other nodes' ranks go on). The token stream is memory-mapped, so one copy
-    in the page cache serves every rank on the node."""
+    in the page cache serves every rank on the node. Then all ranks check that they hold the
+    same data (`data/agreement.py`): nodes build theirs independently."""
     build = lambda: build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size)  # noqa: E731
-    return leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
+    data = leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
+    check_ranks_agree(data_identity(data, cfg.train.seed))
+    return data
 
 
 def check_same_tokenizer(run_dir: Path, tokenizer) -> None:

@@ -126,11 +126,16 @@ class Telemetry:
         return [self._busy[p] / 1e6 for p in BUSY_PHASES]
 
     def end_step(
-        self, step: int, rows: list[list[float]] | None, mfu: float | None
+        self,
+        step: int,
+        rows: list[list[float]] | None,
+        mfu: float | None,
+        rows_step: int | None = None,
     ) -> list[tuple[str, str, dict]]:
-        """Close the step; feed every rank's busy row (None: one process) to the straggler detector
-        and this rank's phase times to the MFU alarm. Returns (kind, message, fields) to print and
-        log — the same on every rank; rank 0 logs them."""
+        """Close the step; feed every rank's busy row (None: one process or none yet) of step
+        `rows_step` (default `step`) to the straggler detector and this rank's phase times to the
+        MFU alarm. Returns (kind, message, fields) to print and log — the same on every rank;
+        rank 0 logs them."""
         if self._step_span is not None:
             spans.end(self._step_span)
             self._step_span = None
@@ -140,7 +145,8 @@ class Telemetry:
                 {"kind": "step", "step": step, "busy": {p: int(v) for p, v in self._busy.items()}}
             )
         if self.detector is not None and rows is not None:
-            for flag in self.detector.update(step, [[v * 1e6 for v in row] for row in rows]):
+            rows_at = step if rows_step is None else rows_step
+            for flag in self.detector.update(rows_at, [[v * 1e6 for v in row] for row in rows]):
                 notices.append(("straggler", flag.message(), flag.as_record()))
                 if self.recorder is not None and self.rank == 0:
                     self.recorder.put({"kind": "straggler", **flag.as_record()})

@@ -34,14 +34,17 @@ from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.host import keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, offload_activations
 from depthscale.train.nan_guard import (
+    EarlyRead,
     PersistentNonFinite,
-    all_finite,
+    finite_flag,
     poison,
     read_skipped,
     record_skipped,
+    skip_if_not_finite,
 )
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import lr_at, set_lr
+from depthscale.train.step_metrics import HostVote, PendingMetrics
 from depthscale.train.stop import StopSignals
 from depthscale.train.telemetry import Telemetry
 
@@ -54,7 +57,9 @@ class Trainer:
         # first: a supervised worker is watched from the start (a hang in start-up is a hang too)
         self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), attempt())
         self.device = setup.resolve_device(cfg.train.device)
-        if cfg.train.keep_host_memory:
+        if cfg.train.keep_host_memory is True or (
+            cfg.train.keep_host_memory == "auto" and self.device.type == "cpu"
+        ):
             keep_freed_host_memory()
         self.layout = init_layout(cfg, self.device)
         self.env, self.device = self.layout.env, self.layout.device
@@ -112,8 +117,13 @@ class Trainer:
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             self.data.tokenizer.save(self.run_dir / "tokenizer")
         self.telemetry = Telemetry(cfg, self.run_dir, self.env, self.layout.dims, self.device)
+        self.pending = PendingMetrics(self.env.world_size)
+        self.vote = HostVote(self.env.world_size, self.env.rank)
+        self.busy_rows: list[list[float]] | None = None
         self.telemetry.slow_down(self.faults.slowdown())
-        self.batches = Prefetcher(self.data.train, self.dp_rank, self.dp_size)
+        self.batches = Prefetcher(
+            self.data.train, self.dp_rank, self.dp_size, pin=self.device.type == "cuda"
+        )
 
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         peak, self.peak_source = setup.peak_flops(cfg, self.device, self.dtype)
@@ -161,10 +171,20 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step over the global batch, in `grad_accum_steps` micro-batches.
+        """One optimizer step, its metrics read at once (`fit` reads them once per log_every)."""
+        metrics = self._train_step()
+        self.pending.add(metrics)
+        self._read_metrics()
+        return metrics
 
-        A non-finite loss or gradient on any rank (`nan_guard.all_finite`) updates nothing: the
-        step is replayed once on the same batch; still non-finite, PersistentNonFinite."""
+    def _train_step(self) -> dict[str, Any]:
+        """One optimizer step over the global batch, in `grad_accum_steps` micro-batches; the
+        loss share and gradient norm stay on the device (`step_metrics.PendingMetrics`).
+
+        A non-finite loss or gradient on any rank (`nan_guard.finite_flag`) updates nothing: the
+        step is replayed once on the same batch; still non-finite, PersistentNonFinite. Without
+        replay (`resilience.nan_replay=false`) and with an optimizer that skips on the device
+        (fused AdamW), the flag is read only with the metrics: the step reads nothing."""
         cfg = self.cfg
         step = self.step + 1
         self.telemetry.begin_step(step)
@@ -175,16 +195,21 @@ class Trainer:
             inputs, labels = self.batches.next_batch()
         for first_try in (True, False):
             total, grad_norm = self._forward_backward(inputs, labels, step, first_try)
-            if all_finite(total, grad_norm):
+            flag = finite_flag(total, grad_norm)
+            early = EarlyRead(flag) if cfg.resilience.nan_replay else None
+            skips_on_device = skip_if_not_finite(self.optimizer, flag)
+            if skips_on_device:  # launched now, a no-op on the device if the flag is 0
+                self._optimizer_step()
+                if not cfg.resilience.nan_replay:
+                    break  # the flag is read with the metrics, on the next log step
+            # the guard's one read per step; where the update skips itself, it is already queued
+            if early.true() if early is not None else flag.item() > 0:
+                if not skips_on_device:
+                    self._optimizer_step()
                 break
             self.optimizer.zero_grad(set_to_none=True)
             if not cfg.resilience.nan_replay:
-                raise TrainingError(
-                    f"the loss or gradient is not finite at step {step} (lr {lr:.3g}); nothing "
-                    "was updated or saved from this step. Lower optim.lr, raise "
-                    "optim.warmup_steps, keep train.grad_clip > 0, or set "
-                    "resilience.nan_replay=true to replay and skip bad batches"
-                )
+                raise self._not_finite([step])
             if not first_try:
                 raise PersistentNonFinite(step, self.batches.position)
             self._nan_event(step, "transient", "non-finite loss or gradient; replaying the step")
@@ -192,20 +217,38 @@ class Trainer:
             raise AssertionError
         if not first_try:
             self._nan_event(step, "transient", "the replay was finite: a transient fault")
-        grad_norm = float(grad_norm)
-        with spans.span("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
-        loss, self.stop_agreed, self.busy_rows = self._mean_and_stop(
-            total, self.telemetry.busy_row()
-        )
-        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        stop = self.signals is not None and self.signals.received is not None
+        self.stop_agreed, self.busy_rows = self.vote.exchange(stop, self.telemetry.busy_row())
+        metrics = {"loss": total.detach(), "lr": lr, "grad_norm": grad_norm.detach()}
+        metrics["finite"] = flag
         if self.offload is not None:  # this rank's bytes moved to host memory during the step
             metrics["offloaded_mb"] = self.offload.bytes / 1e6
             self.offload.reset()
         return metrics
+
+    def _read_metrics(self) -> None:
+        """Read the pending steps' metrics (once per log step); a step the NaN guard found
+        non-finite there (its update skipped on the device, nan_replay=false) stops the run."""
+        resolved = self.pending.resolve()
+        first = self.step - len(resolved) + 1
+        bad = [first + i for i, m in enumerate(resolved) if not m.pop("finite")]
+        if bad:
+            raise self._not_finite(bad)
+
+    def _optimizer_step(self) -> None:
+        with spans.span("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _not_finite(self, steps: list[int]) -> TrainingError:
+        return TrainingError(
+            f"the loss or gradient is not finite at step {', '.join(map(str, steps))}; nothing "
+            "was updated from it. Lower optim.lr, raise optim.warmup_steps, keep "
+            "train.grad_clip > 0, or set resilience.nan_replay=true to replay and skip bad "
+            "batches"
+        )
 
     def _forward_backward(
         self, inputs: Tensor, labels: Tensor, step: int, first_try: bool
@@ -263,34 +306,13 @@ class Trainer:
         return offload_activations(self.offload)
 
     def _mean_over_ranks(self, value: Tensor) -> float:
-        return self._mean_and_stop(value)[0]
-
-    def _mean_and_stop(
-        self, value: Tensor, busy: list[float] | None = None
-    ) -> tuple[float, bool, list[list[float]] | None]:
-        """(global mean loss, whether any rank received a stop signal, every rank's `busy` row),
-        in one reduction.
-
-        `value` is this rank's share of the loss (`ParallelPlan.forward_backward`): the global mean
-        is the mean over all ranks. The stop flag rides along so that every rank stops after the
-        same step, and so do the ranks' busy times per phase (each rank fills its own row of a
-        world × phases block), which the straggler detector compares."""
-        stop = self.signals is not None and self.signals.received is not None
-        world, rank = self.env.world_size, self.env.rank
-        if world == 1:
-            return value.item(), stop, [busy] if busy is not None else None
-        width = len(busy) if busy is not None else 0
-        packed = value.new_zeros(2 + world * width, dtype=torch.float64)
-        packed[0], packed[1] = value.detach().double(), float(stop)
-        if busy is not None:
-            packed[2 + rank * width : 2 + (rank + 1) * width] = torch.tensor(busy)
+        """The global mean of a per-rank share (evaluation: off the hot path, read at once)."""
+        if self.env.world_size == 1:
+            return value.item()
+        packed = value.detach().double().reshape(1).clone()
         with spans.collective("all_reduce", None, packed):
             dist.all_reduce(packed)
-        values = packed.tolist()
-        rows = (
-            [values[2 + r * width : 2 + (r + 1) * width] for r in range(world)] if width else None
-        )
-        return values[0] / world, values[1] > 0, rows
+        return packed.item() / self.env.world_size
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -353,12 +375,15 @@ class Trainer:
             while self.step < cfg.train.steps:
                 if stop_at is not None and self.step >= stop_at:
                     self.checkpointer.wait()
+                    self._read_metrics()
+                    self.vote.close()
                     return history
                 t0 = time.perf_counter()
                 try:
-                    metrics = self.train_step()
+                    metrics = self._train_step()
                 except PersistentNonFinite as bad:
                     self.telemetry.abandon_step()
+                    self.pending.resolve()  # the steps before it, numbered before rolling back
                     self._roll_back(bad)
                     continue
                 if not history:  # which AttnRes kernels the first step ran, once
@@ -366,28 +391,39 @@ class Trainer:
                     startup.mark("first_step")
                     startup.save(self.run_dir, self.env.rank)  # RUN/startup/: where start-up went
                 seconds = time.perf_counter() - t0
+                self.pending.add(metrics)
                 self.throughput.update(self.tokens_per_step, seconds)
                 metrics |= self.throughput.rate()
                 if self.heartbeat is not None:
                     self.heartbeat.update(
                         seconds,
                         step=self.step,
-                        loss=metrics["loss"],
                         tokens_per_s=metrics["tokens_per_s"],
                         slow_ranks=self.telemetry.slow_ranks(),
                     )
+                # busy rows arrive one step late (HostVote): they are the previous step's
                 for kind, text, fields in self.telemetry.end_step(
-                    self.step, self.busy_rows, metrics.get("mfu")
+                    self.step, self.busy_rows, metrics.get("mfu"), rows_step=self.step - 1
                 ):
                     console.write(bar, f"depthscale: {text}")
                     logger.event(self.step, kind, fields)
                 for kind, fields in self.checkpointer.events():  # blocking time, failed saves
                     logger.event(self.step, kind, fields)
                 history.append(metrics)
-                if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
+                log_now = self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps
+                if log_now or self.stop_agreed:  # the only steps that read device numbers
+                    self._read_metrics()
+                    if self.heartbeat is not None:
+                        self.heartbeat.update(loss=metrics["loss"])
+                    if bar is not None:
+                        bar.set_postfix(
+                            loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
+                        )
+                if log_now:
                     logger.log(self.step, metrics)
                     console.write(bar, console.format_step(self.step, cfg.train.steps, metrics))
                 if self.stop_agreed:
+                    self.vote.close()
                     self._stop_on_signal(saved_at, bar)
                     return history
                 if cfg.train.eval_every and (
@@ -407,9 +443,7 @@ class Trainer:
                     saved_at = self.step
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
-                    )
+            self.vote.close()
             if self.heartbeat is not None:
                 self.heartbeat.update(state="finishing")
             self.save_checkpoint(last=True)
