@@ -1,6 +1,7 @@
-"""Host synchronisations per training step in every layout (`tests/host_syncs.py`): no device
-value is read on a step that is not a log step, but the NaN guard's flag where its replay needs
-it before the next step; a log step reads its metrics once."""
+"""Host synchronisations per training step in every layout (`tests/host_syncs.py`; one process:
+tests/unit/test_host_syncs.py): no device value is read on a step that is not a log step, but the
+NaN guard's flag where its replay needs it before the next step; a log step reads its metrics
+once."""
 
 from __future__ import annotations
 
