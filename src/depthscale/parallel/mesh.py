@@ -76,7 +76,10 @@ class ParallelDims:
         Each rank creates only its own group of each dimension (`startup.own_group`: no barrier
         over the world, and no call per group of the world); NCCL with a bound device keeps
         torch's one communicator split per dimension. The flattened dimensions are torch's: one
-        `new_group` per group on every rank, with no barrier unless TORCH_DIST_INIT_BARRIER=1."""
+        `new_group` per group on every rank, with no barrier unless TORCH_DIST_INIT_BARRIER=1 —
+        made only where two of its dimensions exceed 1: otherwise its groups are those of one
+        named dimension, which stands in for it (`flat`), and start-up enters no group beyond
+        its own whatever the number of pipelines."""
         shape = tuple(getattr(self, name) for name in DIM_NAMES)
         if splits_from_world():
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
@@ -84,9 +87,31 @@ class ParallelDims:
             ranks = torch.arange(self.world_size).reshape(shape)
             groups = [_dim_group(ranks, d, name) for d, name in enumerate(DIM_NAMES)]
             mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=DIM_NAMES)
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        for name, parts in FLATTENED.items():
+            if flat_name(mesh, name) == name:
+                mesh[parts]._flatten(name)
         return mesh
+
+
+FLATTENED = {"dp_shard_cp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+"""The flattened mesh dimensions and the named ones they span."""
+
+
+def flat_name(mesh: DeviceMesh, name: str) -> str:
+    """The dimension of `mesh` that holds the groups of `name`: `name` itself when it is a named
+    dimension or spans two dimensions larger than 1, else the one of its dimensions that is larger
+    than 1 (its last one, all being 1)."""
+    parts = FLATTENED.get(name)
+    if parts is None:
+        return name
+    names = mesh.mesh_dim_names or ()
+    larger = [p for p in parts if mesh.size(names.index(p)) > 1]
+    return name if len(larger) > 1 else (larger[0] if larger else parts[-1])
+
+
+def flat(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """`mesh[name]`, for named and flattened dimensions alike (see `flat_name`)."""
+    return mesh[flat_name(mesh, name)]
 
 
 def _dim_group(ranks: torch.Tensor, dim: int, name: str) -> dist.ProcessGroup:

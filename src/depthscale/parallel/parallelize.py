@@ -24,7 +24,7 @@ from depthscale.config import Config
 from depthscale.errors import ConfigError
 from depthscale.model.transformer import Transformer
 from depthscale.observe import startup
-from depthscale.parallel.mesh import DistEnv, ParallelDims, init_distributed
+from depthscale.parallel.mesh import DistEnv, ParallelDims, flat, flat_name, init_distributed
 from depthscale.parallel.plan import ParallelPlan
 
 
@@ -149,8 +149,9 @@ def parallelize(
         # dp_shard × cp, as torchtitan does, so FSDP's reduce-scatter also averages over cp
         from depthscale.parallel.data_parallel import apply_fsdp
 
-        shard = mesh["dp_shard_cp"]
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard
+        shard = flat(mesh, "dp_shard_cp")
+        both = ("dp_replicate", flat_name(mesh, "dp_shard_cp"))
+        dp_mesh = mesh[both] if dims.dp_replicate > 1 else shard
         whole = apply_fsdp(
             model,
             dp_mesh,

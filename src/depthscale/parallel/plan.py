@@ -35,7 +35,7 @@ from depthscale.model.transformer import Transformer
 from depthscale.observe import spans
 from depthscale.parallel.data_parallel import average_replicated_grads, clip_grad_norm_
 from depthscale.parallel.loss import TokenLoss
-from depthscale.parallel.mesh import ParallelDims
+from depthscale.parallel.mesh import ParallelDims, flat
 from depthscale.parallel.pipeline.pipeline import Pipeline
 from depthscale.parallel.sequence_layout import SequenceShard
 from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
@@ -179,7 +179,7 @@ class ParallelPlan:
         if self.replicated:
             params = dict(self.model.named_parameters())
             grads = [params[name] for name in self.replicated]
-            average_replicated_grads(grads, self.mesh["dp_cp"].get_group())
+            average_replicated_grads(grads, flat(self.mesh, "dp_cp").get_group())
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads(self.model)
         if self.dims.tp > 1:  # norms / AttnRes queries saw only this rank's tokens

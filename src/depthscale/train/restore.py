@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from depthscale.errors import CheckpointError
+from depthscale.parallel.mesh import flat
 from depthscale.train.manifest import TRAINER_STATE, global_rank, rng_file_name
 
 SHARD_SUFFIX = ".distcp"
@@ -206,7 +207,7 @@ def replicas_of(mesh: DeviceMesh | None, name: str) -> Replicas | None:
     dims, names = REPLICA_DIMS[name], mesh.mesh_dim_names or ()
     if any(d not in names for d in dims) or all(mesh.size(names.index(d)) == 1 for d in dims):
         return None
-    group = mesh[name].get_group()
+    group = flat(mesh, name).get_group()
     src = dist.get_global_rank(group, 0)
     # every rank takes part (non-members get no group): a group made by its members alone would
     # advance only their count of groups, and later groups would pair up wrongly (a hang)

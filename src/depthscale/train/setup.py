@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from depthscale.config import Config, ConfigError
 from depthscale.data.agreement import check_ranks_agree, data_identity
@@ -43,6 +44,26 @@ def build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
     data = leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
     check_ranks_agree(data_identity(data, cfg.train.seed))
     return data
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """`train.compile`: compile each transformer block in place, as torchtitan does. Whatever runs
+    the blocks runs them compiled: the model's forward, or a pipeline stage calling its own blocks
+    (a compiled whole model would leave stages uncompiled). `nn.Module.compile` keeps parameter
+    names, so state dicts and checkpoints are unchanged. Static shapes: train and eval batches
+    differ, and dynamic-shape tracing of the custom AttnRes autograd Functions is not reliable; a
+    recompile per shape is cheap. Blocks share their code, and dynamo keys its cache by code: a
+    block whose inputs differ (more completed AttnRes blocks deeper in the model) is one more
+    entry, so the limit is raised to hold one per block. Returns the number of blocks compiled."""
+    import torch._dynamo
+
+    layers = list(model.layers.values())
+    torch._dynamo.config.recompile_limit = max(
+        torch._dynamo.config.recompile_limit, 2 * len(layers)
+    )
+    for layer in layers:
+        layer.compile(dynamic=False)
+    return len(layers)
 
 
 def check_same_tokenizer(run_dir: Path, tokenizer) -> None:

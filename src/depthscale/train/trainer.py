@@ -92,9 +92,9 @@ class Trainer:
             self.model, self.layout.mesh, self.layout.dims, cfg, device=self.device
         )
         self.offload = OffloadStats() if cfg.train.offload_activations else None
-        # static shapes: train and eval batches differ, and dynamic-shape tracing of the custom AttnRes
-        # autograd Functions is not reliable; a recompile per batch shape is cheap.
-        self.forward = torch.compile(self.model, dynamic=False) if cfg.train.compile else self.model
+        if cfg.train.compile:
+            setup.compile_blocks(self.model)
+        self.forward = self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         startup.mark("model")
         self.step = 0
@@ -149,7 +149,10 @@ class Trainer:
             loader.load_state_dict(state["data"])
 
     def save_checkpoint(self, last: bool = False) -> Path:
-        """Save this step (in the background where async); `last`: the run ends after it."""
+        """Save this step (in the background where async); `last`: the run ends after it. The
+        pending metrics are read first: a non-finite step not yet read stops the run before it
+        is saved (copying the state waits for the device anyway)."""
+        self._read_metrics()
         with spans.span("checkpoint", "checkpoint"):
             path = self.checkpointer.save(
                 self.step, self.model, self.optimizer, self.trainer_state(), last=last
@@ -243,9 +246,11 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _not_finite(self, steps: list[int]) -> TrainingError:
+        lr = lr_at(steps[0] - 1, self.cfg.optim, self.cfg.train.steps)
+        later = f" and {len(steps) - 1} later step(s)" if len(steps) > 1 else ""
         return TrainingError(
-            f"the loss or gradient is not finite at step {', '.join(map(str, steps))}; nothing "
-            "was updated from it. Lower optim.lr, raise optim.warmup_steps, keep "
+            f"the loss or gradient is not finite at step {steps[0]} (lr {lr:.3g}){later}; nothing "
+            "was updated or saved from it. Lower optim.lr, raise optim.warmup_steps, keep "
             "train.grad_clip > 0, or set resilience.nan_replay=true to replay and skip bad "
             "batches"
         )
