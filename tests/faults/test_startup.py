@@ -71,7 +71,12 @@ def _start(rank: int, port: int, run_dir: str, corpus: str, layout: dict, result
         with count_synchronizations() as counts:
             trainer = Trainer(load_config(None, args))
             trainer.fit(stop_at=1)  # the first step: its phase mark
-        results.put((rank, counts.summary()))
+        from torch.distributed import distributed_c10d
+
+        # every wait on a store key (a node's ranks waiting for its data) is bounded by the
+        # groups' timeout (parallel.timeout_s, 600 s), not TCPStore's default 300 s
+        store_timeout = distributed_c10d._get_default_store().timeout.total_seconds()
+        results.put((rank, {**counts.summary(), "store_timeout_s": store_timeout}))
     except BaseException as err:
         results.put((rank, repr(err)))
         raise
@@ -115,6 +120,7 @@ def test_startup_has_no_world_barrier_but_init(tmp_path, layout, local_groups):
         "new_groups_world": 0,
         "new_groups_local": local_groups,
         "splits": 0,
+        "store_timeout_s": 600.0,
     }
     assert counts == dict.fromkeys(range(WORLD), expected)
     phases = startup.startup_phases(tmp_path / "run")

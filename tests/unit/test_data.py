@@ -305,3 +305,23 @@ def test_prefetcher_yields_the_same_batches_and_resumes_at_consumed_position():
     resumed.close()
     for (x, y), (ex, ey) in zip(got, expected, strict=True):
         assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_a_closed_prefetcher_goes_on_from_the_position_consumed():
+    """`Trainer.fit` closes its prefetcher when it returns; a later `fit` on the same trainer
+    (`fit(stop_at=)` in rounds) must get the next batches, not wait forever on a stopped thread."""
+    import numpy as np
+
+    from depthscale.data.loader import PackedBatches
+    from depthscale.data.prefetch import Prefetcher
+
+    tokens = np.arange(2000, dtype=np.uint16) % 250
+    plain = PackedBatches(tokens, 16, 4, seed=3)
+    expected = [plain.next_batch() for _ in range(6)]
+    pre = Prefetcher(PackedBatches(tokens, 16, 4, seed=3), depth=3)
+    got = [pre.next_batch() for _ in range(3)]
+    pre.close()  # with batches 4-6 prefetched and dropped
+    got += [pre.next_batch() for _ in range(3)]
+    pre.close()
+    for (x, y), (ex, ey) in zip(got, expected, strict=True):
+        assert torch.equal(x, ex) and torch.equal(y, ey)

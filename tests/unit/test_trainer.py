@@ -74,6 +74,16 @@ def test_stop_and_resume_gives_identical_losses(tmp_path, residual):
     assert [m["grad_norm"] for m in rest] == [m["grad_norm"] for m in full[3:]]
 
 
+def test_fit_in_rounds_on_one_trainer_equals_one_fit(tmp_path):
+    """`fit(stop_at=)` then `fit()` on the same trainer (benchmarks train in rounds): the second
+    call goes on from the batches consumed (the first closed its prefetcher) and ends where one
+    uninterrupted fit does, bit for bit."""
+    full = Trainer(make_cfg(tmp_path / "a")).fit()
+    trainer = Trainer(make_cfg(tmp_path / "b"))
+    rounds = trainer.fit(stop_at=2) + trainer.fit(stop_at=4) + trainer.fit()
+    assert [m["loss"] for m in rounds] == [m["loss"] for m in full]
+
+
 def test_grad_accumulation_matches_full_batch(tmp_path):
     """4 micro-batches of one row accumulate the gradient of one batch of 4: the same sums in another
     order. Every step of the accumulating run restarts from the full-batch run's parameters and

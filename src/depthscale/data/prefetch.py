@@ -34,6 +34,7 @@ class Prefetcher:
         self._start()
 
     def _start(self) -> None:
+        self._closed = False
         self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, daemon=True)
@@ -56,6 +57,9 @@ class Prefetcher:
             self._queue.put(err)
 
     def next_batch(self) -> Batch:
+        if self._closed:  # a later `fit` on the same trainer: resume where training left off
+            self.loader.load_state_dict(self._state)
+            self._start()
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -72,5 +76,8 @@ class Prefetcher:
         self._start()
 
     def close(self) -> None:
+        """Stop the thread; batches prefetched and not handed out are dropped (the next
+        `next_batch` starts again from the position consumed)."""
         self._stop.set()
         self._thread.join()
+        self._closed = True

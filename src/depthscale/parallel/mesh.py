@@ -159,11 +159,15 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> DistEn
         torch.cuda.set_device(env.local_rank)
     # Under torchrun the agent hosts the store; launched any other way, rank 0 hosts it.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # the store's own timeout bounds every wait on a key (a node's ranks waiting for its data,
+    # `startup.leader_first`): the groups' timeout, not TCPStore's default of 5 minutes
+    store_timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         env.world_size,
         is_master=not agent_store and env.rank == 0,
+        **store_timeout,
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"depthscale/attempt{attempt}", store)
