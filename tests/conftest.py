@@ -1,5 +1,7 @@
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,3 +40,25 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     cache = tmp_path_factory.getbasetemp() / "depthscale-cache"
     monkeypatch.setenv("DEPTHSCALE_CACHE", str(cache))
     torch.manual_seed(0)
+
+
+# The gloo worker pools (tests/dist/harness.py), one per world size for the whole session, shared
+# by every directory that runs multi-process cases (tests/dist, tests/faults): idle workers poll.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+_pools: dict = {}
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """`dist_pool(n)`: a session-wide pool of n gloo workers (started on first use, shared)."""
+    from harness import DistPool
+
+    def get(world_size: int) -> DistPool:
+        if world_size not in _pools:
+            _pools[world_size] = DistPool(world_size)
+        return _pools[world_size]
+
+    yield get
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
