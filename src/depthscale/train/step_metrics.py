@@ -36,9 +36,6 @@ class PendingMetrics:
     def add(self, metrics: dict[str, Any]) -> None:
         self._pending.append(metrics)
 
-    def __len__(self) -> int:
-        return len(self._pending)
-
     def resolve(self) -> list[dict[str, Any]]:
         """Every pending step's loss (mean over ranks) and gradient norm as floats: one all-reduce
         and one device-to-host read for all of them. Every rank calls it at the same steps."""
