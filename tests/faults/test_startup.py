@@ -65,23 +65,37 @@ def _start(rank: int, port: int, run_dir: str, corpus: str, layout: dict, result
         *("--optim.warmup_steps", "1"),
         *("--checkpoint.every", "0", "--logging.progress", "false"),
         *("--logging.tensorboard", "false", "--train.run_dir", run_dir),
+        *("--parallel.setup_timeout_s", "900", "--parallel.timeout_s", "500"),
     ]
     args += [a for name, v in layout.items() for a in (f"--parallel.{name}", str(v))]
     try:
         with count_synchronizations() as counts:
             trainer = Trainer(load_config(None, args))
+            setup_timeouts = _timeouts()
             trainer.fit(stop_at=1)  # the first step: its phase mark
-        from torch.distributed import distributed_c10d
-
-        # every wait on a store key (a node's ranks waiting for its data) is bounded by the
-        # groups' timeout (parallel.timeout_s, 600 s), not TCPStore's default 300 s
-        store_timeout = distributed_c10d._get_default_store().timeout.total_seconds()
-        results.put((rank, {**counts.summary(), "store_timeout_s": store_timeout}))
+        # every group, and every wait on a store key (a node's ranks waiting for its data), is
+        # bounded by parallel.setup_timeout_s until the first step, then by parallel.timeout_s:
+        # not torch's defaults (gloo 30 min, TCPStore 5 min)
+        timeouts = {"setup": setup_timeouts, "steps": _timeouts()}
+        results.put((rank, {**counts.summary(), "timeouts": timeouts}))
     except BaseException as err:
         results.put((rank, repr(err)))
         raise
     finally:
         destroy_distributed()
+
+
+def _timeouts() -> dict[str, list[float]]:
+    """The store's timeout and the distinct timeouts of this rank's process groups, in seconds."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    groups = [g for g in distributed_c10d._world.pg_map if g is not None]
+    backends = [g._get_backend(torch.device("cpu")) for g in groups]
+    return {
+        "store": [distributed_c10d._get_default_store().timeout.total_seconds()],
+        "groups": sorted({b.options._timeout.total_seconds() for b in backends}),
+    }
 
 
 def _run(tmp_path, layout: dict) -> dict[int, dict]:
@@ -120,7 +134,10 @@ def test_startup_has_no_world_barrier_but_init(tmp_path, layout, local_groups):
         "new_groups_world": 0,
         "new_groups_local": local_groups,
         "splits": 0,
-        "store_timeout_s": 600.0,
+        "timeouts": {
+            "setup": {"store": [900.0], "groups": [900.0]},
+            "steps": {"store": [500.0], "groups": [500.0]},
+        },
     }
     assert counts == dict.fromkeys(range(WORLD), expected)
     phases = startup.startup_phases(tmp_path / "run")

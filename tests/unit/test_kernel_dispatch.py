@@ -27,6 +27,7 @@ from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.attnres_ops import (  # noqa: E402
     KernelFallbackError,
     choose,
+    inter_block_read,
     inter_block_read_chained,
     kernel_paths,
     merge_partial,
@@ -46,7 +47,7 @@ def test_dispatch_follows_device_and_override():
     def paths():
         out, lse = multi_query_read(sources, queries, EPS)
         h = merge_partial(out[0], lse[0], partial, query, EPS)
-        return ["Triton" in t.grad_fn.name() for t in (out, h)]
+        return ["depthscale_triton" in t.grad_fn.name() for t in (out, h)]
 
     assert paths() == [DEVICE == "cuda"] * 2
     with kernels.use_triton(True):
@@ -54,7 +55,10 @@ def test_dispatch_follows_device_and_override():
         with kernels.use_triton(False):
             assert paths() == [False, False]
         double = [s.double() for s in sources]
-        assert "Triton" not in multi_query_read(double, queries.double(), EPS)[0].grad_fn.name()
+        assert (
+            "depthscale_triton"
+            not in multi_query_read(double, queries.double(), EPS)[0].grad_fn.name()
+        )
     assert kernels.triton_override() is None
 
 
@@ -304,3 +308,39 @@ def test_importing_the_model_imports_neither_dynamo_nor_triton():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@needs_triton
+def test_triton_reads_compile_into_one_graph_with_eager_results():
+    """The Triton reads are custom ops: torch.compile keeps them in its graph (fullgraph=True
+    raises on a graph break) and AOT autograd, through their fake versions and registered
+    backward, gives the eager kernels' values and gradients exactly (same kernels, same order)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def reads(blocks, partial, queries):
+        out, lse = inter_block_read(blocks, queries, EPS)
+        return merge_partial(out[1], lse[1], partial, queries[1], EPS)
+
+    torch.manual_seed(0)
+    values = [torch.randn(2, 5, 16, device=DEVICE) for _ in range(5)]
+
+    def run(fn):
+        *blocks, partial, queries = [v.clone().requires_grad_() for v in values]
+        queries = queries[0, :2].detach().requires_grad_()  # [2, 16]
+        h = fn(blocks, partial, queries)
+        h.square().sum().backward()
+        return [h.detach(), *(t.grad for t in (*blocks, partial, queries))]
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(reads, backend=counter, fullgraph=True)
+    with kernels.use_triton(True):
+        reset_kernel_paths()
+        eager = run(reads)
+        assert kernel_paths() == {"phase1": "triton", "merge": "triton"}
+        for _ in range(2):
+            got = run(compiled)
+            for a, b in zip(got, eager, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert counter.frame_count == 1
+    graph_ops = {str(n.target) for g in counter.graphs for n in g.graph.nodes}
+    assert any("depthscale_triton" in op for op in graph_ops), graph_ops

@@ -76,6 +76,28 @@ def test_flight_recorder_dump_and_group_lookup():
     assert callable(distributed_c10d._resolve_process_group)  # a pybind builtin: no signature
 
 
+def test_live_group_timeout_can_be_changed(tmp_path):
+    """parallel/mesh.shorten_timeout: after the first step every group this process belongs to
+    (`_world.pg_map`) gets `parallel.timeout_s` through `_set_pg_timeout`, and so does the store;
+    tests/faults/test_startup.py reads them back from 4 real ranks."""
+    import datetime
+
+    from torch.distributed import distributed_c10d
+
+    assert list(inspect.signature(distributed_c10d._set_pg_timeout).parameters) == [
+        "timeout",
+        "group",
+    ]
+    assert isinstance(distributed_c10d._world.pg_map, dict)
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    group = torch.distributed.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=9))
+    assert group.options._timeout == datetime.timedelta(seconds=9)
+    group._set_default_timeout(datetime.timedelta(seconds=4))  # what _set_pg_timeout calls
+    assert group.options._timeout == datetime.timedelta(seconds=4)
+    store.set_timeout(datetime.timedelta(seconds=3))
+    assert store.timeout == datetime.timedelta(seconds=3)
+
+
 def test_default_group_timeout_is_read_when_a_group_is_made():
     """parallel/mesh.set_group_timeout: `new_group` and the device mesh take their timeout from
     `distributed_c10d.default_pg_timeout` (NCCL: `default_pg_nccl_timeout`), read at call time

@@ -215,7 +215,11 @@ class ParallelConfig:
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
     timeout_s: float = 600.0
     """How long a collective or message may wait for its peers before it fails (the process
-    group's timeout); every rank then writes its hang dump."""
+    group's timeout), from the first completed step on; every rank then writes its hang dump."""
+    setup_timeout_s: float = 1800.0
+    """The same limit before the first step completes: joining the group, a node's tokenisation
+    that its other ranks wait for, checkpoint load, the first step's compilation and communicator
+    set-up. Long, so a slow start is not mistaken for a dead peer; then `timeout_s`."""
     nproc: int = 1
     """Local worker processes to launch (depthscale train --nproc N): per node."""
     nnodes: int = 1

@@ -242,6 +242,7 @@ _POSITIVE_FLOATS = (
     "model.attnres_eps",
     "optim.eps",
     "parallel.timeout_s",
+    "parallel.setup_timeout_s",
 )
 _NON_EMPTY = ("data.path", "data.tokenizer", "data.jsonl_field", "train.name", "train.run_dir")
 _SEED_LIMIT = 2**32  # numpy's seed range

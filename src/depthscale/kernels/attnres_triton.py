@@ -31,8 +31,9 @@ Design:
 - Arithmetic is fp32 throughout; results are stored in their tensors' dtypes: phase-1 outputs in
   the sources' dtype (lse in fp32), so a bf16 model saves bf16, not fp32, [B, T, d] tensors; the
   merge reads a phase-1 output of any float dtype.
-- `torch.compiler.disable`: the address table needs `data_ptr()`, which dynamo cannot trace, so
-  under `torch.compile` each call is an eager island (a graph break).
+- Custom ops (`torch.library.custom_op`, namespace `depthscale_triton`): the address table needs
+  `data_ptr()`, which dynamo cannot trace, so the compiler sees each read as one opaque op with a
+  shape-only fake version, inside its graph (no graph break).
 """
 
 from __future__ import annotations
@@ -224,78 +225,141 @@ def _addresses(tensors: list[Tensor], device: torch.device) -> tuple[Tensor, boo
     return table, all(a % 16 == 0 for a in addresses)
 
 
-class _TritonMultiQueryRead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w: Tensor, eps: float, *sources: Tensor) -> tuple[Tensor, Tensor]:
-        srcs = [s.contiguous() for s in sources]
-        shape, device = srcs[0].shape, srcs[0].device
-        (S, d), N = w.shape, srcs[0].numel() // w.shape[1]
-        s_pad = triton.next_power_of_2(S)
-        block_d, block_n, warps = _blocks(d, s_pad)
-        out = torch.empty(S, *shape, dtype=srcs[0].dtype, device=device)
-        lse = torch.empty(S, *shape[:-1], dtype=torch.float32, device=device)
-        table, aligned = _addresses(srcs, device)
-        _read_fwd_kernel[(triton.cdiv(N, block_n),)](
-            table, srcs[0], w, out, lse, len(srcs), S, N, d, eps,
-            S_PAD=s_pad, BLOCK_N=block_n, BLOCK_D=block_d, ALIGNED=aligned,
-            num_warps=warps)  # fmt: skip
-        ctx.save_for_backward(w, lse, *sources)
-        ctx.eps = eps
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out: Tensor, d_lse: Tensor):
-        w, lse, *sources = ctx.saved_tensors
-        srcs = [s.contiguous() for s in sources]
-        d_srcs = [torch.empty_like(s) for s in srcs]
-        device = srcs[0].device
-        (S, d), N = w.shape, srcs[0].numel() // w.shape[1]
-        s_pad = triton.next_power_of_2(S)
-        block_d, block_n, warps = _blocks(d, s_pad)
-        n_prog = _n_programs(triton.cdiv(N, block_n), device)
-        dw = torch.empty(n_prog, s_pad, block_d, dtype=torch.float32, device=device)
-        table, aligned = _addresses(srcs + d_srcs, device)
-        d_out = d_out.to(srcs[0].dtype).contiguous()  # the output's dtype: no copy
-        d_lse = d_lse.float().contiguous()
-        _read_bwd_kernel[(n_prog,)](
-            table, srcs[0], w, lse, d_out, d_lse, dw, len(srcs), S, N, d, ctx.eps,
-            S_PAD=s_pad, BLOCK_N=block_n, BLOCK_D=block_d, ALIGNED=aligned,
-            num_warps=warps)  # fmt: skip
-        return dw[:, :S, :d].sum(0), None, *d_srcs
+# The kernels are torch custom ops (opaque to torch.compile, with shape-only fake versions), so a
+# compiled model calls them inside its graph: no graph break per read. Their autograd formulas are
+# registered on the forward ops; each backward is an op of its own.
 
 
-class _TritonMergePartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, inter_out: Tensor, inter_lse: Tensor, partial: Tensor, w: Tensor,
-                eps: float) -> Tensor:  # fmt: skip
-        o, lse, p = inter_out.contiguous(), inter_lse.contiguous(), partial.contiguous()
-        d = p.shape[-1]
-        N = p.numel() // d
-        block_d, block_n, warps = _blocks(d)
-        h = torch.empty_like(p)
-        _merge_fwd_kernel[(triton.cdiv(N, block_n),)](
-            o, lse, p, w, h, N, d, eps,
-            BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)  # fmt: skip
-        ctx.save_for_backward(o, lse, p, w)
-        ctx.eps = eps
-        return h
-
-    @staticmethod
-    def backward(ctx, dh: Tensor):
-        o, lse, p, w = ctx.saved_tensors
-        d = p.shape[-1]
-        N = p.numel() // d
-        block_d, block_n, warps = _blocks(d)
-        n_prog = _n_programs(triton.cdiv(N, block_n), p.device)
-        d_o, d_lse, d_p = torch.empty_like(o), torch.empty_like(lse), torch.empty_like(p)
-        dw = torch.empty(n_prog, block_d, dtype=torch.float32, device=p.device)
-        _merge_bwd_kernel[(n_prog,)](
-            o, lse, p, w, dh.contiguous(), d_o, d_lse, d_p, dw, N, d, ctx.eps,
-            BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)  # fmt: skip
-        return d_o, d_lse, d_p, dw[:, :d].sum(0), None
+@torch.library.custom_op("depthscale_triton::read_forward", mutates_args=())
+def _read_forward(w: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    srcs = [s.contiguous() for s in sources]
+    shape, device = srcs[0].shape, srcs[0].device
+    (S, d), N = w.shape, srcs[0].numel() // w.shape[1]
+    s_pad = triton.next_power_of_2(S)
+    block_d, block_n, warps = _blocks(d, s_pad)
+    out = torch.empty(S, *shape, dtype=srcs[0].dtype, device=device)
+    lse = torch.empty(S, *shape[:-1], dtype=torch.float32, device=device)
+    table, aligned = _addresses(srcs, device)
+    _read_fwd_kernel[(triton.cdiv(N, block_n),)](
+        table, srcs[0], w, out, lse, len(srcs), S, N, d, eps,
+        S_PAD=s_pad, BLOCK_N=block_n, BLOCK_D=block_d, ALIGNED=aligned,
+        num_warps=warps)  # fmt: skip
+    return out, lse
 
 
-@torch.compiler.disable
+@_read_forward.register_fake
+def _(w: Tensor, sources: list[Tensor], eps: float) -> tuple[Tensor, Tensor]:
+    shape = sources[0].shape
+    out = sources[0].new_empty(w.shape[0], *shape)
+    return out, sources[0].new_empty(w.shape[0], *shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("depthscale_triton::read_backward", mutates_args=())
+def _read_backward(
+    w: Tensor, lse: Tensor, sources: list[Tensor], d_out: Tensor, d_lse: Tensor, eps: float
+) -> tuple[Tensor, list[Tensor]]:
+    srcs = [s.contiguous() for s in sources]
+    d_srcs = [torch.empty_like(s) for s in srcs]
+    device = srcs[0].device
+    (S, d), N = w.shape, srcs[0].numel() // w.shape[1]
+    s_pad = triton.next_power_of_2(S)
+    block_d, block_n, warps = _blocks(d, s_pad)
+    n_prog = _n_programs(triton.cdiv(N, block_n), device)
+    dw = torch.empty(n_prog, s_pad, block_d, dtype=torch.float32, device=device)
+    table, aligned = _addresses(srcs + d_srcs, device)
+    d_out = d_out.to(srcs[0].dtype).contiguous()  # the output's dtype: no copy
+    d_lse = d_lse.float().contiguous()
+    _read_bwd_kernel[(n_prog,)](
+        table, srcs[0], w, lse, d_out, d_lse, dw, len(srcs), S, N, d, eps,
+        S_PAD=s_pad, BLOCK_N=block_n, BLOCK_D=block_d, ALIGNED=aligned,
+        num_warps=warps)  # fmt: skip
+    return dw[:, :S, :d].sum(0), d_srcs
+
+
+@_read_backward.register_fake
+def _(w, lse, sources, d_out, d_lse, eps):
+    return torch.empty_like(w), [
+        torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources
+    ]
+
+
+def _read_setup(ctx, inputs, output) -> None:
+    w, sources, eps = inputs
+    ctx.save_for_backward(w, output[1], *sources)
+    ctx.eps = eps
+
+
+def _read_grads(ctx, d_out: Tensor, d_lse: Tensor):
+    w, lse, *sources = ctx.saved_tensors
+    dw, d_srcs = _read_backward(w, lse, sources, d_out, d_lse, ctx.eps)
+    return dw, d_srcs, None
+
+
+_read_forward.register_autograd(_read_grads, setup_context=_read_setup)
+
+
+@torch.library.custom_op("depthscale_triton::merge_forward", mutates_args=())
+def _merge_forward(
+    inter_out: Tensor, inter_lse: Tensor, partial: Tensor, w: Tensor, eps: float
+) -> Tensor:
+    o, lse, p = inter_out.contiguous(), inter_lse.contiguous(), partial.contiguous()
+    d = p.shape[-1]
+    N = p.numel() // d
+    block_d, block_n, warps = _blocks(d)
+    h = torch.empty_like(p)
+    _merge_fwd_kernel[(triton.cdiv(N, block_n),)](
+        o, lse, p, w, h, N, d, eps,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)  # fmt: skip
+    return h
+
+
+@_merge_forward.register_fake
+def _(inter_out, inter_lse, partial, w, eps):
+    return torch.empty_like(partial, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("depthscale_triton::merge_backward", mutates_args=())
+def _merge_backward(
+    inter_out: Tensor, inter_lse: Tensor, partial: Tensor, w: Tensor, dh: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    o, lse, p = inter_out.contiguous(), inter_lse.contiguous(), partial.contiguous()
+    d = p.shape[-1]
+    N = p.numel() // d
+    block_d, block_n, warps = _blocks(d)
+    n_prog = _n_programs(triton.cdiv(N, block_n), p.device)
+    d_o, d_lse, d_p = torch.empty_like(o), torch.empty_like(lse), torch.empty_like(p)
+    dw = torch.empty(n_prog, block_d, dtype=torch.float32, device=p.device)
+    _merge_bwd_kernel[(n_prog,)](
+        o, lse, p, w, dh.contiguous(), d_o, d_lse, d_p, dw, N, d, eps,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps)  # fmt: skip
+    return d_o, d_lse, d_p, dw[:, :d].sum(0)
+
+
+@_merge_backward.register_fake
+def _(inter_out, inter_lse, partial, w, dh, eps):
+    contiguous = torch.contiguous_format
+    return (
+        torch.empty_like(inter_out, memory_format=contiguous),
+        torch.empty_like(inter_lse, memory_format=contiguous),
+        torch.empty_like(partial, memory_format=contiguous),
+        torch.empty_like(w),
+    )
+
+
+def _merge_setup(ctx, inputs, output) -> None:
+    inter_out, inter_lse, partial, w, eps = inputs
+    ctx.save_for_backward(inter_out, inter_lse, partial, w)
+    ctx.eps = eps
+
+
+def _merge_grads(ctx, dh: Tensor):
+    o, lse, p, w = ctx.saved_tensors
+    return (*_merge_backward(o, lse, p, w, dh, ctx.eps), None)
+
+
+_merge_forward.register_autograd(_merge_grads, setup_context=_merge_setup)
+
+
 def triton_multi_query_read(
     sources: list[Tensor], queries: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
@@ -304,16 +368,13 @@ def triton_multi_query_read(
     [S, B, T]."""
     if len({(s.shape, s.dtype, s.device) for s in sources}) != 1:
         raise ValueError("sources must share shape, dtype and device")
-    return _TritonMultiQueryRead.apply(queries.float().contiguous(), eps, *sources)
+    return _read_forward(queries.float().contiguous(), list(sources), eps)
 
 
-@torch.compiler.disable
 def triton_merge_partial(
     inter_out: Tensor, inter_lse: Tensor, partial: Tensor, query: Tensor, eps: float
 ) -> Tensor:
     """`attnres_ops.merge_partial` as one fused kernel each way: phase-1 output [B, T, d] (any
     float dtype, read as is: its gradient comes back in that dtype) and lse [B, T] merged with the
     partial sum [B, T, d] for query [d] -> [B, T, d] in partial's dtype."""
-    return _TritonMergePartial.apply(
-        inter_out, inter_lse.float(), partial, query.float().contiguous(), eps
-    )
+    return _merge_forward(inter_out, inter_lse.float(), partial, query.float().contiguous(), eps)

@@ -205,6 +205,27 @@ def set_group_timeout(timeout: datetime.timedelta) -> None:
         distributed_c10d.default_pg_nccl_timeout = timeout
 
 
+def shorten_timeout(timeout_s: float) -> None:
+    """Switch every process group, the store and groups made later from the start-up timeout
+    (`parallel.setup_timeout_s`) to the steady-state one (`parallel.timeout_s`).
+
+    Start-up legitimately waits long (a node's tokenisation, NCCL communicator set-up, the first
+    step's compilation); once steps run, a peer silent that long is dead, and the sooner its
+    group fails the sooner the run restarts. `_set_pg_timeout` changes a live group's default;
+    `_world.pg_map` lists the groups this process belongs to; both private, pinned by
+    tests/unit/test_private_torch_apis.py. No-op without a process group."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    set_group_timeout(timeout)
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not None and not distributed_c10d._rank_not_in_group(group):
+            distributed_c10d._set_pg_timeout(timeout, group)
+    distributed_c10d._get_default_store().set_timeout(timeout)
+
+
 def destroy_distributed() -> None:
     """Barrier first: tearing down gloo while a peer is still in a collective aborts that peer."""
     if dist.is_initialized():

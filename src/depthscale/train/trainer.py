@@ -25,6 +25,7 @@ from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans, startup
 from depthscale.observe.metrics import Throughput, flops_per_token
+from depthscale.parallel.mesh import shorten_timeout
 from depthscale.parallel.parallelize import init_layout, parallelize
 from depthscale.resilience.diagnostics import DIAGNOSE_ENV, diagnose_in_group
 from depthscale.resilience.faults import FaultPlan, attempt, corrupt_checkpoint, parse_faults
@@ -54,6 +55,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.timeout_shortened = False  # parallel.setup_timeout_s in force until the first step
         # first: a supervised worker is watched from the start (a hang in start-up is a hang too)
         self.heartbeat = Heartbeat.from_env(int(os.environ.get("RANK", "0")), attempt())
         self.device = setup.resolve_device(cfg.train.device)
@@ -353,12 +355,19 @@ class Trainer:
                     f"rank {self.env.rank}: waiting for its peers failed at step {self.step + 1} "
                     f"({str(err).splitlines()[0][-160:]}); every rank that could wrote its hang "
                     f"dump: `depthscale trace hang --run {self.run_dir}` names the rank the "
-                    f"others waited for (parallel.timeout_s={self.cfg.parallel.timeout_s:g})"
+                    f"others waited for ({self._timeout_name()})"
                 ) from err
             raise
         finally:
             self.signals = None
             self.batches.close()
+
+    def _timeout_name(self) -> str:
+        """The process-group timeout in force: the start-up one until a step completed."""
+        p = self.cfg.parallel
+        if self.timeout_shortened:
+            return f"parallel.timeout_s={p.timeout_s:g}"
+        return f"parallel.setup_timeout_s={p.setup_timeout_s:g}"
 
     def _fit(self, stop_at: int | None) -> list[dict[str, float]]:
         cfg = self.cfg
@@ -395,6 +404,8 @@ class Trainer:
                     _print_kernel_paths()
                     startup.mark("first_step")
                     startup.save(self.run_dir, self.env.rank)  # RUN/startup/: where start-up went
+                    shorten_timeout(cfg.parallel.timeout_s)  # from setup_timeout_s
+                    self.timeout_shortened = True
                 seconds = time.perf_counter() - t0
                 self.pending.add(metrics)
                 self.throughput.update(self.tokens_per_step, seconds)
