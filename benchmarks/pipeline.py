@@ -90,7 +90,7 @@ def _worker(rank: int, args, port: int, out) -> None:
             model.zero_grad(set_to_none=True)
             peak_alive[key] = max(peak_alive[key], sent_alive.peak)
             if r:  # round 0 is warm-up
-                samples[key].append(stats)
+                samples[key].append(stats.settle())  # CUDA event times, once read
     for key, stats in samples.items():
         step = torch.tensor([statistics.median(s.step_s for s in stats)])
         dist.all_reduce(step, op=dist.ReduceOp.MAX)

@@ -63,7 +63,6 @@ labels are ignored: results are exact. The padded length must fit `model.max_seq
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +121,8 @@ class RingStats(CommStats):
     blocks_skipped: int = 0
     """Pairs skipped because no key of the block is visible to any local query."""
     ring_s: float = 0.0
-    """Wall seconds inside the ring loops (compute + communication)."""
+    """Seconds inside the ring loops (compute + communication; on a GPU, the compute stream's:
+    `settle()` first)."""
 
     def reset(self) -> None:
         for f in self.__dataclass_fields__:
@@ -179,33 +179,32 @@ def _merge(out: Tensor, lse: Tensor, rows: Index, out_b: Tensor, lse_b: Tensor) 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, group: ProcessGroup, stats: RingStats):
-        t_start = time.perf_counter()
-        call = next(CALLS)
-        ring = Ring(group, stats, f"call {call} forward")
-        n, (B, H, _, d), Hkv = plan.size, q.shape, k.shape[1]
-        scale = 1.0 / math.sqrt(d)
-        with torch.autocast(q.device.type, enabled=False):
-            qg = q.unflatten(1, (Hkv, H // Hkv)).float()
-            out = torch.zeros_like(qg)
-            lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
-            held = torch.stack([k, v])  # [2, B, Hkv, T, d]: the block this rank holds, as sent
-            for step in range(n):
-                incoming = plan.incoming(step + 1, B, Hkv, d)
-                batch = ring.post(
-                    _kv_send(plan, ring, held, step),
-                    _kv_recv(plan, ring, incoming, step, k.dtype),
-                    q.device,
-                )
-                tiles = plan.tiles(step) if held is not None else []
-                stats.blocks_computed += bool(tiles)
-                stats.blocks_skipped += not tiles
-                _forward_tiles(plan, tiles, held, qg, out, lse, scale)
-                held = _next_block(batch, plan, ring, step)
-        y = out.flatten(1, 2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, y, lse)
-        ctx.plan, ctx.group, ctx.stats, ctx.call = plan, group, stats, call
-        stats.calls += 1
-        stats.ring_s += time.perf_counter() - t_start
+        with stats.timing("ring_s", q.device):
+            call = next(CALLS)
+            ring = Ring(group, stats, f"call {call} forward")
+            n, (B, H, _, d), Hkv = plan.size, q.shape, k.shape[1]
+            scale = 1.0 / math.sqrt(d)
+            with torch.autocast(q.device.type, enabled=False):
+                qg = q.unflatten(1, (Hkv, H // Hkv)).float()
+                out = torch.zeros_like(qg)
+                lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
+                held = torch.stack([k, v])  # [2, B, Hkv, T, d]: the block this rank holds, as sent
+                for step in range(n):
+                    incoming = plan.incoming(step + 1, B, Hkv, d)
+                    batch = ring.post(
+                        _kv_send(plan, ring, held, step),
+                        _kv_recv(plan, ring, incoming, step, k.dtype),
+                        q.device,
+                    )
+                    tiles = plan.tiles(step) if held is not None else []
+                    stats.blocks_computed += bool(tiles)
+                    stats.blocks_skipped += not tiles
+                    _forward_tiles(plan, tiles, held, qg, out, lse, scale)
+                    held = _next_block(batch, plan, ring, step)
+            y = out.flatten(1, 2).to(q.dtype)
+            ctx.save_for_backward(q, k, v, y, lse)
+            ctx.plan, ctx.group, ctx.stats, ctx.call = plan, group, stats, call
+            stats.calls += 1
         return y
 
     @staticmethod
@@ -216,66 +215,69 @@ class _RingAttention(torch.autograd.Function):
         forward), the dK/dV the previous step added to its block — to the next holder or, from the
         block's last holder, home to its owner — and the receives of the same messages. A final
         group after the last step sends the last dK/dV home."""
-        t_start = time.perf_counter()
         q, k, v, y, lse = ctx.saved_tensors
         plan, stats = ctx.plan, ctx.stats
-        ring = Ring(ctx.group, stats, f"call {ctx.call} backward")
-        n, rank, (B, H, _, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
-        scale = 1.0 / math.sqrt(d)
-        with torch.autocast(q.device.type, enabled=False):
-            qg = q.unflatten(1, (Hkv, H // Hkv)).float()
-            do = dy.unflatten(1, (Hkv, H // Hkv)).float()
-            delta = (do * y.unflatten(1, (Hkv, H // Hkv)).float()).sum(-1)
-            dq = torch.zeros_like(qg)
-            dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-            home = None  # the group receiving this block's dK/dV computed by the others
-            # its last holder sends them in the group after its last step with the block
-            home_step = plan.hops[rank] + 1 if plan.hops[rank] >= 1 else None
-            held = torch.stack([k, v])
-            passing: list[p2p.Send] = []  # the dK/dV the previous step computed, to go on
-            for step in range(n + 1):
-                sends, recvs = [], []  # K/V first, then dK/dV, on both ends of every pair
-                if step < n:
-                    sends += _kv_send(plan, ring, held, step)
-                    recvs += _kv_recv(plan, ring, plan.incoming(step + 1, B, Hkv, d), step, k.dtype)
-                sends += passing
-                j = plan.owner(step)
-                if step >= 2 and plan.arrives(step):  # the earlier holders' share of block j
-                    shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
-                    recvs.append(p2p.Recv(shape, torch.float32, ring.prev, ring.dkv_label(j, step)))
-                if step == home_step:
-                    last = (rank + plan.hops[rank]) % n
-                    shape = (2, B, Hkv, plan.payload(rank, 1).numel(), d)
-                    recvs.append(p2p.Recv(shape, torch.float32, last, ring.home_label(rank)))
-                group = ring.post(sends, recvs, q.device)
-                if step == home_step:
-                    home = group
-                if step == n:
-                    if group is not None:
-                        group.wait_sends()
-                    break
-                tiles = plan.tiles(step) if held is not None else []
-                stats.blocks_computed += bool(tiles)
-                stats.blocks_skipped += not tiles
-                if step == 0:
-                    dkv = dkv_own
-                elif held is not None:  # this rank's share of the remote block's dK/dV
-                    shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
-                    dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
-                _backward_tiles(plan, tiles, held, (qg, do, lse, delta), dq, dkv, scale)
-                passing = []
-                if step > 0 and held is not None:  # add the earlier holders' share, pass it on
-                    if step >= 2:
-                        dkv += group.recv(ring.dkv_label(j, step))
-                    if plan.sends(step):
-                        passing = [p2p.Send(dkv, ring.next, ring.dkv_label(j, step + 1))]
-                    else:  # the last holder: straight back to the owner
-                        passing = [p2p.Send(dkv, j, ring.home_label(j))]
-                held = _next_block(group, plan, ring, step)
-            if home is not None:
-                home_dkv = home.recv(ring.home_label(rank))
-                plan.home_selection().add(dkv_own, home_dkv, 3)
-        stats.ring_s += time.perf_counter() - t_start
+        with stats.timing("ring_s", q.device):
+            ring = Ring(ctx.group, stats, f"call {ctx.call} backward")
+            n, rank, (B, H, _, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
+            scale = 1.0 / math.sqrt(d)
+            with torch.autocast(q.device.type, enabled=False):
+                qg = q.unflatten(1, (Hkv, H // Hkv)).float()
+                do = dy.unflatten(1, (Hkv, H // Hkv)).float()
+                delta = (do * y.unflatten(1, (Hkv, H // Hkv)).float()).sum(-1)
+                dq = torch.zeros_like(qg)
+                dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+                home = None  # the group receiving this block's dK/dV computed by the others
+                # its last holder sends them in the group after its last step with the block
+                home_step = plan.hops[rank] + 1 if plan.hops[rank] >= 1 else None
+                held = torch.stack([k, v])
+                passing: list[p2p.Send] = []  # the dK/dV the previous step computed, to go on
+                for step in range(n + 1):
+                    sends, recvs = [], []  # K/V first, then dK/dV, on both ends of every pair
+                    if step < n:
+                        sends += _kv_send(plan, ring, held, step)
+                        recvs += _kv_recv(
+                            plan, ring, plan.incoming(step + 1, B, Hkv, d), step, k.dtype
+                        )
+                    sends += passing
+                    j = plan.owner(step)
+                    if step >= 2 and plan.arrives(step):  # the earlier holders' share of block j
+                        shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
+                        recvs.append(
+                            p2p.Recv(shape, torch.float32, ring.prev, ring.dkv_label(j, step))
+                        )
+                    if step == home_step:
+                        last = (rank + plan.hops[rank]) % n
+                        shape = (2, B, Hkv, plan.payload(rank, 1).numel(), d)
+                        recvs.append(p2p.Recv(shape, torch.float32, last, ring.home_label(rank)))
+                    group = ring.post(sends, recvs, q.device)
+                    if step == home_step:
+                        home = group
+                    if step == n:
+                        if group is not None:
+                            group.wait_sends()
+                        break
+                    tiles = plan.tiles(step) if held is not None else []
+                    stats.blocks_computed += bool(tiles)
+                    stats.blocks_skipped += not tiles
+                    if step == 0:
+                        dkv = dkv_own
+                    elif held is not None:  # this rank's share of the remote block's dK/dV
+                        shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
+                        dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
+                    _backward_tiles(plan, tiles, held, (qg, do, lse, delta), dq, dkv, scale)
+                    passing = []
+                    if step > 0 and held is not None:  # add the earlier holders' share, pass it on
+                        if step >= 2:
+                            dkv += group.recv(ring.dkv_label(j, step))
+                        if plan.sends(step):
+                            passing = [p2p.Send(dkv, ring.next, ring.dkv_label(j, step + 1))]
+                        else:  # the last holder: straight back to the owner
+                            passing = [p2p.Send(dkv, j, ring.home_label(j))]
+                    held = _next_block(group, plan, ring, step)
+                if home is not None:
+                    home_dkv = home.recv(ring.home_label(rank))
+                    plan.home_selection().add(dkv_own, home_dkv, 3)
         dk, dv = dkv_own.to(k.dtype).unbind(0)
         return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -32,6 +31,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from depthscale.observe import spans
+from depthscale.observe.device_time import DeviceTimes
 
 
 class Send(NamedTuple):
@@ -49,13 +49,15 @@ class Recv(NamedTuple):
 
 
 @dataclass
-class Traffic:
-    """Counters of one caller's messages (its stats object may subclass this)."""
+class Traffic(DeviceTimes):
+    """Counters of one caller's messages (its stats object may subclass this). Durations are of
+    device work (`observe.device_time`): call `settle()` before reading them on a GPU."""
 
     bytes_sent: int = 0
     messages: int = 0
     wait_s: float = 0.0
-    """Seconds blocked in `wait()`: communication not hidden by compute."""
+    """Seconds blocked in `wait()` (on a GPU: the compute stream's): communication not hidden by
+    compute."""
     send_bytes_live: int = 0
     """Bytes of send buffers posted and not yet known to be complete."""
     peak_send_bytes_live: int = 0
@@ -82,12 +84,14 @@ class Batch:
         traffic: Traffic,
         trace_id: int | None,
         opened: tuple[list, dict] = ((), {}),
+        device: torch.device | None = None,
     ) -> None:
         # one work per operation (gloo), in posting order: sends, then receives; else one for the
         # whole group (NCCL's coalesced work) — what batch_isend_irecv returns today
         per_op = len(works) == len(sends) + len(recvs)
         self._works = list(works)  # not yet waited on (a work holds its tensor alive)
         self._recvs, self._traffic, self._trace_id = recvs, traffic, trace_id
+        self._device = device if device is not None else torch.device("cpu")
         send_spans, self._recv_spans = opened
         self._sends = [
             _Sent(t, peer, [works[i]] if per_op else list(works), span)
@@ -131,11 +135,10 @@ class Batch:
         pending = [w for w in works if any(w is p for p in self._works)]
         if not pending:
             return
-        t0 = time.perf_counter()
-        for work in pending:
-            work.wait()
+        with self._traffic.timing("wait_s", self._device):
+            for work in pending:
+                work.wait()
         self._works = [w for w in self._works if not any(w is p for p in pending)]
-        self._traffic.wait_s += time.perf_counter() - t0
         if _trace is not None and self._trace_id is not None:
             _trace.append({"wait": self._trace_id})
 
@@ -184,7 +187,7 @@ def post(
     trace_id = _record_post(group, sends, held, recvs) if _trace is not None and ops else None
     opened = _open_spans(group, sends, held, recvs, traffic.channel) if spans.active() else ((), {})
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None] if ops else []
-    return Batch(works, held, bufs, traffic, trace_id, opened)
+    return Batch(works, held, bufs, traffic, trace_id, opened, device)
 
 
 _group_ranks: dict[int, tuple[list[int], str]] = {}

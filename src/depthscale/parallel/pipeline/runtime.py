@@ -15,7 +15,6 @@ cache decides which blocks a hop must carry; a hop with nothing to carry is left
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,7 +51,7 @@ class StepStats(p2p.Traffic):
     channel = "pp"
     per_hop_bytes: list[int] = field(default_factory=list)
     compute_s: float = 0.0  # time inside forward/backward compute
-    step_s: float = 0.0  # wall time of the whole step on this rank
+    step_s: float = 0.0  # time of the whole step on this rank (on a GPU: its compute stream's)
 
     @property
     def bubble_ratio(self) -> float:
@@ -109,9 +108,14 @@ class PipelineRuntime:
         """Run all actions for one optimizer step; returns the summed loss on the last stage's rank.
         `positions`: the global positions of the tokens in every micro-batch (a sequence shard
         under context parallelism), passed to every stage."""
-        step_start = time.perf_counter()
         run = _Step(self, micro_inputs, micro_labels, (*shape,), dtype, device)
         run.positions = positions
+        with run.stats.timing("step_s", device):
+            self._run(run)
+        self.steps += 1
+        return run.total_loss, run.stats
+
+    def _run(self, run: _Step) -> None:
         last_backward = {a.stage: a for a in self.actions if a.kind == Kind.B}
         for item in self.program:
             if isinstance(item, Post):
@@ -130,9 +134,6 @@ class PipelineRuntime:
             unused = list(run.receives) + list(run.outbox)
             raise RuntimeError(f"pipeline step ended with unused messages: {unused}")
         self.cache.clear()  # a forward-only pass leaves its microbatches behind
-        run.stats.step_s = time.perf_counter() - step_start
-        self.steps += 1
-        return run.total_loss, run.stats
 
     def _forward_context(self) -> contextlib.AbstractContextManager:
         if self.forward_context is None or not torch.is_grad_enabled():
@@ -207,17 +208,16 @@ class _Step:
             if unit.recv is not None:
                 unit.recv.requires_grad_()
             state_in = rt.cache.receive(a.stage, a.microbatch, unit.recv)
-        t0 = time.perf_counter()
-        with rt._forward_context(), spans.span("forward", mb=a.microbatch, chunk=a.stage):
-            labels = self.labels[a.microbatch] if stage.spec.is_last else None
-            out = stage(state_in, labels, self.positions)
-        if stage.spec.is_last:
-            unit.loss = out / self.n_micro
-            loss = unit.loss.detach()
-            self.total_loss = loss if self.total_loss is None else self.total_loss + loss
-        else:
-            unit.outputs = rt.cache.produced(a.stage, a.microbatch, out)
-        stats.compute_s += time.perf_counter() - t0
+        with stats.timing("compute_s", self.device):
+            with rt._forward_context(), spans.span("forward", mb=a.microbatch, chunk=a.stage):
+                labels = self.labels[a.microbatch] if stage.spec.is_last else None
+                out = stage(state_in, labels, self.positions)
+            if stage.spec.is_last:
+                unit.loss = out / self.n_micro
+                loss = unit.loss.detach()
+                self.total_loss = loss if self.total_loss is None else self.total_loss + loss
+            else:
+                unit.outputs = rt.cache.produced(a.stage, a.microbatch, out)
         self.units[(a.microbatch, a.stage)] = unit
         if (Kind.SEND_F, a.microbatch, a.stage) in rt._messages:
             hop = rt.cache.outgoing(a.stage, a.microbatch, unit.outputs, self.dtype)
@@ -234,10 +234,11 @@ class _Step:
             tensors, grads = rt.cache.backward_targets(
                 a.stage, a.microbatch, unit.outputs, self.take(a)
             )
-        t0 = time.perf_counter()
-        with spans.span("backward", mb=a.microbatch, chunk=a.stage):
+        with (
+            self.stats.timing("compute_s", self.device),
+            spans.span("backward", mb=a.microbatch, chunk=a.stage),
+        ):
             torch.autograd.backward(tensors, grads)
-        self.stats.compute_s += time.perf_counter() - t0
         if unit.recv is not None:  # the gradient hop: handed over, so only the send holds it
             grad = rt.cache.input_grads(unit.recv).contiguous()
             unit.recv.grad = None
