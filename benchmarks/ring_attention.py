@@ -42,20 +42,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import SentBuffers, device_info, peak_rss_delta, run_ranks  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
+from depthscale.model import attention_tiles as ring_tiles  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
 from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
 from depthscale.parallel.ring_plan import RingPlan, Span  # noqa: E402
 from depthscale.train.memory import saved_activation_bytes  # noqa: E402
 
 
-def _noop_attend(q, k, v, mask, scale):
+def _noop_tile(q, k, v, mask, scale):
     return torch.zeros_like(q), torch.zeros(q.shape[:-1])
 
 
-def _noop_attend_backward(q, k, v, do, lse, delta, mask, scale):
-    B, Hkv, _, _, d = q.shape
-    zeros = torch.zeros(B, Hkv, k.shape[2], d)
-    return torch.zeros_like(q), zeros, zeros
+def _noop_tile_backward(do, q, k, v, out, lse, mask, scale):
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
 def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> None:
@@ -76,9 +75,8 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
     cos_t, sin_t = rope_tables(cfg.head_dim, args.seq, cfg.rope_theta)
     stats = cp_mod.RingStats()
     group = dist.group.WORLD
-    attn.attention_fn = lambda q, k, v, qp, kp, w: cp_mod.ring_attention(
-        q, k, v, qp, kp, w, group, stats
-    )
+    # what the trainer installs: the sharding declared, one plan per shape for the run
+    rings = {m: cp_mod.RingAttention(group, stats, layout=m) for m in ("zigzag", "contiguous")}
 
     def inputs(mode):
         x = cp_mod.shard_sequence(x_full, rank, cp, 1, mode).requires_grad_()
@@ -87,7 +85,8 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
 
     def step(mode):
         x, cos, sin, pos = inputs(mode)
-        attn(x, cos, sin, pos).sum().backward()
+        attn.attention_fn = sdpa_attention if mode == "sdpa" else rings[mode]
+        attn(x, cos, sin, None if mode == "sdpa" else pos).sum().backward()
 
     out: dict = {"rank": rank}
     x, cos, sin, pos = inputs("zigzag")
@@ -101,13 +100,10 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
     if cp == 1:
         attn.attention_fn = sdpa_attention
         out["sdpa_activation_bytes"] = saved_activation_bytes(
-            lambda: attn(x, cos, sin, pos), params
-        )
-        attn.attention_fn = lambda q, k, v, qp, kp, w: cp_mod.ring_attention(
-            q, k, v, qp, kp, w, group, stats
+            lambda: attn(x, cos, sin, None), params
         )
 
-    modes = ("zigzag", "contiguous")
+    modes = ("zigzag", "contiguous") + (("sdpa",) if cp == 1 else ())
     for mode in modes:  # warm-up
         step(mode)
     times = {m: [] for m in modes}
@@ -121,17 +117,20 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
             step(mode)
             times[mode].append(time.perf_counter() - t0)
             stats.settle()  # CUDA event times, once read
+            if mode == "sdpa":
+                continue
             ring[mode][0] += stats.ring_s
             ring[mode][1] += stats.wait_s
             blocks[mode] = stats.blocks_computed // 2  # per forward (backward computes the same)
     out["step_s"] = {m: times[m] for m in modes}
+    modes = ("zigzag", "contiguous")
     out["ring_s"] = {m: ring[m][0] / args.rounds for m in modes}
     out["wait_s"] = {m: ring[m][1] / args.rounds for m in modes}
     out["blocks"] = blocks
 
     # the same message pattern with the block math removed: pure communication time
-    real = cp_mod._attend, cp_mod._attend_backward
-    cp_mod._attend, cp_mod._attend_backward = _noop_attend, _noop_attend_backward
+    real = ring_tiles.forward, ring_tiles.backward
+    ring_tiles.forward, ring_tiles.backward = _noop_tile, _noop_tile_backward
     comm_alone = {m: 0.0 for m in modes}
     for _ in range(args.rounds):
         for mode in modes:
@@ -139,7 +138,7 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
             stats.reset()
             step(mode)
             comm_alone[mode] += stats.settle().ring_s / args.rounds
-    cp_mod._attend, cp_mod._attend_backward = real
+    ring_tiles.forward, ring_tiles.backward = real
     out["comm_alone_s"] = comm_alone
     out["plan_s"] = _plan_times(args, group, rank, cp)
     queue.put(out)
@@ -226,6 +225,10 @@ def _summary(cp: int, ranks: list[dict], rounds: int) -> dict:
     )
     if cp == 1:
         out["sdpa_activation_bytes"] = ranks[0]["sdpa_activation_bytes"]
+        sdpa = statistics.median(ranks[0]["step_s"]["sdpa"])
+        out["sdpa_step_s"] = round(sdpa, 4)
+        # the same layer with single-process SDPA: what the ring must not be much slower than
+        out["ring_over_sdpa"] = {m: round(step[m] / sdpa, 3) for m in modes}
     return out
 
 
@@ -255,6 +258,13 @@ def main() -> None:
     }
     for cp in args.cp:
         result["cp"][str(cp)] = _summary(cp, run_ranks(_worker, cp, cp, args), args.rounds)
+    if "1" in result["cp"]:  # the work each rank is left with, against the whole ring at cp = 1
+        one = result["cp"]["1"]["busy_s_per_rank"]["zigzag"][0]
+        result["zigzag_busiest_rank_over_cp1"] = {
+            cp: round(max(r["busy_s_per_rank"]["zigzag"]) / one, 3)
+            for cp, r in result["cp"].items()
+            if cp != "1"
+        }
     text = json.dumps(result, indent=1)
     # keep per-rank lists on one line each
     print(

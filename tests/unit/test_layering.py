@@ -23,9 +23,14 @@ FORBIDDEN = {
 }
 """Layer (subpackage of depthscale) → subpackages it must not import."""
 
-LEAVES = ("depthscale.observe.spans", "depthscale.observe.startup")
+LEAVES = (
+    "depthscale.observe.spans",
+    "depthscale.observe.startup",
+    "depthscale.observe.device_time",
+)
 """Modules any layer may import: they import nothing from depthscale (checked below). The span
-recorder is one, so that the pipeline, the ring and the collectives record where they work."""
+recorder is one, so that the pipeline, the ring and the collectives record where they work;
+`device_time` another, so that their step statistics time device work."""
 
 
 def imported_modules(source: str, module: str) -> list[tuple[int, str]]:

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from depthscale.config import ModelConfig, RopeScalingKind
+from depthscale.model.window_attention import window_attention
 
 
 class RMSNorm(nn.Module):
@@ -116,11 +117,15 @@ def sdpa_attention(
 ) -> Tensor:
     """Causal attention on `scaled_dot_product_attention`; q [B,H,Tq,hd], k/v [B,Hkv,Tk,hd].
 
-    Positions of None mean 0..T-1 with Tq == Tk, which lets SDPA use its fused causal path.
+    Positions of None mean 0..T-1 with Tq == Tk, which lets SDPA use its fused causal path, and a
+    sliding window there run blockwise (`window_attention`: cost ∝ T·window, not T²). Explicit
+    positions (KV-cache decoding) build the dense mask.
     """
     gqa = q.shape[1] != k.shape[1]
     if q_pos is None and window == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q_pos is None and window < q.shape[2]:
+        return window_attention(q, k, v, window)
     if q_pos is None:
         q_pos = k_pos = torch.arange(q.shape[2], device=q.device)
     mask = attention_mask(q_pos, k_pos, window)

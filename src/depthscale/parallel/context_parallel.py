@@ -28,8 +28,10 @@ never of K/V):
   padding keys are seen by nobody). Bidirectional attention (`causal=False`) skips only by window.
   Inside a computed pair only keys some local query sees are used, in tiles of consecutive
   positions (at most `kv_tile` keys), and each tile only with the query rows that see it — for
-  zigzag that skips exactly the masked chunk pairs, on the diagonal block too; no mask is built
-  for a tile whose every (row, key) pair is visible.
+  zigzag that skips exactly the masked chunk pairs, on the diagonal block too. The rows that see
+  every key of a run form one tile, the others (the diagonal, a window's edge) another: the first
+  needs no mask, the causal diagonal only the kernel's causal flag, and only window edges an
+  additive bias (built once per plan). Tiles run on fused kernels (`model/attention_tiles.py`).
 * **communication**: block j is forwarded on hop t only if a rank t or more hops further still needs
   it, and then only the keys such a rank needs. A block nobody else needs is never sent; the ring
   stops early once no block has to go further. With `contiguous` sharding and a window no longer than
@@ -71,6 +73,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from depthscale.model import attention_tiles as ring_tiles
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
 from depthscale.parallel.cp_comm import CommStats, Ring
@@ -137,31 +140,6 @@ class RingStats(CommStats):
 # --------------------------------------------------------------------------- block math (fp32)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float):
-    """q [B,Hkv,G,Tq,d], k/v [B,Hkv,Tk,d] (fp32) → out [B,Hkv,G,Tq,d], lse [B,Hkv,G,Tq].
-
-    Every row sees at least one key (the plan drops rows that see none), so the LSE is finite."""
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.einsum("bhgqk,bhkd->bhgqd", p, v), lse
-
-
-def _attend_backward(q, k, v, do, lse, delta, mask, scale: float):
-    """Gradients of one block from the *global* LSE (probabilities recomputed, FlashAttention-2)."""
-    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v) - delta.unsqueeze(-1))
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k) * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q) * scale
-    return dq, dk, dv
-
-
 def _merge(out: Tensor, lse: Tensor, rows: Index, out_b: Tensor, lse_b: Tensor) -> None:
     """Online-softmax merge of a block result into the running (out, lse) rows, in place.
 
@@ -224,7 +202,7 @@ class _RingAttention(torch.autograd.Function):
             with torch.autocast(q.device.type, enabled=False):
                 qg = q.unflatten(1, (Hkv, H // Hkv)).float()
                 do = dy.unflatten(1, (Hkv, H // Hkv)).float()
-                delta = (do * y.unflatten(1, (Hkv, H // Hkv)).float()).sum(-1)
+                yg = y.unflatten(1, (Hkv, H // Hkv)).float()
                 dq = torch.zeros_like(qg)
                 dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
                 home = None  # the group receiving this block's dK/dV computed by the others
@@ -265,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
                     elif held is not None:  # this rank's share of the remote block's dK/dV
                         shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
                         dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
-                    _backward_tiles(plan, tiles, held, (qg, do, lse, delta), dq, dkv, scale)
+                    _backward_tiles(plan, tiles, held, (qg, do, yg, lse), dq, dkv, scale)
                     passing = []
                     if step > 0 and held is not None:  # add the earlier holders' share, pass it on
                         if step >= 2:
@@ -284,28 +262,31 @@ class _RingAttention(torch.autograd.Function):
 
 def _forward_tiles(plan: RingPlan, tiles, held, qg, out, lse, scale: float) -> None:
     """Attend the local queries to the held block, tile by tile, merged into (out, lse)."""
+    groups = qg.shape[1:3]
     for tile in tiles:
         kv = tile.cols.take(held, 3).float()
-        out_t, lse_t = _attend(tile.rows.take(qg, 3), kv[0], kv[1], plan.mask(tile), scale)
-        _merge(out, lse, tile.rows, out_t, lse_t)
+        q = tile.rows.take(qg, 3).flatten(1, 2)
+        out_t, lse_t = ring_tiles.forward(q, kv[0], kv[1], plan.tile_mask(tile), scale)
+        _merge(out, lse, tile.rows, out_t.unflatten(1, groups), lse_t.unflatten(1, groups))
 
 
 def _backward_tiles(plan: RingPlan, tiles, held, saved, dq, dkv, scale: float) -> None:
     """The held block's share of dQ (into `dq`) and of its own dK/dV (into `dkv`)."""
-    qg, do, lse, delta = saved
+    qg, do, yg, lse = saved
+    groups = qg.shape[1:3]
     for tile in tiles:
         kv, rows = tile.cols.take(held, 3).float(), tile.rows
-        dq_t, dk_t, dv_t = _attend_backward(
-            rows.take(qg, 3),
+        dq_t, dk_t, dv_t = ring_tiles.backward(
+            rows.take(do, 3).flatten(1, 2),
+            rows.take(qg, 3).flatten(1, 2),
             kv[0],
             kv[1],
-            rows.take(do, 3),
-            rows.take(lse, 3),
-            rows.take(delta, 3),
-            plan.mask(tile),
+            rows.take(yg, 3).flatten(1, 2),
+            rows.take(lse, 3).flatten(1, 2),
+            plan.tile_mask(tile),
             scale,
         )
-        rows.add(dq, dq_t, 3)
+        rows.add(dq, dq_t.unflatten(1, groups), 3)
         tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]), 3)
 
 
@@ -355,7 +336,9 @@ def ring_attention(
     q [B, H, T, hd] and k/v [B, Hkv, T, hd] are this rank's tokens, `q_pos` (== `k_pos`) [T] their
     global positions — any layout (see `shard_sequence`), equal length on every rank. Same contract
     as `sdpa_attention` on the full sequence; K/V travel at the KV head count (never expanded).
-    Scores are materialised for at most `kv_tile` keys at a time (× the local queries).
+    Each tile (at most `kv_tile` keys) runs a fused attention kernel that returns its LSE
+    (`model/attention_tiles.py`; on CPU torch's flash kernel, no score matrix), else a reference
+    that materialises the tile's fp32 scores.
     `seq_len`: the unpadded length — keys at positions >= seq_len are padding and seen by no query
     (needed when `causal=False` and the sequence was padded; causally padding at the end is never
     seen anyway). A query that sees no key at all gets a zero output (SDPA would give NaN).

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from depthscale.model.attention_tiles import TileMask, fused
 from depthscale.model.layers import attention_mask
 from depthscale.observe import spans
 
@@ -102,6 +103,15 @@ class Span:
             sees &= k_sorted[first.clamp(max=n - 1)] <= q_pos - self.lo
         return sees
 
+    def rows_seeing_all(self, k_sorted: Tensor, q_pos: Tensor) -> Tensor:
+        """bool[Tq]: queries that see every key of `k_sorted` (sorted, all real)."""
+        sees = torch.ones_like(q_pos, dtype=torch.bool)
+        if self.lo is not None:
+            sees &= q_pos - k_sorted[-1] >= self.lo
+        if self.hi is not None:
+            sees &= q_pos - k_sorted[0] <= self.hi
+        return sees
+
     def all_visible(self, q_pos: Tensor, k_pos: Tensor) -> bool:
         """Every (query, key) pair is visible (no mask needed); keys all real."""
         return (self.lo is None or bool(q_pos.min() - k_pos.max() >= self.lo)) and (
@@ -123,6 +133,9 @@ class Tile:
     k_pos: Tensor
     dense: bool
     """Every (row, key) pair is visible: no mask is built."""
+    causal: bool = False
+    """Row i sees keys 0..i of the tile and no others (top-left causal: a kernel's causal flag)."""
+    _mask: TileMask | None = None
 
 
 @dataclass
@@ -243,24 +256,56 @@ class RingPlan:
             for a in range(lo, hi, self.kv_tile):
                 c = cols[a : min(hi, a + self.kv_tile)]
                 tile_pos = kp[a : a + c.numel()]  # consecutive, so already sorted
-                row_mask = self.span.rows_seeing(tile_pos, q_pos)
-                rows_pos = q_pos[row_mask]
-                dense = self.span.all_visible(rows_pos, tile_pos)
-                tiles.append(
-                    Tile(
-                        Index(row_mask.nonzero().flatten(), q_pos.numel(), self.device),
-                        Index(c, here.numel(), self.device),
-                        Index(torch.searchsorted(grad_base, here[c]), -1, self.device),
-                        rows_pos.to(self.device),
-                        tile_pos.to(self.device),
-                        dense,
+                seeing = self.span.rows_seeing(tile_pos, q_pos)
+                seeing_all = seeing & self.span.rows_seeing_all(tile_pos, q_pos)
+                # the rows that see every key are one dense tile; the rest (the diagonal, a
+                # window's edge) another, so that only the latter needs a mask
+                for row_mask in (seeing_all, seeing & ~seeing_all):
+                    if not row_mask.any():
+                        continue
+                    rows_pos = q_pos[row_mask]
+                    dense = self.span.all_visible(rows_pos, tile_pos)
+                    n = rows_pos.numel()
+                    causal = (
+                        not dense
+                        and self.span.lo == 0
+                        and self.span.hi is None
+                        and n <= tile_pos.numel()
+                        and torch.equal(rows_pos, tile_pos[:n])
                     )
-                )
+                    tiles.append(
+                        Tile(
+                            Index(row_mask.nonzero().flatten(), q_pos.numel(), self.device),
+                            Index(c, here.numel(), self.device),
+                            Index(torch.searchsorted(grad_base, here[c]), -1, self.device),
+                            rows_pos.to(self.device),
+                            tile_pos.to(self.device),
+                            dense,
+                            causal,
+                        )
+                    )
         self._tiles[step] = tiles
         return tiles
 
     def mask(self, tile: Tile) -> Tensor | None:
+        """bool [rows, keys] (True = visible), None when all are."""
         if tile.dense:
             return None
         window = 0 if self.span.hi is None else self.span.hi + 1
         return attention_mask(tile.q_pos, tile.k_pos, window, causal=self.span.lo == 0)
+
+    def tile_mask(self, tile: Tile) -> TileMask:
+        """The tile's mask in the forms the tile kernels take, built once per tile: a causal flag
+        where it is top-left causal, else (fused kernels) an additive fp32 bias or (reference) a
+        boolean mask."""
+        if tile._mask is None:
+            visible = None if tile.dense or tile.causal else self.mask(tile)
+            bias = None
+            if visible is not None and fused(self.device):
+                bias = torch.zeros(visible.shape, device=self.device)
+                bias.masked_fill_(~visible, float("-inf"))
+                visible = None
+            elif tile.causal and not fused(self.device):
+                visible = self.mask(tile)
+            tile._mask = TileMask(tile.causal and fused(self.device), bias, visible)
+        return tile._mask

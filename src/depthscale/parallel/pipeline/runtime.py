@@ -52,6 +52,15 @@ class StepStats(p2p.Traffic):
     per_hop_bytes: list[int] = field(default_factory=list)
     compute_s: float = 0.0  # time inside forward/backward compute
     step_s: float = 0.0  # time of the whole step on this rank (on a GPU: its compute stream's)
+    cache_s: float = 0.0
+    """Time in the depth cache: assembling a stage's input, packing a hop, gathering gradients."""
+    wait_warmup_s: float = 0.0
+    """Waiting for a message before this rank's first backward (the pipeline filling)."""
+    wait_steady_s: float = 0.0
+    """Waiting for a message between the first backward and the last forward: in 1F1B's steady
+    state a wait is communication or imbalance that the schedule should have hidden."""
+    wait_cooldown_s: float = 0.0
+    """Waiting after the last forward (the pipeline draining), sends' completion included."""
 
     @property
     def bubble_ratio(self) -> float:
@@ -117,19 +126,26 @@ class PipelineRuntime:
 
     def _run(self, run: _Step) -> None:
         last_backward = {a.stage: a for a in self.actions if a.kind == Kind.B}
+        computes = [a for a in self.actions if a.kind in (Kind.F, Kind.B)]
+        first_b = next((i for i, a in enumerate(computes) if a.kind == Kind.B), len(computes))
+        last_f = max((i for i, a in enumerate(computes) if a.kind == Kind.F), default=-1)
+        n = 0  # computes run so far
         for item in self.program:
             if isinstance(item, Post):
                 run.post(item.actions)
                 continue
             a = item.action
+            run.phase = "warmup" if n < first_b else "steady" if n <= last_f else "cooldown"
+            n += 1
             if a.kind == Kind.F:
                 run.forward(a)
             else:
                 _defer_gradient_sync(self.stages[a.stage], until_last=a == last_backward[a.stage])
                 run.backward(a)
             run.in_flight = [b for b in run.in_flight if not b.poll()]  # free what has been sent
-        for batch in run.in_flight:
-            batch.wait()
+        with run.stats.timing("wait_cooldown_s", run.device):
+            for batch in run.in_flight:
+                batch.wait()
         if run.receives or run.outbox:
             unused = list(run.receives) + list(run.outbox)
             raise RuntimeError(f"pipeline step ended with unused messages: {unused}")
@@ -156,6 +172,7 @@ class _Step:
         self.stats = StepStats()
         self.total_loss: Tensor | None = None
         self.positions: Tensor | None = None
+        self.phase = "warmup"  # of the compute running: where its waits are counted
 
     def post(self, actions: tuple[Action, ...]) -> None:
         sends, recvs = [], []
@@ -182,13 +199,15 @@ class _Step:
         if recv is None or self.rt._empty_hop(recv):
             return None
         batch = self.receives.pop(_key(recv))
-        hop = batch.recv(self.label(recv))
-        # The peer posts in the global order too, so before sending this it had posted the
-        # receives of everything this rank sent it in earlier groups: those sends are complete
-        # or completing, and waiting for them frees their buffers without waiting on the peer.
-        for earlier in self.in_flight:
-            if earlier.position < batch.position:
-                earlier.wait_sends(recv.peer)
+        with self.stats.timing(f"wait_{self.phase}_s", self.device):
+            hop = batch.recv(self.label(recv))
+            # The peer posts in the global order too, so before sending this it had posted the
+            # receives of everything this rank sent it in earlier groups: those sends are
+            # complete or completing, and waiting for them frees their buffers without waiting
+            # on the peer.
+            for earlier in self.in_flight:
+                if earlier.position < batch.position:
+                    earlier.wait_sends(recv.peer)
         return hop
 
     def produce(self, kind: Kind, a: Action, tensor: Tensor | None) -> None:
@@ -207,7 +226,8 @@ class _Step:
             unit.recv = self.take(a)
             if unit.recv is not None:
                 unit.recv.requires_grad_()
-            state_in = rt.cache.receive(a.stage, a.microbatch, unit.recv)
+            with stats.timing("cache_s", self.device):
+                state_in = rt.cache.receive(a.stage, a.microbatch, unit.recv)
         with stats.timing("compute_s", self.device):
             with rt._forward_context(), spans.span("forward", mb=a.microbatch, chunk=a.stage):
                 labels = self.labels[a.microbatch] if stage.spec.is_last else None
@@ -220,7 +240,8 @@ class _Step:
                 unit.outputs = rt.cache.produced(a.stage, a.microbatch, out)
         self.units[(a.microbatch, a.stage)] = unit
         if (Kind.SEND_F, a.microbatch, a.stage) in rt._messages:
-            hop = rt.cache.outgoing(a.stage, a.microbatch, unit.outputs, self.dtype)
+            with stats.timing("cache_s", self.device):
+                hop = rt.cache.outgoing(a.stage, a.microbatch, unit.outputs, self.dtype)
             stats.per_hop_bytes.append(0 if hop is None else hop.numel() * hop.element_size())
             self.produce(Kind.SEND_F, a, hop)
 
@@ -231,16 +252,19 @@ class _Step:
         if stage.spec.is_last:
             tensors, grads = [unit.loss], None
         else:
-            tensors, grads = rt.cache.backward_targets(
-                a.stage, a.microbatch, unit.outputs, self.take(a)
-            )
+            grad_hop = self.take(a)
+            with self.stats.timing("cache_s", self.device):
+                tensors, grads = rt.cache.backward_targets(
+                    a.stage, a.microbatch, unit.outputs, grad_hop
+                )
         with (
             self.stats.timing("compute_s", self.device),
             spans.span("backward", mb=a.microbatch, chunk=a.stage),
         ):
             torch.autograd.backward(tensors, grads)
         if unit.recv is not None:  # the gradient hop: handed over, so only the send holds it
-            grad = rt.cache.input_grads(unit.recv).contiguous()
+            with self.stats.timing("cache_s", self.device):
+                grad = rt.cache.input_grads(unit.recv).contiguous()
             unit.recv.grad = None
             self.produce(Kind.SEND_B, a, grad)
         if a.stage == min(rt.stages):  # the rank's last backward for this microbatch

@@ -1,0 +1,105 @@
+"""Causal sliding-window attention computed blockwise, so its cost scales with the window, not with
+the sequence (Blockwise Parallel Transformer; MegaScale uses windows to cut compute).
+
+A dense [T, T] mask makes SDPA compute every score and then discard most (and on CUDA rules out the
+flash kernel). Here the queries are cut into blocks of `block` rows; a block [i0, i1) sees exactly
+the keys [i0 − window + 1, i1), one tile of at most block + window − 1 keys with a band mask, so
+the work is T·(block + window) instead of T²/2. Each block's keys are all it sees, so its own LSE
+is final and no merge is needed.
+
+On CPU each tile runs torch's fused flash kernel through `attention_tiles` (forward and backward,
+band as an additive bias built once per shape; dK/dV of overlapping key ranges are added into one
+buffer). Elsewhere each block is one SDPA call with a boolean mask, differentiated by autograd.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from depthscale.model import attention_tiles as tiles
+
+DEFAULT_BLOCK = 128
+"""Query rows per block: smaller blocks compute fewer masked-out scores (each block's band wastes
+about block/2 keys per row) but make more kernel calls."""
+
+
+def _spans(T: int, window: int, block: int) -> list[tuple[int, int, int]]:
+    """(i0, i1, k0) per query block: rows [i0, i1) see keys [k0, i1)."""
+    return [(i0, min(i0 + block, T), max(0, i0 - window + 1)) for i0 in range(0, T, block)]
+
+
+@lru_cache(maxsize=64)
+def _band(rows: int, keys: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Visibility of a block's `keys` keys (ending with the block's last row) to its `rows` rows:
+    bool for SDPA, or an additive bias (0 / −inf) in the queries' dtype for the fused kernel."""
+    q_pos = torch.arange(keys - rows, keys, device=device)[:, None]
+    diff = q_pos - torch.arange(keys, device=device)[None, :]
+    visible = (diff >= 0) & (diff < window)
+    if dtype == torch.bool:
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
+        ~visible, float("-inf")
+    )
+
+
+def window_attention(
+    q: Tensor, k: Tensor, v: Tensor, window: int, block: int = DEFAULT_BLOCK
+) -> Tensor:
+    """Causal attention of q [B, H, T, d] over k/v [B, Hkv, T, d] (positions 0..T−1), each query
+    seeing the `window` latest keys including its own; the result of SDPA with that dense mask."""
+    if tiles.fused(q.device) and q.dtype in (torch.float32, torch.bfloat16):
+        return _FusedWindow.apply(q, k, v, window, block)
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for i0, i1, k0 in _spans(q.shape[2], window, block):
+        mask = _band(i1 - i0, i1 - k0, window, torch.bool, q.device)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, i0:i1], k[:, :, k0:i1], v[:, :, k0:i1], attn_mask=mask, enable_gqa=gqa
+            )
+        )
+    return torch.cat(outs, dim=2)
+
+
+class _FusedWindow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, block: int) -> Tensor:
+        scale = q.shape[-1] ** -0.5
+        out = q.new_empty(q.shape)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        for i0, i1, k0 in _spans(q.shape[2], window, block):
+            mask = tiles.TileMask(False, _band(i1 - i0, i1 - k0, window, q.dtype, q.device), None)
+            o, s = tiles.forward(q[:, :, i0:i1], k[:, :, k0:i1], v[:, :, k0:i1], mask, scale)
+            out[:, :, i0:i1] = o
+            lse[:, :, i0:i1] = s
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.window, ctx.block, ctx.scale = window, block, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        do = do.contiguous()
+        for i0, i1, k0 in _spans(q.shape[2], ctx.window, ctx.block):
+            bias = _band(i1 - i0, i1 - k0, ctx.window, q.dtype, q.device)
+            dq_b, dk_b, dv_b = tiles.backward(
+                do[:, :, i0:i1],
+                q[:, :, i0:i1],
+                k[:, :, k0:i1],
+                v[:, :, k0:i1],
+                out[:, :, i0:i1],
+                lse[:, :, i0:i1],
+                tiles.TileMask(False, bias, None),
+                ctx.scale,
+            )
+            dq[:, :, i0:i1] = dq_b
+            dk[:, :, k0:i1] += dk_b
+            dv[:, :, k0:i1] += dv_b
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None

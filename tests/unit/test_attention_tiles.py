@@ -1,0 +1,106 @@
+"""Ring-attention tiles on the fused CPU kernel against the fp64 reference, and the plan's tiles:
+which carry a mask at all.
+
+Tolerance: a tile's output, LSE and gradients are chains of sums over the tile's keys (scores over
+d, softmax and output over Tk, dK/dV over the rows), so two fp32 evaluations differ by at most
+`fp32_sum_bound` of that chain's length relative to the values' magnitude (tests/tolerances.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from depthscale.model import attention_tiles as ring_tiles
+from depthscale.model.layers import attention_mask
+from depthscale.parallel.ring_plan import RingPlan, Span
+from depthscale.parallel.sequence_layout import positions_for
+from tolerances import check, fp32_sum_bound, scaled_err
+
+
+def _case(seed: int, B=2, Hkv=2, G=3, Tq=24, Tk=40, d=16):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, Hkv * G, Tq + 8, d, generator=g)
+    q = base[:, :, 4 : 4 + Tq]  # a strided view, as the ring's row selections are
+    kv = torch.randn(2, B, Hkv, Tk + 6, d, generator=g)[:, :, :, 3 : 3 + Tk]
+    do = torch.randn(B, Hkv * G, Tq, d, generator=g)
+    return q, kv[0], kv[1], do
+
+
+def _masks(Tq: int, Tk: int) -> dict[str, tuple[ring_tiles.TileMask, torch.Tensor | None]]:
+    q_pos, k_pos = torch.arange(Tq), torch.arange(Tk)
+    causal = attention_mask(q_pos, k_pos, 0)
+    band = attention_mask(q_pos + Tk - Tq, k_pos, 9)  # a window's edge: neither dense nor causal
+    bias = torch.zeros(band.shape).masked_fill(~band, float("-inf"))
+    return {
+        "dense": (ring_tiles.TileMask(False, None, None), None),
+        "causal": (ring_tiles.TileMask(True, None, causal), causal),
+        "band": (ring_tiles.TileMask(False, bias, band), band),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dense", "causal", "band"])
+def test_fused_tile_matches_the_reference(kind):
+    q, k, v, do = _case(0)
+    mask, visible = _masks(q.shape[2], k.shape[2])[kind]
+    scale = q.shape[-1] ** -0.5
+    want_out, want_lse = ring_tiles.reference_forward(
+        q.double(), k.double(), v.double(), visible, scale
+    )
+    out, lse = ring_tiles.forward(q, k, v, mask, scale)
+    bound = fp32_sum_bound(k.shape[2] + q.shape[-1])
+    check(scaled_err(out, want_out), bound, f"{kind} out")
+    check(scaled_err(lse, want_lse), bound, f"{kind} lse")
+    # the backward from the tile's own (out, lse) is the ordinary attention gradient
+    want = ring_tiles.reference_backward(
+        do.double(), q.double(), k.double(), v.double(), want_out, want_lse, visible, scale
+    )
+    got = ring_tiles.backward(do, q, k, v, out, lse, mask, scale)
+    chain = 2 * (k.shape[2] + q.shape[-1]) + q.shape[2] * q.shape[1] // k.shape[1]
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert a.shape == b.shape, name
+        check(scaled_err(a, b), fp32_sum_bound(chain), f"{kind} {name}")
+
+
+def test_reference_gradients_are_autograds():
+    """The reference backward (used off CPU) against autograd through the reference forward."""
+    q, k, v, do = (t.double() for t in _case(1))
+    _, band = _masks(q.shape[2], k.shape[2])["band"]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ring_tiles.reference_forward(*leaves, band, 0.25)
+    out.backward(do)
+    got = ring_tiles.reference_backward(do, q, k, v, out.detach(), lse.detach(), band, 0.25)
+    for a, leaf in zip(got, leaves, strict=True):
+        torch.testing.assert_close(a, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("window", [0, 24])
+def test_causal_tiles_need_no_mask_and_cover_each_visible_pair_once(layout, window):
+    """Per rank and step, the plan's tiles cover exactly the visible (query, key) pairs, each once;
+    without a window every tile is dense or top-left causal, so no mask is built at all."""
+    cp, T, kv_tile = 2, 64, 16
+    pos = [positions_for(T, r, cp, layout) for r in range(cp)]
+    for rank in range(cp):
+        plan = RingPlan.of(pos, rank, Span.of(window, True, None), kv_tile, torch.device("cpu"))
+        for step in range(cp):
+            if not plan.holds(step):
+                continue
+            j = plan.owner(step)
+            keys = pos[j][plan.payload(j, step)]
+            covered = torch.zeros(pos[rank].numel(), keys.numel(), dtype=torch.int)
+            for tile in plan.tiles(step):
+                mask = plan.tile_mask(tile)
+                if window == 0:
+                    assert mask.bias is None
+                rows = tile.rows.take(torch.arange(pos[rank].numel()), 0)
+                cols = tile.cols.take(torch.arange(keys.numel()), 0)
+                visible = attention_mask(tile.q_pos, tile.k_pos, window)
+                if mask.causal:
+                    assert torch.equal(visible, torch.ones_like(visible).tril())
+                elif mask.bias is None:
+                    assert visible.all()
+                else:
+                    assert torch.equal(mask.bias == 0, visible)
+                covered[rows[:, None], cols[None, :]] += visible.int()
+            want = attention_mask(pos[rank], keys, window).int()
+            assert torch.equal(covered, want), (rank, step)

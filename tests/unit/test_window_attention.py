@@ -1,0 +1,62 @@
+"""Blockwise sliding-window attention against SDPA with the dense window mask: same outputs and
+gradients (fp32 bound of the softmax chain, tests/tolerances.py), for windows shorter and longer
+than a block, sequences that do not divide into blocks, GQA, and the fused CPU path as well as the
+per-block SDPA path other devices take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import check, fp32_sum_bound, scaled_err
+
+from depthscale.model import attention_tiles, window_attention as wa
+from depthscale.model.layers import attention_mask, sdpa_attention
+
+
+def _dense(q, k, v, window):
+    T = q.shape[2]
+    mask = attention_mask(torch.arange(T), torch.arange(T), window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _grads(fn, q, k, v, do):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(do)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize(
+    "T, window, block, heads",
+    [(64, 8, 16, (4, 4)), (70, 24, 16, (6, 2)), (50, 40, 8, (4, 1)), (33, 5, 128, (2, 2))],
+)
+def test_window_attention_matches_the_dense_mask(monkeypatch, fused, T, window, block, heads):
+    if not fused:  # the path of devices without a fused tile kernel (CUDA)
+        monkeypatch.setattr(attention_tiles, "fused", lambda device: False)
+    g = torch.Generator().manual_seed(T + window)
+    H, Hkv = heads
+    q = torch.randn(2, H, T, 16, generator=g)
+    k, v = (torch.randn(2, Hkv, T, 16, generator=g) for _ in range(2))
+    do = torch.randn(2, H, T, 16, generator=g)
+    want = _grads(lambda *t: _dense(*t, window), q.double(), k.double(), v.double(), do.double())
+    got = _grads(lambda *t: wa.window_attention(*t, window, block), q, k, v, do)
+    chain = 2 * (window + 16) + T * H // Hkv  # scores, softmax·V, back; dK/dV over the rows
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        check(scaled_err(a, b), fp32_sum_bound(chain), name)
+
+
+def test_the_model_takes_the_blockwise_path_for_a_window(monkeypatch):
+    """`sdpa_attention` without positions and with a window shorter than the sequence runs the
+    blockwise path; no window, or a window covering the sequence, keeps plain causal SDPA."""
+    calls = []
+    monkeypatch.setattr(
+        "depthscale.model.layers.window_attention", lambda *a: calls.append(a[3]) or a[0]
+    )
+    q = torch.randn(1, 2, 32, 8)
+    sdpa_attention(q, q, q, None, None, 8)
+    sdpa_attention(q, q, q, None, None, 0)
+    sdpa_attention(q, q, q, None, None, 32)
+    assert calls == [8]
