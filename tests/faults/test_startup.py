@@ -73,9 +73,10 @@ def _start(rank: int, port: int, run_dir: str, corpus: str, layout: dict, result
             trainer = Trainer(load_config(None, args))
             setup_timeouts = _timeouts()
             trainer.fit(stop_at=1)  # the first step: its phase mark
-        # every group, and every wait on a store key (a node's ranks waiting for its data), is
-        # bounded by parallel.setup_timeout_s until the first step, then by parallel.timeout_s:
-        # not torch's defaults (gloo 30 min, TCPStore 5 min)
+        # the world group and every wait on a store key (a node's ranks waiting for its data)
+        # are bounded by parallel.setup_timeout_s until the first step, then by
+        # parallel.timeout_s, which the sub-groups have from the start: not torch's defaults
+        # (gloo 30 min, TCPStore 5 min)
         timeouts = {"setup": setup_timeouts, "steps": _timeouts()}
         results.put((rank, {**counts.summary(), "timeouts": timeouts}))
     except BaseException as err:
@@ -135,7 +136,7 @@ def test_startup_has_no_world_barrier_but_init(tmp_path, layout, local_groups):
         "new_groups_local": local_groups,
         "splits": 0,
         "timeouts": {
-            "setup": {"store": [900.0], "groups": [900.0]},
+            "setup": {"store": [900.0], "groups": [500.0, 900.0]},  # the world group: 900
             "steps": {"store": [500.0], "groups": [500.0]},
         },
     }

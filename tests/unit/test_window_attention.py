@@ -8,16 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import check, fp32_sum_bound, scaled_err
 
-from depthscale.model import attention_tiles, window_attention as wa
+from depthscale.model import attention_tiles
+from depthscale.model import window_attention as wa
 from depthscale.model.layers import attention_mask, sdpa_attention
+from tolerances import check, fp32_sum_bound, scaled_err
 
 
 def _dense(q, k, v, window):
     T = q.shape[2]
     mask = attention_mask(torch.arange(T), torch.arange(T), window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def _grads(fn, q, k, v, do):

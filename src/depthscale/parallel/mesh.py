@@ -115,10 +115,11 @@ def flat(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 
 def _dim_group(ranks: torch.Tensor, dim: int, name: str) -> dist.ProcessGroup:
-    """This rank's group along mesh dimension `dim` of `ranks`; the world group when the dimension
-    spans every rank (as torch's DeviceMesh does)."""
-    if ranks.shape[dim] == ranks.numel():
-        return dist.group.WORLD
+    """This rank's group along mesh dimension `dim` of `ranks`. A dimension spanning every rank
+    gets a group of its own, not the world group (which torch's DeviceMesh would reuse): the world
+    group keeps the start-up timeout until the first step, and gloo's point-to-point waits keep
+    the timeout a group was made with, so a pipeline or ring on it would wait that long for a
+    dead peer (`shorten_timeout`)."""
     parts = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
     group = own_group(parts, f"mesh_{name}")
     assert group is not None  # the parts cover every rank
@@ -145,9 +146,14 @@ def dist_env() -> DistEnv:
     )
 
 
-def init_distributed(device_type: str, timeout_s: float | None = None) -> DistEnv:
+def init_distributed(
+    device_type: str, timeout_s: float | None = None, setup_timeout_s: float | None = None
+) -> DistEnv:
     """Join the process group: gloo on CPU, nccl on CUDA. `timeout_s`: how long a collective or
-    message may wait for its peers before it raises (torch's default when None).
+    message may wait for its peers before it raises (torch's default when None), for every group
+    made from now on; `setup_timeout_s` (default `timeout_s`): the same for the world group and
+    the store until `shorten_timeout` — start-up's long waits (a node's tokenisation, checkpoint
+    load) are on those two only.
 
     The store gets a per-attempt prefix so that a torchrun restart (`--max-restarts`) never meets the
     previous attempt's gloo addresses in the agent's store (seen as 'connectFullMesh failed')."""
@@ -161,7 +167,10 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> DistEn
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     # the store's own timeout bounds every wait on a key (a node's ranks waiting for its data,
     # `startup.leader_first`): the groups' timeout, not TCPStore's default of 5 minutes
-    store_timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    setup_timeout_s = setup_timeout_s if setup_timeout_s is not None else timeout_s
+    store_timeout = (
+        {"timeout": datetime.timedelta(seconds=setup_timeout_s)} if setup_timeout_s else {}
+    )
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -175,18 +184,16 @@ def init_distributed(device_type: str, timeout_s: float | None = None) -> DistEn
     # split from them) instead of lazily by whichever operation comes first — a group's first
     # batched P2P call would otherwise need every rank of the group (batch_isend_irecv's contract)
     device_id = torch.device("cuda", env.local_rank) if device_type == "cuda" else None
-    timeout = {}
-    if timeout_s is not None:
-        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)}
-        set_group_timeout(timeout["timeout"])
     dist.init_process_group(
         backend,
         store=store,
         rank=env.rank,
         world_size=env.world_size,
         device_id=device_id,
-        **timeout,
+        **store_timeout,
     )
+    if timeout_s is not None:
+        set_group_timeout(datetime.timedelta(seconds=timeout_s))
     return env
 
 
@@ -206,23 +213,21 @@ def set_group_timeout(timeout: datetime.timedelta) -> None:
 
 
 def shorten_timeout(timeout_s: float) -> None:
-    """Switch every process group, the store and groups made later from the start-up timeout
-    (`parallel.setup_timeout_s`) to the steady-state one (`parallel.timeout_s`).
+    """Switch the world group and the store from the start-up timeout (`parallel.setup_timeout_s`)
+    to the steady-state one (`parallel.timeout_s`), which the other groups have had from the start.
 
-    Start-up legitimately waits long (a node's tokenisation, NCCL communicator set-up, the first
-    step's compilation); once steps run, a peer silent that long is dead, and the sooner its
-    group fails the sooner the run restarts. `_set_pg_timeout` changes a live group's default;
-    `_world.pg_map` lists the groups this process belongs to; both private, pinned by
-    tests/unit/test_private_torch_apis.py. No-op without a process group."""
+    Start-up legitimately waits long, on those two: the store for a node's tokenisation, the world
+    group around checkpoint load; once steps run, a peer silent that long is dead, and the sooner
+    its group fails the sooner the run restarts. (A live group's new default reaches its
+    collectives; gloo's point-to-point waits keep the timeout the group was made with, which is
+    why the sub-groups, where pipeline messages go, are made with `timeout_s`.) `_set_pg_timeout`
+    is private, pinned by tests/unit/test_private_torch_apis.py. No-op without a process group."""
     if not dist.is_initialized():
         return
     from torch.distributed import distributed_c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    set_group_timeout(timeout)
-    for group in list(distributed_c10d._world.pg_map):
-        if group is not None and not distributed_c10d._rank_not_in_group(group):
-            distributed_c10d._set_pg_timeout(timeout, group)
+    distributed_c10d._set_pg_timeout(timeout, distributed_c10d._get_default_group())
     distributed_c10d._get_default_store().set_timeout(timeout)
 
 

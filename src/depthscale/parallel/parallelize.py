@@ -83,7 +83,7 @@ def init_layout(cfg: Config, device: torch.device) -> Layout:
     against the world size, and build the mesh (each marked as a start-up phase)."""
     startup.mark("imports")
     dims = ParallelDims.from_config(cfg.parallel)
-    env = init_distributed(device.type, cfg.parallel.setup_timeout_s)
+    env = init_distributed(device.type, cfg.parallel.timeout_s, cfg.parallel.setup_timeout_s)
     startup.mark("process_group")
     dims.validate(env.world_size)
     check_layout(cfg)
