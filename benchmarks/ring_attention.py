@@ -84,7 +84,7 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
         return x, cos_t[pos], sin_t[pos], pos
 
     def step(mode):
-        x, cos, sin, pos = inputs(mode)
+        x, cos, sin, pos = inputs("contiguous" if mode == "sdpa" else mode)  # cp = 1: the same
         attn.attention_fn = sdpa_attention if mode == "sdpa" else rings[mode]
         attn(x, cos, sin, None if mode == "sdpa" else pos).sum().backward()
 
