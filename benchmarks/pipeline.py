@@ -14,7 +14,9 @@ the optimizer-free remainder), with the bubble (step − busy) / busy against (P
 
 The same model without a pipeline is measured in the same run, one process and one thread (as a
 pipeline rank has), over the same micro-batches, so the overhead the pipeline adds to Block AttnRes
-is a number: (block/standard under PP) − (block/standard without PP) (paper: PP overhead < 4 %).
+is a number: (block/standard under PP) − (block/standard without PP) (paper: PP overhead < 4 %),
+in step time and in each process's own CPU time (`thread_time`: no waiting, and none of the time
+other ranks sharing the cores take from it, which step time includes when ranks outnumber cores).
 On a CPU the ranks share the machine's cores (pp=4 on 2 cores runs two ranks per core), so times
 compare variants with each other, not with a GPU.
 """
@@ -107,12 +109,14 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
             dc,
         )
     samples = {k: [] for k in runtimes}
+    cpu_s = {k: [] for k in runtimes}  # this rank's own CPU time per step: no waits, no peers
     sent_alive = SentBuffers().install()
     peak_alive = dict.fromkeys(runtimes, 0)
     for r in range(args.rounds + 1):
         for key, (rt, model, _) in runtimes.items():
             dist.barrier()
             sent_alive.reset()
+            cpu0 = time.thread_time()
             _, stats = rt.step(
                 tokens,
                 labels,
@@ -120,15 +124,18 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
                 torch.float32,
                 torch.device("cpu"),
             )
+            cpu = time.thread_time() - cpu0
             model.zero_grad(set_to_none=True)
             peak_alive[key] = max(peak_alive[key], sent_alive.peak)
             if r:  # round 0 is warm-up
+                cpu_s[key].append(cpu)
                 settle = getattr(stats, "settle", None)
                 samples[key].append(settle() if settle else stats)  # CUDA event times, once read
     results = {}
     for key, stats in samples.items():
         results[f"{key[0]}_cache_{key[1]}"] = {
             "step_s": [s.step_s for s in stats],
+            "cpu_s": statistics.median(cpu_s[key]),
             "bytes_sent": stats[0].bytes_sent,
             "peak_sent_bytes_alive": peak_alive[key],
             "breakdown_s": {p: statistics.median(_breakdown(s)[p] for s in stats) for p in PHASES},
@@ -157,18 +164,22 @@ def _without_pipeline(args, dim: int, m: int) -> dict[str, float]:
         model.zero_grad(set_to_none=True)
 
     times = {k: [] for k in models}
+    cpu = {k: [] for k in models}
     for r in range(args.rounds + 1):
         for name, model in models.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             step(model)
             if r:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.thread_time() - c0)
     torch.set_num_threads(threads)
     med = {k: statistics.median(t) for k, t in times.items()}
+    med_cpu = {k: statistics.median(t) for k, t in cpu.items()}
     return {
         "standard_step_s": med["standard"],
         "block_step_s": med["block"],
         "block/standard": med["block"] / med["standard"],
+        "block/standard_cpu": med_cpu["block"] / med_cpu["standard"],
     }
 
 
@@ -193,6 +204,8 @@ def _layout_report(args, layout: dict, ranks: list[dict], no_pp: dict) -> dict:
             "bubble_per_rank": [round(b, 3) for b in bubble],
         }
     under_pp = step["block_cache_True"] / step["standard_cache_True"]
+    cpu = {name: sum(r["results"][name]["cpu_s"] for r in ranks) for name in step}
+    under_pp_cpu = cpu["block_cache_True"] / cpu["standard_cache_True"]
     theory = (pp - 1) / (v * m)
     std_bubble = statistics.mean(out["variants"]["standard_cache_True"]["bubble_per_rank"])
     out["summary"] = {
@@ -205,12 +218,17 @@ def _layout_report(args, layout: dict, ranks: list[dict], no_pp: dict) -> dict:
         "block/standard_under_pp": round(under_pp, 3),
         "block/standard_without_pp": round(no_pp["block/standard"], 3),
         "pp_overhead": round(under_pp - no_pp["block/standard"], 3),
+        # the same with each rank's own CPU time (all ranks summed): what the pipeline makes this
+        # process do, without waiting and without the time other ranks on the cores take from it
+        "block/standard_cpu_under_pp": round(under_pp_cpu, 3),
+        "block/standard_cpu_without_pp": round(no_pp["block/standard_cpu"], 3),
+        "pp_overhead_cpu": round(under_pp_cpu - no_pp["block/standard_cpu"], 3),
         "bubble_theory": round(theory, 4),
         "bubble_standard_mean": round(std_bubble, 4),
         "bubble_block_cache_mean": round(
             statistics.mean(out["variants"]["block_cache_True"]["bubble_per_rank"]), 4
         ),
-        "without_pp_s": {k: round(x, 4) for k, x in no_pp.items() if k.endswith("_s")},
+        "without_pp_s": {k: round(x, 4) for k, x in no_pp.items() if k.endswith("_step_s")},
     }
     return out
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from depthscale.model import attention_tiles as tiles
 
-DEFAULT_BLOCK = 128
+DEFAULT_BLOCK = 64
 """Query rows per block: smaller blocks compute fewer masked-out scores (each block's band wastes
 about block/2 keys per row) but make more kernel calls."""
 
