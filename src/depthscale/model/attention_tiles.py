@@ -68,14 +68,18 @@ def _grouped(q: Tensor, k: Tensor) -> Tensor:
     return q.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1]))
 
 
+def _scores(qg: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """fp32 scores [B, Hkv, G, Tq, Tk], masked pairs at −inf."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
 def reference_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Scores materialised in fp32. Every row sees at least one key (the plan drops rows that see
     none), so the LSE is finite."""
-    s = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(q, k), k) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    s = _scores(_grouped(q, k), k, mask, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     return torch.einsum("bhgqk,bhkd->bhgqd", p, v).flatten(1, 2), lse.flatten(1, 2)
@@ -93,10 +97,7 @@ def reference_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     qg, dog = _grouped(q, k), _grouped(do, k)
     delta = (dog * _grouped(out, k)).sum(-1)
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - _grouped(lse, k).unsqueeze(-1))
+    p = torch.exp(_scores(qg, k, mask, scale) - _grouped(lse, k).unsqueeze(-1))
     dv = torch.einsum("bhgqk,bhgqd->bhkd", p, dog)
     ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", dog, v) - delta.unsqueeze(-1))
     dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k) * scale
