@@ -13,7 +13,7 @@ waiting for messages in warm-up, steady state and cool-down, and the rest (idle:
 the optimizer-free remainder), with the bubble (step − busy) / busy against (P−1)/(V·M).
 
 The same model without a pipeline is measured in the same run, one process and one thread (as a
-pipeline rank has), over the same micro-batches, so the overhead the pipeline adds to Block AttnRes
+pipeline rank has), over the same micro-batches, by rank 0 between the pipeline's rounds, so the overhead the pipeline adds to Block AttnRes
 is a number: (block/standard under PP) − (block/standard without PP) (paper: PP overhead < 4 %),
 in step time and in each process's own CPU time (`thread_time`: no waiting, and none of the time
 other ranks sharing the cores take from it, which step time includes when ranks outnumber cores).
@@ -112,7 +112,10 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
     cpu_s = {k: [] for k in runtimes}  # this rank's own CPU time per step: no waits, no peers
     sent_alive = SentBuffers().install()
     peak_alive = dict.fromkeys(runtimes, 0)
+    reference = _WithoutPipeline(args, dim, m) if rank == 0 else None
     for r in range(args.rounds + 1):
+        if reference is not None:
+            reference.round(record=r > 0)
         for key, (rt, model, _) in runtimes.items():
             dist.barrier()
             sent_alive.reset()
@@ -141,50 +144,55 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
             "breakdown_s": {p: statistics.median(_breakdown(s)[p] for s in stats) for p in PHASES},
             "blocks_per_hop": runtimes[key][2].blocks_per_hop(),
         }
-    queue.put({"rank": rank, "results": results})
+    no_pp = reference.result() if reference is not None else None
+    queue.put({"rank": rank, "results": results, "without_pp": no_pp})
     destroy_distributed()
 
 
-def _without_pipeline(args, dim: int, m: int) -> dict[str, float]:
-    """Block/standard of the same model in one process and thread, over the same micro-batches
-    (forward, backward, no optimizer: what a pipeline step runs), interleaved rounds."""
-    from depthscale.model.transformer import Transformer, cross_entropy
+class _WithoutPipeline:
+    """The same model in one process and thread over the same micro-batches (forward, backward,
+    no optimizer: what a pipeline step runs), standard and block. Rank 0 runs one round of it
+    after every pipeline round while the other ranks wait at the next barrier, so the reference
+    sees the same drift of the machine as the pipeline does."""
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    tokens, labels = _batches(args, m)
-    models = {}
-    for residual in ("standard", "block"):
-        torch.manual_seed(0)
-        models[residual] = Transformer(_model_config(args, dim, residual))
+    def __init__(self, args, dim: int, m: int) -> None:
+        from depthscale.model.transformer import Transformer
 
-    def step(model) -> None:
-        for x, y in zip(tokens, labels, strict=True):
-            (cross_entropy(model(x), y) / m).backward()
-        model.zero_grad(set_to_none=True)
+        self.m = m
+        self.tokens, self.labels = _batches(args, m)
+        self.models = {}
+        for residual in ("standard", "block"):
+            torch.manual_seed(0)
+            self.models[residual] = Transformer(_model_config(args, dim, residual))
+        self.times = {k: [] for k in self.models}
+        self.cpu = {k: [] for k in self.models}
 
-    times = {k: [] for k in models}
-    cpu = {k: [] for k in models}
-    for r in range(args.rounds + 1):
-        for name, model in models.items():
+    def round(self, record: bool) -> None:
+        from depthscale.model.transformer import cross_entropy
+
+        for name, model in self.models.items():
             t0, c0 = time.perf_counter(), time.thread_time()
-            step(model)
-            if r:
-                times[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.thread_time() - c0)
-    torch.set_num_threads(threads)
-    med = {k: statistics.median(t) for k, t in times.items()}
-    med_cpu = {k: statistics.median(t) for k, t in cpu.items()}
-    return {
-        "standard_step_s": med["standard"],
-        "block_step_s": med["block"],
-        "block/standard": med["block"] / med["standard"],
-        "block/standard_cpu": med_cpu["block"] / med_cpu["standard"],
-    }
+            for x, y in zip(self.tokens, self.labels, strict=True):
+                (cross_entropy(model(x), y) / self.m).backward()
+            model.zero_grad(set_to_none=True)
+            if record:
+                self.times[name].append(time.perf_counter() - t0)
+                self.cpu[name].append(time.thread_time() - c0)
+
+    def result(self) -> dict[str, float]:
+        med = {k: statistics.median(t) for k, t in self.times.items()}
+        med_cpu = {k: statistics.median(t) for k, t in self.cpu.items()}
+        return {
+            "standard_step_s": med["standard"],
+            "block_step_s": med["block"],
+            "block/standard": med["block"] / med["standard"],
+            "block/standard_cpu": med_cpu["block"] / med_cpu["standard"],
+        }
 
 
-def _layout_report(args, layout: dict, ranks: list[dict], no_pp: dict) -> dict:
+def _layout_report(args, layout: dict, ranks: list[dict]) -> dict:
     pp, v, m = layout["pp"], layout["virtual"], layout["microbatches"]
+    no_pp = ranks[0]["without_pp"]
     out: dict = {"layout": layout, "variants": {}}
     step = {}
     for name in ranks[0]["results"]:
@@ -247,7 +255,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     layouts = []
-    no_pp_cache: dict = {}
     for pp, v, dim, m in itertools.product(args.pp, args.virtual, args.dim, args.microbatches):
         if args.layers % (pp * v):
             print(
@@ -257,9 +264,7 @@ def main() -> None:
             continue
         layout = {"pp": pp, "virtual": v, "dim": dim, "microbatches": m}
         ranks = run_ranks(_worker, pp, args, layout)
-        if (dim, m) not in no_pp_cache:
-            no_pp_cache[(dim, m)] = _without_pipeline(args, dim, m)
-        layouts.append(_layout_report(args, layout, ranks, no_pp_cache[(dim, m)]))
+        layouts.append(_layout_report(args, layout, ranks))
         print(f"pp={pp} V={v} d={dim} M={m}: {json.dumps(layouts[-1]['summary'])}", file=sys.stderr)
     report = {
         "benchmark": "pipeline",
