@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import SentBuffers, device_info, peak_rss_delta, run_ranks  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
-from depthscale.model import attention_tiles as ring_tiles  # noqa: E402
+from depthscale.model import attention_tiles  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
 from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
 from depthscale.parallel.ring_plan import RingPlan, Span  # noqa: E402
@@ -129,8 +129,8 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
     out["blocks"] = blocks
 
     # the same message pattern with the block math removed: pure communication time
-    real = ring_tiles.forward, ring_tiles.backward
-    ring_tiles.forward, ring_tiles.backward = _noop_tile, _noop_tile_backward
+    real = attention_tiles.forward, attention_tiles.backward
+    attention_tiles.forward, attention_tiles.backward = _noop_tile, _noop_tile_backward
     comm_alone = {m: 0.0 for m in modes}
     for _ in range(args.rounds):
         for mode in modes:
@@ -138,7 +138,7 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
             stats.reset()
             step(mode)
             comm_alone[mode] += stats.settle().ring_s / args.rounds
-    ring_tiles.forward, ring_tiles.backward = real
+    attention_tiles.forward, attention_tiles.backward = real
     out["comm_alone_s"] = comm_alone
     out["plan_s"] = _plan_times(args, group, rank, cp)
     queue.put(out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthscale.model import attention_tiles as ring_tiles
+from depthscale.model import attention_tiles
 from depthscale.model.layers import attention_mask
 from depthscale.parallel.ring_plan import RingPlan, Span
 from depthscale.parallel.sequence_layout import positions_for
@@ -26,15 +26,15 @@ def _case(seed: int, B=2, Hkv=2, G=3, Tq=24, Tk=40, d=16):
     return q, kv[0], kv[1], do
 
 
-def _masks(Tq: int, Tk: int) -> dict[str, tuple[ring_tiles.TileMask, torch.Tensor | None]]:
+def _masks(Tq: int, Tk: int) -> dict[str, tuple[attention_tiles.TileMask, torch.Tensor | None]]:
     q_pos, k_pos = torch.arange(Tq), torch.arange(Tk)
     causal = attention_mask(q_pos, k_pos, 0)
     band = attention_mask(q_pos + Tk - Tq, k_pos, 9)  # a window's edge: neither dense nor causal
-    bias = torch.zeros(band.shape).masked_fill(~band, float("-inf"))
+    bias = attention_tiles.additive_bias(band)
     return {
-        "dense": (ring_tiles.TileMask(False, None, None), None),
-        "causal": (ring_tiles.TileMask(True, None, causal), causal),
-        "band": (ring_tiles.TileMask(False, bias, band), band),
+        "dense": (attention_tiles.TileMask(False, None, None), None),
+        "causal": (attention_tiles.TileMask(True, None, causal), causal),
+        "band": (attention_tiles.TileMask(False, bias, band), band),
     }
 
 
@@ -43,18 +43,18 @@ def test_fused_tile_matches_the_reference(kind):
     q, k, v, do = _case(0)
     mask, visible = _masks(q.shape[2], k.shape[2])[kind]
     scale = q.shape[-1] ** -0.5
-    want_out, want_lse = ring_tiles.reference_forward(
+    want_out, want_lse = attention_tiles.reference_forward(
         q.double(), k.double(), v.double(), visible, scale
     )
-    out, lse = ring_tiles.forward(q, k, v, mask, scale)
+    out, lse = attention_tiles.forward(q, k, v, mask, scale)
     bound = fp32_sum_bound(k.shape[2] + q.shape[-1])
     check(scaled_err(out, want_out), bound, f"{kind} out")
     check(scaled_err(lse, want_lse), bound, f"{kind} lse")
     # the backward from the tile's own (out, lse) is the ordinary attention gradient
-    want = ring_tiles.reference_backward(
+    want = attention_tiles.reference_backward(
         do.double(), q.double(), k.double(), v.double(), want_out, want_lse, visible, scale
     )
-    got = ring_tiles.backward(do, q, k, v, out, lse, mask, scale)
+    got = attention_tiles.backward(do, q, k, v, out, lse, mask, scale)
     chain = 2 * (k.shape[2] + q.shape[-1]) + q.shape[2] * q.shape[1] // k.shape[1]
     for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == b.shape, name
@@ -66,9 +66,9 @@ def test_reference_gradients_are_autograds():
     q, k, v, do = (t.double() for t in _case(1))
     _, band = _masks(q.shape[2], k.shape[2])["band"]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = ring_tiles.reference_forward(*leaves, band, 0.25)
+    out, lse = attention_tiles.reference_forward(*leaves, band, 0.25)
     out.backward(do)
-    got = ring_tiles.reference_backward(do, q, k, v, out.detach(), lse.detach(), band, 0.25)
+    got = attention_tiles.reference_backward(do, q, k, v, out.detach(), lse.detach(), band, 0.25)
     for a, leaf in zip(got, leaves, strict=True):
         torch.testing.assert_close(a, leaf.grad, rtol=1e-12, atol=1e-12)
 

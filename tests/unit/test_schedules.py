@@ -119,3 +119,17 @@ def test_forward_only_schedule_runs(p, v, m):
     )
     assert sum(a.kind == Kind.F for actions in schedule for a in actions) == p * v * m
     simulate(schedule)
+
+
+def test_compute_phases_split_warmup_steady_cooldown():
+    """1F1B, 2 ranks, 4 micro-batches: rank 0 runs F F | B F B F | B B (its first backward
+    starts the steady state, its last forward ends it); rank 1 F | B F B F B F | B; a
+    forward-only schedule is all warm-up."""
+    from depthscale.parallel.pipeline.runtime import compute_phases
+
+    schedule = one_f_one_b(2, 4)
+    assert compute_phases(schedule[0]) == ["warmup"] * 2 + ["steady"] * 4 + ["cooldown"] * 2
+    assert compute_phases(schedule[1]) == ["warmup"] + ["steady"] * 6 + ["cooldown"]
+    from depthscale.parallel.pipeline.schedules import forward_only
+
+    assert set(compute_phases(forward_only(2, 1, 4)[0])) == {"warmup"}

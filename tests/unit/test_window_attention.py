@@ -63,3 +63,21 @@ def test_the_model_takes_the_blockwise_path_for_a_window(monkeypatch):
     sdpa_attention(q, q, q, None, None, 0)
     sdpa_attention(q, q, q, None, None, 32)
     assert calls == [8]
+
+
+def test_bf16_window_is_as_close_to_fp64_as_the_dense_mask_in_bf16():
+    """In bf16 the blockwise path (bias in bf16, fp32 LSE and dK/dV sums) rounds no worse than
+    SDPA with the dense mask in bf16: each within twice the other's error from fp64, plus one
+    bf16 ulp (2^-8) of the values' magnitude."""
+    g = torch.Generator().manual_seed(3)
+    T, window = 70, 24
+    q = torch.randn(1, 4, T, 16, generator=g)
+    k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(2))
+    do = torch.randn(1, 4, T, 16, generator=g)
+    exact = _grads(lambda *t: _dense(*t, window), q.double(), k.double(), v.double(), do.double())
+    bf = [t.bfloat16() for t in (q, k, v, do)]
+    dense = _grads(lambda *t: _dense(*t, window), *bf)
+    blockwise = _grads(lambda *t: wa.window_attention(*t, window, 16), *bf)
+    for name, a, d, e in zip(("out", "dq", "dk", "dv"), blockwise, dense, exact, strict=True):
+        assert a.dtype == torch.bfloat16, name
+        check(scaled_err(a, e), 2 * scaled_err(d, e) + 2.0**-8, f"bf16 {name}")

@@ -32,6 +32,12 @@ class TileMask(NamedTuple):
     dense: Tensor | None
 
 
+def additive_bias(visible: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A boolean visibility mask as the fused kernel takes it: 0 where visible, −inf elsewhere."""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf"))
+
+
 def fused(device: torch.device) -> bool:
     """Whether tiles on `device` run a fused kernel (else the reference)."""
     return device.type == "cpu"

@@ -39,11 +39,7 @@ def _band(rows: int, keys: int, window: int, dtype: torch.dtype, device: torch.d
     q_pos = torch.arange(keys - rows, keys, device=device)[:, None]
     diff = q_pos - torch.arange(keys, device=device)[None, :]
     visible = (diff >= 0) & (diff < window)
-    if dtype == torch.bool:
-        return visible
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
-        ~visible, float("-inf")
-    )
+    return visible if dtype == torch.bool else tiles.additive_bias(visible, dtype)
 
 
 def window_attention(

@@ -73,7 +73,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from depthscale.model import attention_tiles as ring_tiles
+from depthscale.model import attention_tiles
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
 from depthscale.parallel.cp_comm import CommStats, Ring
@@ -266,7 +266,7 @@ def _forward_tiles(plan: RingPlan, tiles, held, qg, out, lse, scale: float) -> N
     for tile in tiles:
         kv = tile.cols.take(held, 3).float()
         q = tile.rows.take(qg, 3).flatten(1, 2)
-        out_t, lse_t = ring_tiles.forward(q, kv[0], kv[1], plan.tile_mask(tile), scale)
+        out_t, lse_t = attention_tiles.forward(q, kv[0], kv[1], plan.tile_mask(tile), scale)
         _merge(out, lse, tile.rows, out_t.unflatten(1, groups), lse_t.unflatten(1, groups))
 
 
@@ -276,7 +276,7 @@ def _backward_tiles(plan: RingPlan, tiles, held, saved, dq, dkv, scale: float) -
     groups = qg.shape[1:3]
     for tile in tiles:
         kv, rows = tile.cols.take(held, 3).float(), tile.rows
-        dq_t, dk_t, dv_t = ring_tiles.backward(
+        dq_t, dk_t, dv_t = attention_tiles.backward(
             rows.take(do, 3).flatten(1, 2),
             rows.take(qg, 3).flatten(1, 2),
             kv[0],

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from depthscale.model.attention_tiles import TileMask, fused
+from depthscale.model.attention_tiles import TileMask, additive_bias, fused
 from depthscale.model.layers import attention_mask
 from depthscale.observe import spans
 
@@ -295,17 +295,16 @@ class RingPlan:
         return attention_mask(tile.q_pos, tile.k_pos, window, causal=self.span.lo == 0)
 
     def tile_mask(self, tile: Tile) -> TileMask:
-        """The tile's mask in the forms the tile kernels take, built once per tile: a causal flag
-        where it is top-left causal, else (fused kernels) an additive fp32 bias or (reference) a
-        boolean mask."""
+        """The tile's mask in the form the tile kernels take, built once per tile: nothing for a
+        dense tile; for fused kernels the causal flag where the tile is top-left causal, else an
+        additive bias; for the reference a boolean mask."""
         if tile._mask is None:
-            visible = None if tile.dense or tile.causal else self.mask(tile)
-            bias = None
-            if visible is not None and fused(self.device):
-                bias = torch.zeros(visible.shape, device=self.device)
-                bias.masked_fill_(~visible, float("-inf"))
-                visible = None
-            elif tile.causal and not fused(self.device):
-                visible = self.mask(tile)
-            tile._mask = TileMask(tile.causal and fused(self.device), bias, visible)
+            if tile.dense:
+                tile._mask = TileMask(False, None, None)
+            elif not fused(self.device):
+                tile._mask = TileMask(False, None, self.mask(tile))
+            elif tile.causal:
+                tile._mask = TileMask(True, None, None)
+            else:
+                tile._mask = TileMask(False, additive_bias(self.mask(tile)), None)
         return tile._mask

@@ -363,11 +363,13 @@ class Trainer:
             self.batches.close()
 
     def _timeout_name(self) -> str:
-        """The process-group timeout in force: the start-up one until a step completed."""
+        """The process-group timeouts in force: until the first step completes, the world group
+        and the store still have the start-up one."""
         p = self.cfg.parallel
-        if self.timeout_shortened:
-            return f"parallel.timeout_s={p.timeout_s:g}"
-        return f"parallel.setup_timeout_s={p.setup_timeout_s:g}"
+        name = f"parallel.timeout_s={p.timeout_s:g}"
+        if not self.timeout_shortened:
+            name += f"; world group: parallel.setup_timeout_s={p.setup_timeout_s:g}"
+        return name
 
     def _fit(self, stop_at: int | None) -> list[dict[str, float]]:
         cfg = self.cfg

@@ -96,6 +96,8 @@ class PipelineRuntime:
         self.cache = cache
         self.program = rank_program(schedule, self.rank, self._empty_hop)
         self._messages = {(a.kind, a.microbatch, a.stage): a for a in self.actions}
+        self._last_backward = {a.stage: a for a in self.actions if a.kind == Kind.B}
+        self._phases = compute_phases(self.actions)
         self.steps = 0  # steps run: names this step's messages (every rank runs the same steps)
         self.forward_context: Callable[[], contextlib.AbstractContextManager] | None = None
         """Entered around every training stage forward, e.g. `train.memory.offload_activations`
@@ -125,22 +127,18 @@ class PipelineRuntime:
         return run.total_loss, run.stats
 
     def _run(self, run: _Step) -> None:
-        last_backward = {a.stage: a for a in self.actions if a.kind == Kind.B}
-        computes = [a for a in self.actions if a.kind in (Kind.F, Kind.B)]
-        first_b = next((i for i, a in enumerate(computes) if a.kind == Kind.B), len(computes))
-        last_f = max((i for i, a in enumerate(computes) if a.kind == Kind.F), default=-1)
-        n = 0  # computes run so far
+        phases = iter(self._phases)
         for item in self.program:
             if isinstance(item, Post):
                 run.post(item.actions)
                 continue
             a = item.action
-            run.phase = "warmup" if n < first_b else "steady" if n <= last_f else "cooldown"
-            n += 1
+            run.phase = next(phases)
             if a.kind == Kind.F:
                 run.forward(a)
             else:
-                _defer_gradient_sync(self.stages[a.stage], until_last=a == last_backward[a.stage])
+                last = a == self._last_backward[a.stage]
+                _defer_gradient_sync(self.stages[a.stage], until_last=last)
                 run.backward(a)
             run.in_flight = [b for b in run.in_flight if not b.poll()]  # free what has been sent
         with run.stats.timing("wait_cooldown_s", run.device):
@@ -269,6 +267,18 @@ class _Step:
             self.produce(Kind.SEND_B, a, grad)
         if a.stage == min(rt.stages):  # the rank's last backward for this microbatch
             rt.cache.finish(a.microbatch)
+
+
+def compute_phases(actions: list[Action]) -> list[str]:
+    """The phase of each of a rank's computes, in order: "warmup" before its first backward,
+    "cooldown" after its last forward, "steady" between (where its waits are counted)."""
+    computes = [a.kind for a in actions if a.kind in (Kind.F, Kind.B)]
+    first_b = computes.index(Kind.B) if Kind.B in computes else len(computes)
+    last_f = max((i for i, k in enumerate(computes) if k == Kind.F), default=-1)
+    return [
+        "warmup" if i < first_b else "steady" if i <= last_f else "cooldown"
+        for i in range(len(computes))
+    ]
 
 
 def _key(a: Action) -> tuple:
