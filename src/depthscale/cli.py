@@ -296,6 +296,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diag.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory, communication, step time and MFU of layouts; pick the fastest",
+        description="Search every layout of a model on N GPUs (or evaluate one with --layout) and "
+        "rank them by predicted step time; each rejected layout names the constraint it breaks. "
+        "The model comes from a config (--section.key VALUE overrides apply); see docs/planning.md.",
+    )
+    plan.add_argument("-c", "--config", help="TOML config file (its model section is planned)")
+    plan.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in the job")
+    plan.add_argument(
+        "--cluster", default="h100", help="a100, h100, h200, or a calibration JSON file"
+    )
+    plan.add_argument(
+        "--layout", help="evaluate one layout, e.g. tp=8,pp=8,v=6,fsdp=4,mb=1,recompute=selective"
+    )
+    plan.add_argument("--seq", type=_positive_int, help="sequence length (default: data.seq_len)")
+    plan.add_argument(
+        "--batch", type=_positive_int, help="global batch in sequences (default: train.batch_size)"
+    )
+    plan.add_argument(
+        "--framework",
+        default="depthscale",
+        help="depthscale; megatron or megascale to model the published GPT runs",
+    )
+    plan.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype"
+    )
+    plan.add_argument("--top", type=_positive_int, default=10, help="layouts to show")
+    plan.add_argument(
+        "--tokens", type=_positive_float, help="token budget: print the days it takes"
+    )
+    plan.add_argument("--json", action="store_true", help="print the report as JSON")
+
     conv = sub.add_parser("convert", help="convert between Hugging Face Llama and depthscale runs")
     conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])
     conv.add_argument(
@@ -338,6 +371,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         if args.faults is not None:
             rest = [*rest, "--resilience.faults", args.faults]
         return _train(args, rest)
+    if args.command == "plan":
+        return _plan(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "generate":
@@ -353,6 +388,38 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
     if args.direction == "ds-to-hf" and not args.run:
         parser.error("convert ds-to-hf needs --run DIR")
     return _convert(args)
+
+
+def _plan(args: argparse.Namespace, rest: list[str]) -> int:
+    from depthscale.config import load_config
+    from depthscale.plan.report import PlanRequest, format_table, run, to_json
+    from depthscale.plan.spec import ModelSpec
+
+    cfg = load_config(args.config, rest)
+    if cfg.model.vocab_size <= 0:
+        raise ConfigError(
+            "model.vocab_size is 0 (training takes it from the tokenizer); plan needs it: set it "
+            "in the config or pass --model.vocab_size N"
+        )
+    name = Path(args.config).stem if args.config else "defaults"
+    request = PlanRequest(
+        spec=ModelSpec.from_config(cfg.model, name=name),
+        gpus=args.gpus,
+        cluster=args.cluster,
+        seq=args.seq or cfg.data.seq_len,
+        batch=args.batch or cfg.train.batch_size,
+        dtype=args.dtype,
+        framework=args.framework,
+        layout=args.layout,
+        top=args.top,
+        tokens=args.tokens or 0.0,
+    )
+    try:
+        report = run(request)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    print(to_json(report) if args.json else format_table(report))
+    return 0
 
 
 def _rank() -> int:

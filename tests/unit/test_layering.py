@@ -20,6 +20,7 @@ FORBIDDEN = {
     "train": ("cli",),
     "resilience": ("model", "kernels", "data", "cli", "interop"),
     "config": ("model", "kernels", "data", "parallel", "train", "observe", "cli", "interop"),
+    "plan": ("model", "kernels", "data", "train", "observe", "cli", "interop", "resilience"),
 }
 """Layer (subpackage of depthscale) → subpackages it must not import."""
 

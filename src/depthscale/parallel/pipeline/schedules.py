@@ -15,6 +15,7 @@ torch or processes, so schedules can be tested, simulated and drawn on their own
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -196,15 +197,23 @@ class DeadlockError(RuntimeError):
 
 
 def simulate(
-    schedule: Schedule, forward_cost: float = 1.0, backward_cost: float = 2.0, latency: float = 0.0
+    schedule: Schedule,
+    forward_cost: float | Sequence[float] = 1.0,
+    backward_cost: float | Sequence[float] = 2.0,
+    latency: float = 0.0,
 ) -> Timeline:
     """Run the per-rank lists as a discrete-event simulation. Raises DeadlockError if every rank
-    waits on a message that is never sent, and ValueError if a dependency is violated.
+    waits on a message that is never sent, and ValueError if a dependency is violated. A cost is
+    one number for every stage, or one per stage (the planner's stages differ: the first holds
+    the embedding, the last the head).
 
     Messages are matched by what they carry, with sends that never block: this checks the
     schedule's dependencies, not how NCCL would run its messages — `p2p_plan` orders those and
     `nccl_rules.replay` checks them."""
     ranks = len(schedule)
+    n_stages = _n_stages(schedule)
+    f_cost = _per_stage(forward_cost, n_stages)
+    b_cost = _per_stage(backward_cost, n_stages)
     clock = [0.0] * ranks
     pc = [0] * ranks
     messages: dict[tuple, float] = {}  # (kind, microbatch, stage, src, dst) -> arrival time
@@ -214,7 +223,6 @@ def simulate(
     in_flight = [0] * ranks
     peak = [0] * ranks
     ready_at: dict[int, float] = {r: 0.0 for r in range(ranks)}
-    n_stages = _n_stages(schedule)
     while any(pc[r] < len(schedule[r]) for r in range(ranks)):
         progressed = False
         for r in range(ranks):
@@ -233,7 +241,7 @@ def simulate(
                 elif a.kind == Kind.F:
                     _check_forward(a, done_f)
                     start = max(clock[r], ready_at[r])
-                    clock[r] = start + forward_cost
+                    clock[r] = start + f_cost[a.stage]
                     done_f[(a.microbatch, a.stage)] = clock[r]
                     events[r].append((start, clock[r], a))
                     in_flight[r] += 1
@@ -241,7 +249,7 @@ def simulate(
                 else:
                     _check_backward(a, done_f, done_b, n_stages)
                     start = max(clock[r], ready_at[r])
-                    clock[r] = start + backward_cost
+                    clock[r] = start + b_cost[a.stage]
                     done_b[(a.microbatch, a.stage)] = clock[r]
                     events[r].append((start, clock[r], a))
                     in_flight[r] -= 1
@@ -253,6 +261,14 @@ def simulate(
     if messages:
         raise ValueError(f"messages sent but never received: {sorted(messages)[:5]}")
     return Timeline(events, max(clock), peak)
+
+
+def _per_stage(cost: float | Sequence[float], n_stages: int) -> list[float]:
+    if isinstance(cost, int | float):
+        return [float(cost)] * n_stages
+    if len(cost) != n_stages:
+        raise ValueError(f"{len(cost)} costs for {n_stages} stages")
+    return [float(c) for c in cost]
 
 
 def _n_stages(schedule: Schedule) -> int:

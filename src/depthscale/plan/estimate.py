@@ -1,0 +1,440 @@
+"""One layout's prediction: memory per rank, bytes per dimension, step time, MFU.
+
+The time of one micro-batch through one model chunk is built bottom-up — GEMMs at the cluster's
+shape-dependent efficiency, attention, memory-bound passes at HBM speed, tensor- and
+context-parallel traffic exposed or hidden as the framework overlaps it — and the pipeline is the
+simulated schedule over those times (`plan.pipeline`). Data-parallel traffic and the optimizer
+step close the step. Every constant is the cluster's or the framework's (`plan.hardware`,
+`plan.frameworks`), none is fitted to a layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from depthscale.plan import activations
+from depthscale.plan.frameworks import Framework
+from depthscale.plan.hardware import Cluster
+from depthscale.plan.layout import Layout
+from depthscale.plan.pipeline import closed_form, pipeline_time
+from depthscale.plan.spec import ModelSpec
+
+UNFUSED_SCORE_BYTES = 12.0
+"""Memory traffic per attention-score element in an unfused forward (scores written, softmax read
+and written, dropout read and written with its mask, probabilities read by AV); backward 2×."""
+ELEMENTWISE_PASSES = 2.0
+"""Memory-bound traffic of a forward per byte it keeps for backward (each written once, read once
+by the next op); backward moves twice the forward's."""
+DDP_BUCKET_BYTES = 25 * 2**20
+HOST_BW = 25e9
+"""Host↔device bytes/s (PCIe 4/5 x16) for offloaded states."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    spec: ModelSpec
+    seq: int
+    batch: int
+    """Global batch in sequences."""
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    ok: bool = True
+    reason: str = ""
+    memory: dict[str, float] = field(default_factory=dict)
+    """Bytes on the fullest rank: weights, grads, optimizer, activations, pipeline, transient."""
+    comm: dict[str, float] = field(default_factory=dict)
+    """Bytes each rank sends per step, per dimension."""
+    times: dict[str, float] = field(default_factory=dict)
+    step_s: float = math.inf
+    mfu: float = 0.0
+    hfu: float = 0.0
+    tokens_per_s: float = 0.0
+    bubble: float = 0.0
+    peak_in_flight: tuple[int, ...] = ()
+    microbatches: int = 0
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    def days(self, tokens: float) -> float:
+        return tokens / self.tokens_per_s / 86400 if self.tokens_per_s else math.inf
+
+    def to_json(self) -> dict:
+        return {
+            "layout": self.layout.to_json(),
+            "label": self.layout.label(),
+            "ok": self.ok,
+            "reason": self.reason,
+            "memory_gib": {k: v / 2**30 for k, v in self.memory.items()},
+            "peak_gib": self.peak_bytes / 2**30,
+            "comm_gb": {k: v / 1e9 for k, v in self.comm.items()},
+            "times_s": self.times,
+            "step_s": self.step_s,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble": self.bubble,
+            "microbatches": self.microbatches,
+            "peak_in_flight": list(self.peak_in_flight),
+        }
+
+
+def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str:
+    """The first constraint the layout breaks, in words; '' if none (memory is checked later)."""
+    s = w.spec
+    if lay.world != gpus:
+        return f"uses {lay.world} GPUs, not {gpus}"
+    if lay.tp > c.gpus_per_node:
+        return f"tp {lay.tp} > {c.gpus_per_node} GPUs per node"
+    if s.n_heads % lay.tp or s.kv_heads % lay.tp:
+        return f"tp {lay.tp} does not divide {s.n_heads} heads / {s.kv_heads} kv heads"
+    if s.n_layers % (lay.pp * lay.v):
+        return f"pp×v = {lay.pp * lay.v} does not divide {s.n_layers} layers"
+    if lay.cp > 1 and w.seq % (2 * lay.cp):
+        return f"2·cp = {2 * lay.cp} does not divide seq {w.seq} (zigzag halves)"
+    if (w.seq // lay.cp) % lay.tp:
+        return f"tp {lay.tp} does not divide the local sequence {w.seq // lay.cp}"
+    if w.batch % (lay.dp * lay.micro_batch):
+        return f"batch {w.batch} not divisible by dp×mb = {lay.dp * lay.micro_batch}"
+    m = w.batch // (lay.dp * lay.micro_batch)
+    if lay.pp > 1 and m < lay.pp:
+        return f"{m} micro-batches < pp {lay.pp}"
+    if lay.v > 1 and (lay.pp == 1 or m % lay.pp):
+        return f"interleaving needs pp > 1 and micro-batches ({m}) divisible by pp {lay.pp}"
+    if fw.ours and lay.zero1:
+        return "zero1 is Megatron's distributed optimizer; depthscale shards with dp_shard"
+    if not fw.ours and (lay.dp_shard > 1 or lay.offload):
+        return f"{fw.name} has no FSDP (use dp and zero1)"
+    if lay.offload and (lay.shard == 1 or lay.tp > 1 or lay.pp > 1):
+        return "offload needs dp_shard×cp > 1 and tp = pp = 1"
+    if lay.recompute == "sublayer" and not fw.ours:
+        return f"{fw.name} has no sublayer recompute"
+    return ""
+
+
+def estimate(
+    w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int, simulate: bool = True
+) -> Estimate:
+    """Predict one layout. `simulate=False` takes the pipeline's closed form (the search's first
+    pass) instead of simulating its schedule."""
+    est = Estimate(lay)
+    reason = check(w, c, lay, fw, gpus)
+    if reason:
+        est.ok, est.reason = False, reason
+        return est
+    s = w.spec
+    m = w.batch // (lay.dp * lay.micro_batch)
+    est.microbatches = m
+    chunks = lay.pp * lay.v
+    per_chunk = s.n_layers // chunks
+    e = 2 if w.dtype == "bfloat16" else 4
+    tokens = lay.micro_batch * w.seq // lay.cp  # per micro-batch on one cp rank
+
+    # -- compute per micro-batch per layer --------------------------------------------------
+    f_layer, b_layer, rc_layer, gemm_layer = _layer_times(w, c, lay, fw, tokens, e)
+    tp_f, tp_b = _tp_comm(s, c, lay, fw, tokens, e, gemm_layer)
+    cp_f, cp_b = _cp_comm(w, c, lay, e, f_layer)
+    layer_f = f_layer + tp_f + cp_f
+    layer_b = b_layer + rc_layer + tp_b + cp_b
+    head_f, head_b = _head_times(w, c, lay, tokens)
+    # uniform stages at the pace of the slowest, the last: a chunk plus the head and the loss
+    # (conservative under interleaving, where the head is once per V chunks; see docs/planning.md)
+    f_stage = [per_chunk * layer_f + head_f] * chunks
+    b_stage = [per_chunk * layer_b + head_b] * chunks
+
+    # -- pipeline ----------------------------------------------------------------------------
+    hops = _hop_elements(s, lay)
+    hop_bytes = [h * tokens * e / lay.tp for h in hops]
+    pp_inter = lay.tp * lay.cp * lay.dp * lay.pp > c.gpus_per_node and lay.pp > 1
+    bw, lat = c.link(lay.pp, pp_inter)
+    hop_time = [lat + b / bw for b in hop_bytes]
+    if lay.pp > 1:
+        hop = sum(hop_time) / len(hop_time) if hop_time else 0.0
+        f1, b1, lat1 = f_stage[0], b_stage[0], hop
+        if not fw.pp_overlap:  # blocking send and receive around every chunk's compute
+            f1, b1, lat1 = f1 + 2 * hop, b1 + 2 * hop, 0.0
+        if simulate:
+            pipe = pipeline_time(lay.pp, lay.v, m, [f1] * chunks, [b1] * chunks, lat1)
+        else:
+            pipe = closed_form(lay.pp, lay.v, m, f1, b1, lat1)
+        makespan, est.bubble, est.peak_in_flight = pipe.makespan, pipe.bubble, pipe.peak_in_flight
+    else:
+        makespan = m * (per_chunk * chunks * (layer_f + layer_b) + head_f + head_b)
+        est.peak_in_flight = (1,)
+
+    # -- data parallel and optimizer ---------------------------------------------------------
+    local_params = _rank_params(s, lay)
+    dp_bytes, dp_time = _dp_comm(c, lay, fw, local_params, m)
+    window = lay.v * b_stage[0]  # one micro-batch's backward on this rank
+    exposed_dp = max(dp_time / 8, dp_time - window) if fw.dp_overlap else dp_time
+    opt_bytes = local_params * (fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes)
+    opt_bytes /= lay.shard if fw.ours else (lay.dp if lay.zero1 else 1)
+    optimizer = 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
+    if lay.offload:
+        optimizer = 2 * opt_bytes / HOST_BW
+
+    est.step_s = makespan + exposed_dp + optimizer
+    est.times = {
+        "pipeline_s": makespan,
+        "dp_exposed_s": exposed_dp,
+        "optimizer_s": optimizer,
+        "layer_forward_s": layer_f,
+        "layer_backward_s": layer_b,
+        "tp_exposed_per_layer_s": tp_f + tp_b,
+    }
+    est.comm = {
+        "tp": _tp_bytes(s, lay, fw, tokens, e) * per_chunk * lay.v * m,
+        "cp": _cp_bytes(w, lay, e) * per_chunk * lay.v * m,
+        "pp": 2 * sum(hop_bytes) / max(lay.pp, 1) * m if lay.pp > 1 else 0.0,
+        "dp": dp_bytes,
+    }
+    peak = c.peak(w.dtype)
+    est.mfu = s.model_flops(w.seq) * w.batch / (est.step_s * gpus * peak)
+    est.hfu = s.hardware_flops(w.seq, lay.recompute) * w.batch / (est.step_s * gpus * peak)
+    est.tokens_per_s = w.batch * w.seq / est.step_s
+
+    est.memory = memory(w, lay, fw, est.peak_in_flight, local_params, tokens, e)
+    if est.peak_bytes > c.usable_bytes():
+        est.ok = False
+        est.reason = f"OOM by {(est.peak_bytes - c.usable_bytes()) / 2**30:.1f} GiB"
+    return est
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+
+
+def memory(
+    w: Workload,
+    lay: Layout,
+    fw: Framework,
+    in_flight: tuple[int, ...],
+    local_params: float,
+    tokens: int,
+    e: int,
+) -> dict[str, float]:
+    """Bytes on the fullest rank (the first pipeline rank holds the most micro-batches)."""
+    s = w.spec
+    if fw.ours:
+        states = local_params / lay.shard
+        weights, grads = states * fw.weight_bytes, states * fw.grad_bytes
+        optim = states * fw.moment_bytes
+        if lay.offload:
+            weights = grads = optim = 0.0
+    else:
+        weights, grads = local_params * fw.weight_bytes, local_params * fw.grad_bytes
+        optim = local_params * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
+    chunks = lay.pp * lay.v
+    per_chunk = s.n_layers // chunks
+    if fw.ours:
+        acts = activations.ours(
+            s,
+            tokens,
+            w.seq // lay.cp,
+            e == 2,
+            lay.recompute,
+            lay.tp,
+            bf16_weights_gathered=lay.shard > 1,
+        )
+        chunk_bytes = acts.of_layers(range(per_chunk))
+        first_extra, last_extra = acts.embed, acts.head
+    else:
+        sp = lay.tp > 1
+        layer = activations.megatron(s, lay.micro_batch, w.seq // lay.cp, lay.tp, sp, lay.recompute)
+        chunk_bytes = per_chunk * layer
+        sbh = lay.micro_batch * w.seq // lay.cp * s.dim
+        first_extra = 0.0
+        last_extra = 4 * sbh / lay.tp * (1 + s.vocab / s.dim) if lay.pp == 1 else 0.0
+    units = max(in_flight) if in_flight else 1
+    acts_bytes = units * chunk_bytes + first_extra * math.ceil(units / lay.v)
+    if lay.pp == 1:
+        acts_bytes += last_extra
+    hops = _hop_elements(s, lay)
+    pipeline = units * (max(hops) if hops else 0) * tokens * e / lay.tp
+    logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
+    transient = logits if lay.pp == 1 else 0.0
+    if fw.ours and lay.shard > 1:  # two gathered layers (one prefetched) and one unsharded grad
+        layer_local = s.layer_params() / lay.tp
+        transient += layer_local * (2 * e + 4)
+    return {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optim,
+        "activations": acts_bytes,
+        "pipeline": pipeline,
+        "transient": transient,
+    }
+
+
+def _rank_params(s: ModelSpec, lay: Layout) -> float:
+    """Parameters on the fullest pipeline rank after tp sharding: its layers, and the embedding
+    (first stage) — the head, when untied or split from the embedding by pp, on the last."""
+    layers = s.n_layers // lay.pp * s.layer_params() / lay.tp
+    embed = s.embedding_params() / lay.tp
+    if lay.pp == 1:
+        return layers + embed + s.head_params() / lay.tp
+    return layers + embed
+
+
+# ---------------------------------------------------------------------------------------------
+# time pieces
+
+
+def _gemms(s: ModelSpec, tokens: int, tp: int) -> list[tuple[float, float, float]]:
+    d, f, kv = s.dim, s.ffn_dim, s.kv_dim
+    if s.family == "gpt":
+        return [(tokens, 3 * d / tp, d), (tokens, d, d / tp), (tokens, 4 * d / tp, d),
+                (tokens, d, 4 * d / tp)]  # fmt: skip
+    return [(tokens, (d + 2 * kv) / tp, d), (tokens, d, d / tp), (tokens, 2 * f / tp, d),
+            (tokens, d, f / tp)]  # fmt: skip
+
+
+def _layer_times(
+    w: Workload, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int
+) -> tuple[float, float, float, float]:
+    """(forward, backward, recompute, GEMM forward) seconds of one layer and one micro-batch."""
+    s = w.spec
+    gemm = sum(
+        2 * m_ * n * k / c.gemm_flops(w.dtype, min(m_, n, k))
+        for m_, n, k in _gemms(s, tokens, lay.tp)
+    )
+    seq_local = w.seq // lay.cp
+    keys = s.sliding_window if 0 < s.sliding_window < w.seq else w.seq
+    heads_dim = s.dim / lay.tp
+    if fw.attention == "flash":
+        causal = 0.5 if keys == w.seq else 1.0
+        flops = 4 * lay.micro_batch * seq_local * keys * heads_dim * causal
+        attn_f = flops / (c.peak(w.dtype) * c.attention_efficiency)
+        attn_b = 2.5 * attn_f
+    else:
+        flops = 4 * lay.micro_batch * seq_local * keys * heads_dim
+        scores = lay.micro_batch * s.n_heads / lay.tp * seq_local * keys
+        bmm = flops / c.gemm_flops(w.dtype, min(seq_local, s.head_dim))
+        traffic = scores * UNFUSED_SCORE_BYTES / (c.hbm_bw * c.memory_efficiency)
+        attn_f, attn_b = bmm + traffic, 2 * (bmm + traffic)
+    if fw.ours:
+        kept = activations.ours(s, tokens, seq_local, e == 2, "none", lay.tp, True).layers[0]
+    else:
+        kept = activations.megatron(s, lay.micro_batch, seq_local, lay.tp, lay.tp > 1, "none")
+        kept -= 5 * s.n_heads * seq_local / s.dim * lay.micro_batch * seq_local * s.dim / lay.tp
+    ew_f = ELEMENTWISE_PASSES * kept / (c.hbm_bw * c.memory_efficiency)
+    fwd = gemm + attn_f + ew_f
+    bwd = 2 * gemm + attn_b + 2 * ew_f
+    if lay.recompute in ("full", "sublayer"):
+        rc = fwd
+    elif lay.recompute == "selective":
+        rc = attn_f if not fw.ours else ew_f
+    else:
+        rc = 0.0
+    return fwd, bwd, rc, gemm
+
+
+def _tp_bytes(s: ModelSpec, lay: Layout, fw: Framework, tokens: int, e: int) -> float:
+    """Bytes one rank sends per layer and micro-batch for tensor parallelism (forward, backward
+    and a recompute that re-runs the layer's collectives)."""
+    if lay.tp == 1:
+        return 0.0
+    one = (lay.tp - 1) / lay.tp * tokens * s.dim * e  # one all-gather or reduce-scatter
+    per_pass = 2 * s.sublayers_per_layer * one
+    passes = 2.0
+    if lay.recompute in ("full", "sublayer") or (fw.ours and lay.recompute == "selective"):
+        passes += 1
+    if not fw.ours and lay.tp > 1:
+        passes += 0.5  # Megatron re-gathers each sublayer's input for the weight gradient
+    return per_pass * passes
+
+
+def _tp_comm(
+    s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int, gemm: float
+) -> tuple[float, float]:
+    if lay.tp == 1:
+        return 0.0, 0.0
+    bw, lat = c.link(lay.tp, False)
+    total = _tp_bytes(s, lay, fw, tokens, e) / bw
+    ops = 2 * s.sublayers_per_layer
+    fwd = total / 2 + ops * (lay.tp - 1) * lat
+    bwd = total / 2 + ops * (lay.tp - 1) * lat
+    if fw.tp_overlap:
+        fwd = max(fwd / 4, fwd - gemm)
+        bwd = max(bwd / 4, bwd - 2 * gemm)
+    return fwd, bwd
+
+
+def _cp_bytes(w: Workload, lay: Layout, e: int) -> float:
+    if lay.cp == 1:
+        return 0.0
+    kv = 2 * w.seq // lay.cp * lay.micro_batch * w.spec.kv_dim / lay.tp * e
+    return 3 * (lay.cp - 1) * kv  # K, V forward; K, V and dK, dV backward
+
+
+def _cp_comm(w: Workload, c: Cluster, lay: Layout, e: int, layer_f: float) -> tuple[float, float]:
+    if lay.cp == 1:
+        return 0.0, 0.0
+    inter = lay.tp * lay.cp > c.gpus_per_node
+    bw, lat = c.link(lay.cp, inter)
+    t = _cp_bytes(w, lay, e) / bw + 3 * (lay.cp - 1) * lat
+    return max(0.0, t / 3 - layer_f / 2), max(0.0, 2 * t / 3 - layer_f)
+
+
+def _head_times(w: Workload, c: Cluster, lay: Layout, tokens: int) -> tuple[float, float]:
+    s = w.spec
+    n = s.vocab / lay.tp
+    f = 2 * tokens * n * s.dim / c.gemm_flops(w.dtype, min(tokens, n, s.dim))
+    return f, 2 * f
+
+
+def _hop_elements(s: ModelSpec, lay: Layout) -> list[int]:
+    """[tokens × d] tensors each forward hop carries: the hidden state, or the AttnRes depth
+    state — partial sum plus the blocks the receiver lacks (Eq. 7–8 with the cache)."""
+    chunks = lay.pp * lay.v
+    if lay.pp == 1:
+        return []
+    if not s.attnres:
+        return [1] * (chunks - 1)
+    per = s.n_layers // chunks * s.sublayers_per_layer
+    bl = s.blocks
+    k, partial = [], []
+    for c in range(chunks):
+        done = (c + 1) * per
+        ends = sum(1 for i in range(done) if i == len(bl) - 1 or bl[i + 1] != bl[i])
+        k.append(1 + ends)
+        partial.append(done < len(bl) and bl[done] == bl[done - 1])
+    out = []
+    for u in range(chunks - 1):
+        prev = u + 1 - lay.pp
+        cached = k[prev] if lay.cache and prev >= 0 else 0
+        out.append(int(partial[u]) + k[u] - cached)
+    return out
+
+
+def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float, m: int) -> tuple[float, float]:
+    """(bytes sent, seconds) of gradient reduction and parameter gathers per step."""
+    inter = lay.tp * lay.cp * lay.dp > c.gpus_per_node
+    sent = 0.0
+    if fw.ours and lay.shard > 1:
+        sh = lay.shard
+        gathers = 2 * (m if lay.pp > 1 else 1)  # forward and backward (reshard after forward)
+        sent += gathers * (sh - 1) / sh * params * 2  # bf16 gathers
+        sent += (sh - 1) / sh * params * 4  # fp32 reduce-scatter
+        if lay.dp_replicate > 1:
+            r = lay.dp_replicate
+            sent += 2 * (r - 1) / r * params / sh * 4
+        ring = sh
+    elif lay.dp > 1:
+        d = lay.dp
+        if lay.zero1:
+            sent += (d - 1) / d * params * (fw.grad_bytes + fw.weight_bytes)
+        else:
+            sent += 2 * (d - 1) / d * params * fw.grad_bytes
+        ring = d
+    else:
+        return 0.0, 0.0
+    bw, lat = c.link(ring, inter)
+    buckets = max(1.0, sent / DDP_BUCKET_BYTES)
+    return sent, sent / bw + buckets * 2 * (ring - 1) * lat

@@ -1,0 +1,37 @@
+"""How a training system spends memory and overlaps communication: depthscale's own, and the two
+systems of the published tables (Megatron-LM as Korthikanti et al. 2022 and MegaScale ran it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+    weight_bytes: int
+    """Bytes per parameter of the weights the forward reads (and the sharded copy FSDP keeps)."""
+    grad_bytes: int
+    master_bytes: int
+    """fp32 master copy kept beside bf16 weights (0 when the weights are fp32 already)."""
+    moment_bytes: int
+    """Adam's two moments."""
+    attention: str
+    """'flash' (fused, causal tiles skipped) or 'unfused' (scores in memory, whole square)."""
+    tp_overlap: bool
+    pp_overlap: bool
+    dp_overlap: bool
+    ours: bool
+    """depthscale's activation inventory and FSDP; else Megatron's Table 2 and ZeRO-1."""
+
+
+DEPTHSCALE = Framework("depthscale", 4, 4, 0, 8, "flash", True, True, True, True)
+"""fp32 sharded weights under bf16 autocast (FSDP gathers bf16), fp32 gradients and moments;
+TP all-gathers and reduce-scatters overlapped with the GEMMs, P2P posted ahead, FSDP prefetch."""
+MEGATRON_2022 = Framework("megatron", 2, 4, 4, 8, "unfused", False, False, False, False)
+"""bf16 weights, fp32 main gradients, fp32 master weights and moments (18 B/param); softmax
+over materialised scores; no overlap of TP, PP or DP communication with compute."""
+MEGASCALE = Framework("megascale", 2, 4, 4, 8, "flash", True, True, True, False)
+"""Megatron's memory with MegaScale's overlap of TP, PP and DP communication and fused kernels."""
+
+FRAMEWORKS = {f.name: f for f in (DEPTHSCALE, MEGATRON_2022, MEGASCALE)}

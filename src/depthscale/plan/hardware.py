@@ -1,0 +1,131 @@
+"""Clusters the planner can plan for: GPU presets and the network between them.
+
+Peaks are dense spec-sheet numbers (no sparsity). Bandwidths are per GPU and per direction:
+NVLink within a node, the GPU's share of the inter-node fabric across nodes. `efficiency` terms
+are what a well-tuned kernel or NCCL ring reaches of the peak; they are properties of the hardware
+and libraries, the same for every model and layout (never fitted to a published row).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    peak_flops: dict[str, float]
+    """Dense matmul FLOP/s by dtype ('bfloat16', 'float32')."""
+    hbm_bytes: float
+    hbm_bw: float
+    """Device memory bytes/s."""
+    gpus_per_node: int
+    intra_bw: float
+    """NVLink bytes/s per GPU per direction."""
+    inter_bw: float
+    """Inter-node bytes/s per GPU per direction."""
+    intra_latency: float = 1e-6
+    inter_latency: float = 2e-6
+    """Per-step link latencies (Calculon's A100 system description)."""
+    gemm_efficiency: float = 0.85
+    """Fraction of peak a large GEMM reaches (cuBLAS on big bf16 shapes)."""
+    gemm_half_dim: float = 96.0
+    """A GEMM whose smallest dimension is this reaches half of `gemm_efficiency` (small shapes
+    cannot fill the machine): efficiency = gemm_efficiency · x / (x + gemm_half_dim)."""
+    attention_efficiency: float = 0.6
+    """Fused (flash) attention's fraction of peak."""
+    memory_efficiency: float = 0.8
+    """Fraction of HBM bandwidth elementwise kernels reach."""
+    comm_efficiency: float = 0.8
+    """Fraction of link bandwidth a NCCL ring reaches on large messages."""
+    memory_reserve: float = 0.05
+    """Device memory the allocator's fragmentation and the CUDA context take (fraction)."""
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype) or self.peak_flops["float32"]
+
+    def gemm_flops(self, dtype: str, smallest_dim: float) -> float:
+        """Achieved FLOP/s of a GEMM whose smallest dimension is `smallest_dim`."""
+        x = max(smallest_dim, 1.0)
+        return self.peak(dtype) * self.gemm_efficiency * x / (x + self.gemm_half_dim)
+
+    def usable_bytes(self) -> float:
+        return self.hbm_bytes * (1 - self.memory_reserve)
+
+    def link(self, group: int, span_nodes: bool) -> tuple[float, float]:
+        """(bytes/s, latency) of a ring over `group` ranks, inside a node or across nodes."""
+        if span_nodes:
+            return self.inter_bw * self.comm_efficiency, self.inter_latency
+        return self.intra_bw * self.comm_efficiency, self.intra_latency
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+_GB = 1e9
+
+PRESETS: dict[str, Cluster] = {
+    # Selene / MegaScale-era A100 SXM 80 GB: NVLink 3 (300 GB/s per direction), 8× HDR 200 Gb/s
+    # per node (25 GB/s per GPU).
+    "a100": Cluster(
+        "a100",
+        {"bfloat16": 312e12, "float32": 19.5e12, "tf32": 156e12},
+        80 * GiB,
+        2.039e12,
+        8,
+        300 * _GB,
+        25 * _GB,
+    ),
+    # H100 SXM 80 GB: NVLink 4 (450 GB/s per direction), 8× NDR 400 Gb/s per node (50 GB/s).
+    "h100": Cluster(
+        "h100",
+        {"bfloat16": 989e12, "float32": 67e12, "tf32": 494.5e12},
+        80 * GiB,
+        3.35e12,
+        8,
+        450 * _GB,
+        50 * _GB,
+    ),
+    # H200 SXM 141 GB: the H100's compute and links, more and faster memory.
+    "h200": Cluster(
+        "h200",
+        {"bfloat16": 989e12, "float32": 67e12, "tf32": 494.5e12},
+        141e9,
+        4.8e12,
+        8,
+        450 * _GB,
+        50 * _GB,
+    ),
+}
+
+
+def cluster(name: str) -> Cluster:
+    """A preset by name, or a JSON file written by `depthscale diagnose --calibrate`."""
+    key = name.lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name)
+    if path.suffix == ".json" and path.is_file():
+        return load_cluster(path)
+    allowed = ", ".join(sorted(PRESETS))
+    raise ValueError(
+        f"unknown cluster {name!r}; allowed: {allowed}, or a calibration JSON file "
+        "(depthscale diagnose --calibrate OUT.json)"
+    )
+
+
+def load_cluster(path: Path) -> Cluster:
+    data = json.loads(Path(path).read_text())
+    fields = {k: v for k, v in data.items() if k in Cluster.__dataclass_fields__}
+    try:
+        return Cluster(**fields)
+    except TypeError as e:
+        raise ValueError(f"{path}: not a cluster description ({e})") from None
+
+
+def with_changes(c: Cluster, **changes) -> Cluster:
+    return replace(c, **changes)

@@ -1,0 +1,97 @@
+"""A layout: how a job's GPUs and its batch are cut, and the policies it trains with."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from depthscale.plan.activations import RECOMPUTE_MODES
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    v: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
+    cp: int = 1
+    dp_shard: int = 1
+    """FSDP: parameters, gradients and optimizer states sharded over dp_shard × cp (ZeRO-3)."""
+    dp_replicate: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    cache: bool = True
+    """The AttnRes cross-stage cache (pipelines of Block AttnRes)."""
+    offload: bool = False
+    """FSDP CPU offload of parameters, gradients and optimizer states."""
+    zero1: bool = False
+    """Megatron's distributed optimizer: fp32 master weights and moments sharded over dp (the
+    published GPT rows); ours shards everything with dp_shard instead."""
+
+    @property
+    def dp(self) -> int:
+        return self.dp_shard * self.dp_replicate
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def shard(self) -> int:
+        """Ranks the model states are sharded over (FSDP shards over dp_shard × cp)."""
+        return self.dp_shard * self.cp if self.dp_shard * self.cp > 1 else 1
+
+    def label(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}"]
+        if self.v > 1:
+            parts.append(f"v={self.v}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        if self.dp_shard > 1:
+            parts.append(f"fsdp={self.dp_shard}")
+        if self.dp_replicate > 1:
+            parts.append(f"dp={self.dp_replicate}")
+        parts.append(f"mb={self.micro_batch}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        if self.offload:
+            parts.append("offload")
+        if not self.cache:
+            parts.append("no-cache")
+        return ",".join(parts)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> Layout:
+        return replace(self, **changes)
+
+
+_ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate", "mb": "micro_batch", "rc": "recompute"}
+_INT = {f.name for f in fields(Layout) if f.type in ("int", int)}
+_BOOL = {"cache", "offload", "zero1"}
+
+
+def parse_layout(text: str) -> Layout:
+    """'tp=8,pp=8,v=6,fsdp=4,mb=1,recompute=selective,cache=off' → Layout. Raises ValueError
+    naming the key or value that is wrong and what is allowed."""
+    values: dict = {}
+    allowed = sorted({f.name for f in fields(Layout)} | set(_ALIASES))
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+        raw = raw.strip()
+        if not sep or key not in {f.name for f in fields(Layout)}:
+            raise ValueError(f"--layout: {item!r} is not KEY=VALUE with KEY one of {allowed}")
+        if key in _BOOL:
+            if raw.lower() not in ("on", "off", "true", "false", "1", "0"):
+                raise ValueError(f"--layout: {key}={raw!r}; allowed: on, off")
+            values[key] = raw.lower() in ("on", "true", "1")
+        elif key == "recompute":
+            if raw not in RECOMPUTE_MODES:
+                raise ValueError(f"--layout: recompute={raw!r}; allowed: {RECOMPUTE_MODES}")
+            values[key] = raw
+        else:
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError(f"--layout: {key}={raw!r} must be an integer >= 1")
+            values[key] = int(raw)
+    return Layout(**values)

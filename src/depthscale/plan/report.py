@@ -1,0 +1,154 @@
+"""`depthscale plan`: the readable table and the JSON of a search or of one layout."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from depthscale.plan.estimate import Estimate, Workload, estimate
+from depthscale.plan.frameworks import FRAMEWORKS
+from depthscale.plan.hardware import Cluster, cluster
+from depthscale.plan.layout import parse_layout
+from depthscale.plan.search import search
+from depthscale.plan.spec import ModelSpec
+
+GiB = 2**30
+
+
+@dataclass
+class PlanRequest:
+    spec: ModelSpec
+    gpus: int
+    cluster: str
+    seq: int
+    batch: int
+    dtype: str = "bfloat16"
+    framework: str = "depthscale"
+    layout: str | None = None
+    top: int = 10
+    tokens: float = 0.0
+
+
+def run(req: PlanRequest) -> dict:
+    """Evaluate the request; raises ValueError with a message naming bad input."""
+    if req.gpus < 1:
+        raise ValueError(f"--gpus {req.gpus} must be >= 1")
+    if req.framework not in FRAMEWORKS:
+        raise ValueError(f"--framework {req.framework!r}; allowed: {', '.join(FRAMEWORKS)}")
+    c = cluster(req.cluster)
+    fw = FRAMEWORKS[req.framework]
+    w = Workload(req.spec, req.seq, req.batch, req.dtype)
+    header = _header(req, c, fw.name)
+    started = time.perf_counter()
+    if req.layout:
+        est = estimate(w, c, parse_layout(req.layout), fw, req.gpus)
+        return {**header, "seconds": time.perf_counter() - started, "layouts": [_row(est, req)]}
+    result = search(w, c, fw, req.gpus)
+    reasons: dict[str, int] = {}
+    for e in result.rejected:
+        key = e.reason.split(" by ")[0] if e.reason.startswith("OOM") else e.reason
+        reasons[key] = reasons.get(key, 0) + 1
+    return {
+        **header,
+        "seconds": time.perf_counter() - started,
+        "considered": result.considered,
+        "fitting": len(result.ranked),
+        "layouts": [_row(e, req) for e in result.ranked[: req.top]],
+        "rejected_examples": [_row(e, req) for e in _examples(result.rejected)],
+        "rejected_by_reason": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def _examples(rejected: list[Estimate]) -> list[Estimate]:
+    """One rejected layout per reason (the nearest to fitting for OOM)."""
+    seen: dict[str, Estimate] = {}
+    for e in sorted(rejected, key=lambda e: e.peak_bytes if e.memory else 0):
+        key = "OOM" if e.reason.startswith("OOM") else e.reason
+        seen.setdefault(key, e)
+    return list(seen.values())[:8]
+
+
+def _header(req: PlanRequest, c: Cluster, fw: str) -> dict:
+    s = req.spec
+    return {
+        "model": {
+            "name": s.name,
+            "family": s.family,
+            "params": s.params(),
+            "layers": s.n_layers,
+            "dim": s.dim,
+            "heads": s.n_heads,
+            "kv_heads": s.kv_heads,
+            "ffn": s.ffn_dim,
+            "vocab": s.vocab,
+            "residual": s.residual,
+            "blocks": s.n_blocks - 1 if s.attnres else 0,
+        },
+        "gpus": req.gpus,
+        "cluster": c.name,
+        "framework": fw,
+        "seq": req.seq,
+        "batch": req.batch,
+        "dtype": req.dtype,
+        "flops": {
+            "formula": s.flop_formula(),
+            "model_flops_per_sequence": s.model_flops(req.seq),
+            "peak_flops_per_gpu": c.peak(req.dtype),
+            "mfu": "model FLOPs (no recompute) per second / (GPUs × peak)",
+            "hfu": "the same with recomputed FLOPs counted",
+        },
+    }
+
+
+def _row(e: Estimate, req: PlanRequest) -> dict:
+    row = e.to_json()
+    if req.tokens and e.ok:
+        row["days"] = e.days(req.tokens)
+    return row
+
+
+def format_table(report: dict) -> str:
+    m = report["model"]
+    lines = [
+        f"{m['name'] or 'model'}: {m['params'] / 1e9:.2f}B params, {m['layers']} layers, "
+        f"d={m['dim']}, {m['heads']} heads ({m['kv_heads']} kv), residual={m['residual']}"
+        + (f" ({m['blocks']} blocks)" if m["blocks"] else ""),
+        f"{report['gpus']} × {report['cluster']} GPUs, {report['framework']}, seq {report['seq']}, "
+        f"batch {report['batch']} sequences, {report['dtype']}",
+        f"FLOPs: {report['flops']['formula']}; peak {report['flops']['peak_flops_per_gpu'] / 1e12:.0f}"
+        " TFLOP/s per GPU",
+    ]
+    if "considered" in report:
+        lines.append(
+            f"{report['considered']} layouts considered, {report['fitting']} fit "
+            f"({report['seconds']:.2f} s)"
+        )
+    lines.append("")
+    head = f"{'layout':44s} {'step s':>8s} {'MFU':>6s} {'HFU':>6s} {'tok/s':>10s} {'bubble':>7s} {'mem GiB':>8s}"
+    if any("days" in r for r in report["layouts"]):
+        head += f" {'days':>7s}"
+    lines.append(head)
+    for r in report["layouts"]:
+        if not r["ok"]:
+            lines.append(f"{r['label']:44s} rejected: {r['reason']}")
+            continue
+        line = (
+            f"{r['label']:44s} {r['step_s']:8.3f} {r['mfu'] * 100:5.1f}% {r['hfu'] * 100:5.1f}% "
+            f"{r['tokens_per_s']:10.0f} {r['bubble'] * 100:6.1f}% {r['peak_gib']:8.1f}"
+        )
+        if "days" in r:
+            line += f" {r['days']:7.2f}"
+        lines.append(line)
+    if report.get("rejected_examples"):
+        lines += ["", "rejected (one example per reason; counts below):"]
+        lines += [f"  {r['label']:44s} {r['reason']}" for r in report["rejected_examples"]]
+        counts = list(report["rejected_by_reason"].items())
+        lines += [f"  {n:6d} × {reason}" for reason, n in counts[:8]]
+        if len(counts) > 8:
+            lines.append(f"  ... {len(counts) - 8} more reasons (--json lists them)")
+    return "\n".join(lines)
+
+
+def to_json(report: dict) -> str:
+    return json.dumps(report, indent=1, default=float)

@@ -1,0 +1,96 @@
+"""Every layout of a job, predicted and ranked; each rejected one with the constraint it breaks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from depthscale.plan.activations import RECOMPUTE_MODES
+from depthscale.plan.estimate import Estimate, Workload, check, estimate
+from depthscale.plan.frameworks import Framework
+from depthscale.plan.hardware import Cluster
+from depthscale.plan.layout import Layout
+
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_VIRTUAL = 8
+MAX_CP = 8
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]
+    """Layouts that fit, fastest first."""
+    rejected: list[Estimate]
+    """Layouts that do not, each with `reason`."""
+    considered: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def layouts(w: Workload, c: Cluster, fw: Framework, gpus: int) -> Iterator[Layout]:
+    """Candidate layouts: tp a power of two up to a node, pp a divisor of the layers, v up to
+    MAX_VIRTUAL, cp a power of two, the rest data parallel — FSDP over the node's remaining
+    GPUs (HSDP across nodes), whole-world FSDP or plain replicas (ours), replicas with or without
+    the distributed optimizer (Megatron) — times micro-batch sizes and recompute modes."""
+    s = w.spec
+    for tp in _powers_of_two(min(c.gpus_per_node, gpus)):
+        for cp in _powers_of_two(min(MAX_CP, gpus // tp)):
+            for pp in _divisors(s.n_layers):
+                if tp * cp * pp > gpus or gpus % (tp * cp * pp):
+                    continue
+                dp = gpus // (tp * cp * pp)
+                vs = (
+                    [1] if pp == 1 else [v for v in _divisors(s.n_layers // pp) if v <= MAX_VIRTUAL]
+                )
+                for shard, rep, zero1 in _dp_splits(c, fw, tp, cp, dp):
+                    for v in vs:
+                        for mb in MICRO_BATCHES:
+                            for rc in RECOMPUTE_MODES:
+                                if rc == "sublayer" and not fw.ours:
+                                    continue
+                                yield Layout(tp, pp, v, cp, shard, rep, mb, rc, True, False, zero1)
+
+
+def _dp_splits(c: Cluster, fw: Framework, tp: int, cp: int, dp: int) -> list[tuple]:
+    if not fw.ours:
+        return [(1, dp, False), (1, dp, True)] if dp > 1 else [(1, 1, False)]
+    splits = {(dp, 1), (1, dp)}
+    in_node = max(1, c.gpus_per_node // (tp * cp))
+    if dp % in_node == 0:
+        splits.add((in_node, dp // in_node))
+    return [(s, r, False) for s, r in sorted(splits)]
+
+
+SIMULATED = 16
+"""Candidates whose pipelines are simulated after the closed-form pass ranks every layout."""
+
+
+def search(
+    w: Workload, c: Cluster, fw: Framework, gpus: int, simulated: int = SIMULATED
+) -> SearchResult:
+    """Rank every layout by the closed-form pipeline, then simulate the best `simulated` with
+    the schedule code that runs and rank those again."""
+    ranked, rejected, n = [], [], 0
+    for lay in layouts(w, c, fw, gpus):
+        n += 1
+        reason = check(w, c, lay, fw, gpus)
+        if reason:
+            rejected.append(Estimate(lay, ok=False, reason=reason))
+            continue
+        est = estimate(w, c, lay, fw, gpus, simulate=False)
+        (ranked if est.ok else rejected).append(est)
+    ranked.sort(key=lambda e: e.step_s)
+    best = [estimate(w, c, e.layout, fw, gpus) for e in ranked[:simulated]]
+    refined = sorted((e for e in best if e.ok), key=lambda e: e.step_s)
+    rejected += [e for e in best if not e.ok]
+    return SearchResult(refined + ranked[simulated:], rejected, n)

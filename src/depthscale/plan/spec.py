@@ -1,0 +1,216 @@
+"""What the planner knows of a model: shapes, exact parameter counts and FLOPs, for two families.
+
+- `llama`: depthscale's own block (`model/transformer.py`): RMSNorm, RoPE, grouped-query attention,
+  SwiGLU, no biases, and a standard, Block or Full Attention-Residual stream. Counts are exact
+  (`tests/unit/test_plan_model.py` checks them against `sum(p.numel())` and `FlopCounterMode`).
+- `gpt`: the GPT-3 / Megatron-LM layer of the published tables (Narayanan et al. 2021, Korthikanti
+  et al. 2022, MegaScale 2024): learned positions, LayerNorm with biases, full multi-head attention
+  with biases, a 4h GELU MLP. Parameters by SC'21 Eq. 2.
+
+FLOP convention (printed by `depthscale plan`): a matmul of [M, K] by [K, N] costs 2·M·N·K; the
+attention core costs 4·T²·head_dim per head per sequence forward — the whole score matrix, as in
+Megatron's Eq. 7 and PaLM, and as `FlopCounterMode` counts a causal SDPA. Backward costs twice the
+forward. Model FLOPs exclude recomputation (MFU); hardware FLOPs include it (HFU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from depthscale.config import ModelConfig
+
+Family = Literal["llama", "gpt"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    n_layers: int
+    dim: int
+    n_heads: int
+    kv_heads: int
+    ffn_dim: int
+    vocab: int
+    family: Family = "llama"
+    residual: str = "standard"
+    blocks: tuple[int, ...] = ()
+    """Block index of every sublayer (AttnRes); empty for the standard residual."""
+    parallel_block: bool = False
+    sliding_window: int = 0
+    tie_embeddings: bool = True
+    key_norm_gain: bool = True
+    max_positions: int = 0
+    """gpt: learned position embeddings (SC'21 counts them with s = sequence length)."""
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, name: str = "") -> ModelSpec:
+        """Our model as `Transformer(cfg)` builds it."""
+        n_sub = cfg.n_sublayers
+        blocks = () if cfg.residual == "standard" else tuple(_block_assignment(cfg, n_sub))
+        return cls(
+            n_layers=cfg.n_layers,
+            dim=cfg.dim,
+            n_heads=cfg.n_heads,
+            kv_heads=cfg.kv_heads,
+            ffn_dim=cfg.hidden_dim,
+            vocab=cfg.vocab_size,
+            residual=cfg.residual,
+            blocks=blocks,
+            parallel_block=cfg.parallel_block,
+            sliding_window=cfg.sliding_window,
+            tie_embeddings=cfg.tie_embeddings,
+            key_norm_gain=cfg.attnres_key_norm_gain,
+            name=name,
+        )
+
+    @classmethod
+    def gpt(
+        cls, n_layers: int, dim: int, n_heads: int, vocab: int, seq_len: int, name: str = ""
+    ) -> ModelSpec:
+        """A GPT-3-style model (Megatron-LM): 4h GELU MLP, MHA, learned positions, untied head
+        counted once (Megatron ties the output layer to the input embedding)."""
+        return cls(
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            kv_heads=n_heads,
+            ffn_dim=4 * dim,
+            vocab=vocab,
+            family="gpt",
+            max_positions=seq_len,
+            name=name,
+        )
+
+    def with_(self, **changes) -> ModelSpec:
+        return replace(self, **changes)
+
+    # -- shapes -----------------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def n_sublayers(self) -> int:
+        return self.n_layers * (1 if self.parallel_block else 2)
+
+    @property
+    def attnres(self) -> bool:
+        return self.residual != "standard"
+
+    @property
+    def n_blocks(self) -> int:
+        """Depth sources at the end: b_0 (the embedding) plus one per block."""
+        return 1 + (self.blocks[-1] + 1 if self.blocks else 0)
+
+    # -- parameters ---------------------------------------------------------------------------
+
+    def layer_params(self) -> int:
+        d, f = self.dim, self.ffn_dim
+        if self.family == "gpt":
+            return 12 * d * d + 13 * d  # SC'21: QKV+O 4h²+4h, MLP 8h²+5h, two LayerNorms 4h
+        attention = 2 * d * d + 2 * d * self.kv_dim  # wq, wo; wk, wv
+        norms = d if self.parallel_block else 2 * d
+        residual = self.sublayers_per_layer * self._residual_params()
+        return attention + 3 * d * f + norms + residual
+
+    @property
+    def sublayers_per_layer(self) -> int:
+        return 1 if self.parallel_block else 2
+
+    def _residual_params(self) -> int:
+        """An AttnResidual: a pseudo-query (d) and its key-norm gain (d)."""
+        if not self.attnres:
+            return 0
+        return self.dim * (2 if self.key_norm_gain else 1)
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.dim + self.max_positions * self.dim
+
+    def head_params(self) -> int:
+        """Final norm, the AttnRes output read and, untied, the LM head."""
+        if self.family == "gpt":
+            return 0  # SC'21's count (final LayerNorm left out; the head is tied)
+        head = 0 if self.tie_embeddings else self.vocab * self.dim
+        return self.dim + self._residual_params() + head
+
+    def params(self) -> int:
+        return self.embedding_params() + self.n_layers * self.layer_params() + self.head_params()
+
+    # -- FLOPs (forward, per sequence of `seq` tokens) --------------------------------------
+
+    def layer_matmul_flops(self, seq: int) -> float:
+        """Forward FLOPs of one layer's weight matmuls for one sequence."""
+        d, f = self.dim, self.ffn_dim
+        if self.family == "gpt":
+            return 2.0 * seq * (12 * d * d)
+        return 2.0 * seq * (2 * d * d + 2 * d * self.kv_dim + 3 * d * f)
+
+    def attention_flops(self, seq: int) -> float:
+        """Forward FLOPs of one layer's attention core (QKᵀ and AV) for one sequence: the full
+        T × T score matrix (Megatron / PaLM / FlopCounterMode), or T × window with a window."""
+        keys = seq if not self.sliding_window or self.sliding_window >= seq else self.sliding_window
+        return 4.0 * seq * keys * self.dim
+
+    def depth_read_flops(self, seq: int) -> float:
+        """Forward FLOPs of the AttnRes reads for one sequence: a logit (d multiply-adds) and a
+        weighted sum (d) per source per sublayer — ~4·d per source-token, memory-bound."""
+        if not self.attnres:
+            return 0.0
+        total = 0
+        done = 1  # b_0
+        for i, b in enumerate(self.blocks):
+            total += done + (1 if i and self.blocks[i - 1] == b else 0)
+            if i == len(self.blocks) - 1 or self.blocks[i + 1] != b:
+                done += 1
+        total += done  # the output read
+        return 4.0 * seq * self.dim * total
+
+    def logits_flops(self, seq: int) -> float:
+        return 2.0 * seq * self.dim * self.vocab
+
+    def forward_flops(self, seq: int) -> float:
+        """Model forward FLOPs per sequence (matmuls, attention, LM head)."""
+        per_layer = self.layer_matmul_flops(seq) + self.attention_flops(seq)
+        return self.n_layers * per_layer + self.logits_flops(seq)
+
+    def model_flops(self, seq: int) -> float:
+        """Training FLOPs per sequence without recomputation (MFU's numerator): 3× forward."""
+        return 3.0 * self.forward_flops(seq)
+
+    def recompute_flops(self, seq: int, recompute: str) -> float:
+        """Forward FLOPs per sequence that a recompute mode runs again in backward: `full` and
+        `sublayer` re-run every layer's matmuls and attention; our `selective` keeps those outputs
+        and re-runs memory-bound ops only; Megatron's selective re-runs the attention core."""
+        if recompute in ("full", "sublayer"):
+            return self.n_layers * (self.layer_matmul_flops(seq) + self.attention_flops(seq))
+        if recompute == "selective" and self.family == "gpt":
+            return self.n_layers * self.attention_flops(seq)
+        return 0.0
+
+    def hardware_flops(self, seq: int, recompute: str) -> float:
+        """Training FLOPs per sequence including recomputation (HFU's numerator)."""
+        return self.model_flops(seq) + self.recompute_flops(seq, recompute)
+
+    def flop_formula(self) -> str:
+        if self.family == "gpt":
+            return "72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) (Korthikanti Eq. 7)"
+        return (
+            "3 × [L·(2·s·(2d² + 2·d·d_kv + 3·d·f) + 4·s·s_att·d) + 2·s·d·V] per sequence "
+            "(matmuls 2·M·N·K, full score matrix)"
+        )
+
+
+def _block_assignment(cfg: ModelConfig, n: int) -> list[int]:
+    """The same rule as `model.residual.block_assignment` (plan/ does not import model/)."""
+    if cfg.residual == "full":
+        return list(range(n))
+    if cfg.attnres_block_size:
+        return [t // cfg.attnres_block_size for t in range(n)]
+    size = n // cfg.attnres_n_blocks
+    return [min(t // size, cfg.attnres_n_blocks - 1) for t in range(n)]
