@@ -5,19 +5,21 @@
 - Korthikanti et al. 2022, Table 5: predicted vs measured iteration time (8 rows).
 - MegaScale Table 2 (175B, 256-12,288 A100s): predicted vs published MFU, Megatron-LM rows
   (no overlap) and MegaScale rows (overlap on, parallel block).
+- The same at GEMM efficiencies 0.75 and 0.85 (the A100 preset's is 0.80).
 - A full search for GPT-3 175B on 12,288 GPUs: seconds, layouts considered, the best.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 from depthscale.plan.estimate import Workload, estimate
 from depthscale.plan.frameworks import DEPTHSCALE, MEGASCALE, MEGATRON_2022
-from depthscale.plan.hardware import PRESETS
+from depthscale.plan.hardware import PRESETS, Cluster
 from depthscale.plan.layout import Layout
 from depthscale.plan.search import search
 from depthscale.plan.spec import ModelSpec
@@ -35,11 +37,7 @@ MEGASCALE_T2 = [  # batch, GPUs, Megatron-LM MFU %, MegaScale MFU %
 ]  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    a100 = PRESETS["a100"]
+def tables(a100: Cluster) -> dict:
     rows = []
     for name, (heads, h, layers, t, p, v, gpus, batch, mb, full, sel) in KORTHIKANTI.items():
         spec = ModelSpec.gpt(layers, h, heads, 51200, 2048)
@@ -60,16 +58,8 @@ def main() -> None:
         mega.append({"batch": batch, "gpus": gpus,
                      "megatron_mfu": megatron, "predicted": round(a.mfu * 100, 1),
                      "megascale_mfu": megascale, "predicted_megascale": round(b.mfu * 100, 1)})  # fmt: skip
-    gpt175 = ModelSpec.gpt(96, 12288, 96, 51200, 2048)
-    timings = {}
-    for fw in (MEGATRON_2022, DEPTHSCALE):
-        start = time.perf_counter()
-        result = search(Workload(gpt175, 2048, 6144), a100, fw, 12288)
-        timings[fw.name] = {"seconds": round(time.perf_counter() - start, 2),
-                            "considered": result.considered, "fitting": len(result.ranked),
-                            "best": result.ranked[0].layout.label()}  # fmt: skip
     errors = [abs(r["error"]) for r in rows]
-    out = {
+    return {
         "korthikanti_table5": rows,
         "korthikanti_mean_abs_error": round(sum(errors) / len(errors), 4),
         "korthikanti_max_abs_error": round(max(errors), 4),
@@ -78,8 +68,31 @@ def main() -> None:
         "megascale_rows_within_3pt": sum(
             abs(r["predicted_megascale"] - r["megascale_mfu"]) <= 3 for r in mega
         ),
-        "search_175b_12288_gpus": timings,
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    a100 = PRESETS["a100"]
+    out = tables(a100)
+    out["gemm_efficiency"] = a100.gemm_efficiency
+    out["sensitivity"] = {}
+    for eff in (0.75, 0.85):
+        other = tables(dataclasses.replace(a100, gemm_efficiency=eff))
+        out["sensitivity"][f"gemm_efficiency={eff}"] = {
+            k: v for k, v in other.items() if not isinstance(v, list)
+        }
+    gpt175 = ModelSpec.gpt(96, 12288, 96, 51200, 2048)
+    timings = {}
+    for fw in (MEGATRON_2022, DEPTHSCALE):
+        start = time.perf_counter()
+        result = search(Workload(gpt175, 2048, 6144), a100, fw, 12288)
+        timings[fw.name] = {"seconds": round(time.perf_counter() - start, 2),
+                            "considered": result.considered, "fitting": len(result.ranked),
+                            "best": result.ranked[0].layout.label()}  # fmt: skip
+    out["search_175b_12288_gpus"] = timings
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

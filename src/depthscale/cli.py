@@ -304,7 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
         "The model comes from a config (--section.key VALUE overrides apply); see docs/planning.md.",
     )
     plan.add_argument("-c", "--config", help="TOML config file (its model section is planned)")
-    plan.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in the job")
+    plan.add_argument("--gpus", type=_positive_int, help="GPUs in the job")
+    plan.add_argument(
+        "--calibrate",
+        metavar="OUT.json",
+        help="measure this machine as a cluster for jobs of --nproc local ranks and write it "
+        "(then: --cluster OUT.json)",
+    )
+    plan.add_argument(
+        "--nproc", type=_positive_int, default=1, help="--calibrate: local ranks per job"
+    )
     plan.add_argument(
         "--cluster", default="h100", help="a100, h100, h200, or a calibration JSON file"
     )
@@ -391,6 +400,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
 
 
 def _plan(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.calibrate:
+        import json
+
+        from depthscale.observe.calibrate import measure_cluster
+
+        out = Path(args.calibrate)
+        if not out.parent.is_dir():
+            raise ConfigError(f"--calibrate {out}: directory {out.parent} does not exist")
+        out.write_text(json.dumps(measure_cluster(args.nproc), indent=1) + "\n")
+        print(f"wrote {out}: use --cluster {out}")
+        return 0
+    if args.gpus is None:
+        raise ConfigError("plan needs --gpus N (or --calibrate OUT.json)")
     from depthscale.config import load_config
     from depthscale.plan.report import PlanRequest, format_table, run, to_json
     from depthscale.plan.spec import ModelSpec

@@ -14,7 +14,7 @@ from depthscale.plan.frameworks import DEPTHSCALE, MEGATRON_2022
 from depthscale.plan.hardware import PRESETS
 from depthscale.plan.layout import Layout, parse_layout
 from depthscale.plan.pipeline import _simulated, peak_in_flight, pipeline_time
-from depthscale.plan.search import search
+from depthscale.plan.search import SIMULATED, search
 from depthscale.plan.spec import ModelSpec
 
 # Korthikanti et al. 2022, Tables 3 and 5: (heads, hidden, layers, t, p, v, GPUs, batch,
@@ -95,7 +95,7 @@ def test_search_names_what_each_rejected_layout_breaks():
     assert "OOM" in reasons
     assert all(e.reason for e in result.rejected)
     assert all(e.ok and e.peak_bytes <= PRESETS["a100"].usable_bytes() for e in result.ranked)
-    steps = [e.step_s for e in result.ranked[:16]]
+    steps = [e.step_s for e in result.ranked[:SIMULATED]]  # simulated, then ranked again
     assert steps == sorted(steps)
     tp16 = estimate(Workload(spec, 2048, 1536), PRESETS["a100"], Layout(tp=16, pp=8, dp_replicate=8),
                     MEGATRON_2022, 1024)  # fmt: skip
@@ -155,3 +155,36 @@ def test_plan_imports_no_torch():
 
     code = "import sys, depthscale.plan.report; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cache_is_what_makes_an_interleaved_70b_layout_fit():
+    """Block AttnRes 70B (8 blocks) on 64 H100s: tp=8, pp=4, v=5 keeps every chunk's received
+    depth state until its backward; with the cross-stage cache the hops carry only the blocks a
+    rank lacks, and the layout fits — without it, it does not."""
+    spec = ModelSpec(80, 8192, 64, 8, 28672, 128256, residual="block",
+                     blocks=tuple(min(i // 20, 7) for i in range(160)), tie_embeddings=False)  # fmt: skip
+    w = Workload(spec, 4096, 1024)
+    lay = Layout(tp=8, pp=4, v=5, dp_replicate=2, micro_batch=1)
+    on = estimate(w, PRESETS["h100"], lay, DEPTHSCALE, 64)
+    off = estimate(w, PRESETS["h100"], lay.with_(cache=False), DEPTHSCALE, 64)
+    assert on.ok and not off.ok and off.reason.startswith("OOM by")
+    assert on.memory["pipeline"] < off.memory["pipeline"]
+    assert on.comm["pp"] < off.comm["pp"]
+
+
+def test_calibration_fits_recover_known_curves():
+    from depthscale.observe.calibrate import fit_gemm, fit_link
+
+    peak, half = 2e11, 50.0
+    samples = [(x, peak * x / (x + half)) for x in (16, 64, 256, 1024)]
+    got_peak, got_half = fit_gemm(samples)
+    assert got_peak == pytest.approx(peak, rel=1e-9) and got_half == pytest.approx(half, rel=1e-9)
+    bw, lat = fit_link([(b, 2e-5 + b / 3e9) for b in (1e3, 1e5, 1e6, 4e6)])
+    assert bw == pytest.approx(3e9, rel=1e-9) and lat == pytest.approx(2e-5, rel=1e-6)
+
+
+def test_cli_calibrate_needs_an_existing_directory(tmp_path, capsys):
+    assert main(["plan", "--calibrate", str(tmp_path / "no" / "c.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["plan", "--model.vocab_size", "256"]) == 2
+    assert "--gpus" in capsys.readouterr().err

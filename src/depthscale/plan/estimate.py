@@ -17,7 +17,7 @@ from depthscale.plan import activations
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.hardware import Cluster
 from depthscale.plan.layout import Layout
-from depthscale.plan.pipeline import closed_form, pipeline_time
+from depthscale.plan.pipeline import closed_form, hop_tensors, pipeline_time
 from depthscale.plan.spec import ModelSpec
 
 UNFUSED_SCORE_BYTES = 12.0
@@ -140,17 +140,22 @@ def estimate(
     f_layer, b_layer, rc_layer, gemm_layer = _layer_times(w, c, lay, fw, tokens, e)
     tp_f, tp_b = _tp_comm(s, c, lay, fw, tokens, e, gemm_layer)
     cp_f, cp_b = _cp_comm(w, c, lay, e, f_layer)
+    fsdp = _fsdp(s, c, lay, fw, e)
     layer_f = f_layer + tp_f + cp_f
     layer_b = b_layer + rc_layer + tp_b + cp_b
+    # FSDP prefetches the next layer's gather behind this layer's compute: what does not fit shows
+    layer_f += max(0.0, fsdp.layer_f_s - layer_f)
+    layer_b += max(0.0, fsdp.layer_b_s - layer_b)
     head_f, head_b = _head_times(w, c, lay, tokens)
-    # uniform stages at the pace of the slowest, the last: a chunk plus the head and the loss
-    # (conservative under interleaving, where the head is once per V chunks; see docs/planning.md)
-    f_stage = [per_chunk * layer_f + head_f] * chunks
-    b_stage = [per_chunk * layer_b + head_b] * chunks
+    # uniform stages at the pace of the busiest rank, the last: V chunks and, once per micro-batch,
+    # the head and the loss; per micro-batch also the gathers nothing hides (the root's and the
+    # first layer's)
+    f_stage = [per_chunk * layer_f + head_f / lay.v + fsdp.root_s + fsdp.layer_f_s] * chunks
+    b_stage = [per_chunk * layer_b + head_b / lay.v + fsdp.layer_b_s] * chunks
 
     # -- pipeline ----------------------------------------------------------------------------
-    hops = _hop_elements(s, lay)
-    hop_bytes = [h * tokens * e / lay.tp for h in hops]
+    hops = hop_tensors(s, lay)
+    hop_bytes = [h * tokens * s.dim * e / lay.tp for h in hops]  # sequence-parallel: 1/tp each
     pp_inter = lay.tp * lay.cp * lay.dp * lay.pp > c.gpus_per_node and lay.pp > 1
     bw, lat = c.link(lay.pp, pp_inter)
     hop_time = [lat + b / bw for b in hop_bytes]
@@ -170,9 +175,10 @@ def estimate(
 
     # -- data parallel and optimizer ---------------------------------------------------------
     local_params = _rank_params(s, lay)
-    dp_bytes, dp_time = _dp_comm(c, lay, fw, local_params, m)
-    window = lay.v * b_stage[0]  # one micro-batch's backward on this rank
+    dp_bytes, dp_time = _dp_comm(c, lay, fw, local_params)
+    window = lay.v * b_stage[0]  # the last micro-batch's backward on this rank
     exposed_dp = max(dp_time / 8, dp_time - window) if fw.dp_overlap else dp_time
+    dp_bytes += m * (lay.v * per_chunk * (fsdp.layer_f + fsdp.layer_b) + fsdp.root)
     opt_bytes = local_params * (fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes)
     opt_bytes /= lay.shard if fw.ours else (lay.dp if lay.zero1 else 1)
     optimizer = 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
@@ -255,8 +261,9 @@ def memory(
     acts_bytes = units * chunk_bytes + first_extra * math.ceil(units / lay.v)
     if lay.pp == 1:
         acts_bytes += last_extra
-    hops = _hop_elements(s, lay)
-    pipeline = units * (max(hops) if hops else 0) * tokens * e / lay.tp
+    hops = hop_tensors(s, lay)
+    # received depth states, kept until their backward: the cache receives only missing blocks
+    pipeline = units * (max(hops) if hops else 0) * tokens * s.dim * e / lay.tp
     logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
     transient = logits if lay.pp == 1 else 0.0
     if fw.ours and lay.shard > 1:  # two gathered layers (one prefetched) and one unsharded grad
@@ -389,39 +396,54 @@ def _head_times(w: Workload, c: Cluster, lay: Layout, tokens: int) -> tuple[floa
     return f, 2 * f
 
 
-def _hop_elements(s: ModelSpec, lay: Layout) -> list[int]:
-    """[tokens × d] tensors each forward hop carries: the hidden state, or the AttnRes depth
-    state — partial sum plus the blocks the receiver lacks (Eq. 7–8 with the cache)."""
-    chunks = lay.pp * lay.v
-    if lay.pp == 1:
-        return []
-    if not s.attnres:
-        return [1] * (chunks - 1)
-    per = s.n_layers // chunks * s.sublayers_per_layer
-    bl = s.blocks
-    k, partial = [], []
-    for c in range(chunks):
-        done = (c + 1) * per
-        ends = sum(1 for i in range(done) if i == len(bl) - 1 or bl[i + 1] != bl[i])
-        k.append(1 + ends)
-        partial.append(done < len(bl) and bl[done] == bl[done - 1])
-    out = []
-    for u in range(chunks - 1):
-        prev = u + 1 - lay.pp
-        cached = k[prev] if lay.cache and prev >= 0 else 0
-        out.append(int(partial[u]) + k[u] - cached)
-    return out
+@dataclass(frozen=True)
+class _Fsdp:
+    """What FSDP moves per layer and micro-batch (bytes, seconds) and per micro-batch for the
+    root unit (embedding, final norm, head: gathered once, kept until its backward)."""
+
+    layer_f: float = 0.0
+    layer_b: float = 0.0
+    root: float = 0.0
+    layer_f_s: float = 0.0
+    layer_b_s: float = 0.0
+    root_s: float = 0.0
 
 
-def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float, m: int) -> tuple[float, float]:
-    """(bytes sent, seconds) of gradient reduction and parameter gathers per step."""
+def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp:
+    """depthscale's FSDP2 (`parallel/data_parallel.apply_fsdp`): every micro-batch gathers each
+    layer in the compute dtype before its forward and again before its backward (reshard after
+    forward), and reduce-scatters its fp32 gradients after its backward — except under pipelines,
+    which defer the reduce-scatter to the step's end (`_dp_comm`)."""
+    if not fw.ours or lay.shard == 1:
+        return _Fsdp()
+    sh = lay.shard
+    part = (sh - 1) / sh
+    layer = s.layer_params() / lay.tp
+    gather = part * layer * e
+    scatter = 0.0 if lay.pp > 1 else part * layer * 4
+    root = part * (s.embedding_params() + s.head_params()) / lay.tp * e
+    inter = lay.tp * lay.cp * lay.dp_shard > c.gpus_per_node
+    bw, lat = c.link(sh, inter)
+    return _Fsdp(
+        gather,
+        gather + scatter,
+        root,
+        gather / bw + (sh - 1) * lat,
+        (gather + scatter) / bw + 2 * (sh - 1) * lat,
+        root / bw + (sh - 1) * lat,
+    )
+
+
+def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float) -> tuple[float, float]:
+    """(bytes sent, seconds) of the gradient reduction at the end of a step: FSDP's deferred
+    reduce-scatter (pipelines), the all-reduce across HSDP replicas, DDP's all-reduce (fp32), or
+    Megatron's all-reduce / distributed-optimizer reduce-scatter and gather."""
     inter = lay.tp * lay.cp * lay.dp > c.gpus_per_node
-    sent = 0.0
+    sent, ring = 0.0, lay.dp
     if fw.ours and lay.shard > 1:
         sh = lay.shard
-        gathers = 2 * (m if lay.pp > 1 else 1)  # forward and backward (reshard after forward)
-        sent += gathers * (sh - 1) / sh * params * 2  # bf16 gathers
-        sent += (sh - 1) / sh * params * 4  # fp32 reduce-scatter
+        if lay.pp > 1:
+            sent += (sh - 1) / sh * params * 4
         if lay.dp_replicate > 1:
             r = lay.dp_replicate
             sent += 2 * (r - 1) / r * params / sh * 4
@@ -432,8 +454,7 @@ def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float, m: int) -> t
             sent += (d - 1) / d * params * (fw.grad_bytes + fw.weight_bytes)
         else:
             sent += 2 * (d - 1) / d * params * fw.grad_bytes
-        ring = d
-    else:
+    if not sent:
         return 0.0, 0.0
     bw, lat = c.link(ring, inter)
     buckets = max(1.0, sent / DDP_BUCKET_BYTES)

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from depthscale.parallel.pipeline.schedules import interleaved_1f1b, simulate
+from depthscale.plan.layout import Layout
+from depthscale.plan.spec import ModelSpec
+from depthscale.plan.states import split_layers
 
 _SIMULATED_ROUNDS = 1
 """Micro-batches simulated before extrapolating: this many rounds of P beyond the warm-up."""
@@ -82,3 +85,26 @@ def pipeline_time(
     makespan = base.makespan + rounds * (nxt.makespan - base.makespan)
     busy = tuple(x + rounds * (y - x) for x, y in zip(base.busy, nxt.busy, strict=True))
     return PipelineTime(makespan, nxt.peak_in_flight, busy)
+
+
+def hop_tensors(s: ModelSpec, lay: Layout) -> list[int]:
+    """[tokens × d] tensors each forward hop carries: the hidden state, or the AttnRes depth
+    state — partial sum plus the blocks the receiver lacks (Eq. 7–8 with the cache)."""
+    chunks = lay.pp * lay.v
+    if lay.pp == 1:
+        return []
+    if not s.attnres:
+        return [1] * (chunks - 1)
+    bl = s.blocks
+    k, partial = [], []
+    for stage in split_layers(s.n_layers, chunks):
+        done = stage.stop * s.sublayers_per_layer
+        ends = sum(1 for i in range(done) if i == len(bl) - 1 or bl[i + 1] != bl[i])
+        k.append(1 + ends)
+        partial.append(done < len(bl) and bl[done] == bl[done - 1])
+    out = []
+    for u in range(chunks - 1):
+        prev = u + 1 - lay.pp
+        cached = k[prev] if lay.cache and prev >= 0 else 0
+        out.append(int(partial[u]) + k[u] - cached)
+    return out

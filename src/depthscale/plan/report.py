@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from depthscale.plan.comm import rank_payload
 from depthscale.plan.estimate import Estimate, Workload, estimate
 from depthscale.plan.frameworks import FRAMEWORKS
 from depthscale.plan.hardware import Cluster, cluster
@@ -41,9 +42,23 @@ def run(req: PlanRequest) -> dict:
     w = Workload(req.spec, req.seq, req.batch, req.dtype)
     header = _header(req, c, fw.name)
     started = time.perf_counter()
+
+    def row(e: Estimate) -> dict:
+        out = _row(e, req)
+        if e.ok and fw.ours and req.spec.family == "llama":
+            payload = rank_payload(req.spec, e.layout, req.seq, req.batch, req.dtype == "bfloat16")
+            out["bytes_per_group_gb"] = {
+                f"{op} {grp}": b / 1e9 for (op, grp), b in sorted(payload.items()) if b
+            }
+        if e.ok and e.layout.cache and e.layout.pp > 1 and req.spec.attnres:
+            off = estimate(w, c, e.layout.with_(cache=False), fw, req.gpus)
+            out["cache_saves_gib"] = (off.peak_bytes - e.peak_bytes) / GiB
+            out["fits_without_cache"] = off.ok
+        return out
+
     if req.layout:
         est = estimate(w, c, parse_layout(req.layout), fw, req.gpus)
-        return {**header, "seconds": time.perf_counter() - started, "layouts": [_row(est, req)]}
+        return {**header, "seconds": time.perf_counter() - started, "layouts": [row(est)]}
     result = search(w, c, fw, req.gpus)
     reasons: dict[str, int] = {}
     for e in result.rejected:
@@ -54,7 +69,7 @@ def run(req: PlanRequest) -> dict:
         "seconds": time.perf_counter() - started,
         "considered": result.considered,
         "fitting": len(result.ranked),
-        "layouts": [_row(e, req) for e in result.ranked[: req.top]],
+        "layouts": [row(e) for e in result.ranked[: req.top]],
         "rejected_examples": [_row(e, req) for e in _examples(result.rejected)],
         "rejected_by_reason": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
     }
@@ -139,6 +154,8 @@ def format_table(report: dict) -> str:
         )
         if "days" in r:
             line += f" {r['days']:7.2f}"
+        if r.get("fits_without_cache") is False:
+            line += "  (fits only with the AttnRes cache)"
         lines.append(line)
     if report.get("rejected_examples"):
         lines += ["", "rejected (one example per reason; counts below):"]

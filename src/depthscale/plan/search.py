@@ -71,7 +71,7 @@ def _dp_splits(c: Cluster, fw: Framework, tp: int, cp: int, dp: int) -> list[tup
     return [(s, r, False) for s, r in sorted(splits)]
 
 
-SIMULATED = 16
+SIMULATED = 8
 """Candidates whose pipelines are simulated after the closed-form pass ranks every layout."""
 
 

@@ -61,6 +61,9 @@ class StepStats(p2p.Traffic):
     state a wait is communication or imbalance that the schedule should have hidden."""
     wait_cooldown_s: float = 0.0
     """Waiting after the last forward (the pipeline draining), sends' completion included."""
+    peak_units: int = 0
+    """The most (micro-batch, chunk) units whose forward ran and backward has not: what this
+    rank's activations peak at (`plan.pipeline.peak_in_flight` predicts it)."""
 
     @property
     def bubble_ratio(self) -> float:
@@ -99,6 +102,7 @@ class PipelineRuntime:
         self._last_backward = {a.stage: a for a in self.actions if a.kind == Kind.B}
         self._phases = compute_phases(self.actions)
         self.steps = 0  # steps run: names this step's messages (every rank runs the same steps)
+        self.last_stats: StepStats | None = None
         self.forward_context: Callable[[], contextlib.AbstractContextManager] | None = None
         """Entered around every training stage forward, e.g. `train.memory.offload_activations`
         to keep what a micro-batch saves for backward in host memory while it is in flight."""
@@ -124,6 +128,7 @@ class PipelineRuntime:
         with run.stats.timing("step_s", device):
             self._run(run)
         self.steps += 1
+        self.last_stats = run.stats
         return run.total_loss, run.stats
 
     def _run(self, run: _Step) -> None:
@@ -237,6 +242,7 @@ class _Step:
             else:
                 unit.outputs = rt.cache.produced(a.stage, a.microbatch, out)
         self.units[(a.microbatch, a.stage)] = unit
+        stats.peak_units = max(stats.peak_units, len(self.units))
         if (Kind.SEND_F, a.microbatch, a.stage) in rt._messages:
             with stats.timing("cache_s", self.device):
                 hop = rt.cache.outgoing(a.stage, a.microbatch, unit.outputs, self.dtype)

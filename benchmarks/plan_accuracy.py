@@ -1,0 +1,201 @@
+"""`depthscale plan`'s time model against measured training steps on this machine (CPU, gloo).
+
+    python benchmarks/plan_accuracy.py [--dim 256 --layers 4 --seq 256 --batch 8 --steps 3
+                                        --rounds 3 --out benchmarks/results/plan_accuracy_cpu.json]
+
+First this machine is measured as a cluster for jobs of 1, 2 and 4 local ranks
+(`observe.calibrate.measure_cluster`: GEMM rate by shape, attention, memory bandwidth, gloo
+all-reduce latency and bandwidth). Then each layout trains (`Trainer.fit`, the trainer's real loop)
+and its step time — the median over rounds of the slowest rank — is compared with the plan's
+prediction for the same model, batch and layout (framework `depthscale` without communication
+overlap: on gloo the collectives run on the cores that compute). Prints JSON: per layout measured
+and predicted seconds and their ratio, Spearman's rank correlation, the median absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import device_info, run_ranks  # noqa: E402
+
+from depthscale.config import ModelConfig  # noqa: E402
+from depthscale.observe.calibrate import measure_cluster  # noqa: E402
+from depthscale.plan.estimate import Workload, estimate  # noqa: E402
+from depthscale.plan.frameworks import DEPTHSCALE  # noqa: E402
+from depthscale.plan.hardware import Cluster  # noqa: E402
+from depthscale.plan.layout import Layout  # noqa: E402
+from depthscale.plan.spec import ModelSpec  # noqa: E402
+
+LAYOUTS: list[dict[str, int]] = [
+    {},
+    {"dp_replicate": 2},
+    {"dp_shard": 2},
+    {"tp": 2},
+    {"cp": 2},
+    {"pp": 2},
+    {"pp": 2, "pp_virtual": 2},
+    {"dp_shard": 4},
+    {"tp": 2, "dp_shard": 2},
+    {"pp": 2, "tp": 2},
+]
+GLOO = dataclasses.replace(
+    DEPTHSCALE, name="depthscale-gloo", tp_overlap=False, pp_overlap=False, dp_overlap=False
+)
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--residual", default="block")
+    p.add_argument("--out")
+    return p.parse_args()
+
+
+def _worker(rank: int, world: int, args, layout: dict, work: str, port: int, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the trainer's lines; the JSON is ours
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from depthscale.config import load_config
+    from depthscale.train.trainer import Trainer
+
+    total = args.warmup + args.steps * args.rounds
+    overrides = [
+        *("--data.path", f"{work}/corpus.txt", "--data.seq_len", str(args.seq)),
+        *("--model.dim", str(args.dim), "--model.n_layers", str(args.layers)),
+        *("--model.n_heads", str(args.heads), "--model.residual", args.residual),
+        *("--model.attnres_n_blocks", "2"),
+        *("--train.batch_size", str(args.batch), "--train.steps", str(total + 2)),
+        *("--train.eval_every", "0", "--checkpoint.every", "0", "--optim.warmup_steps", "2"),
+        *("--logging.progress", "false", "--logging.tensorboard", "false"),
+        *("--logging.peak_tflops", "1", "--train.run_dir", f"{work}/run-{world}-{len(layout)}"),
+    ]
+    for name, value in layout.items():
+        overrides += [f"--parallel.{name}", str(value)]
+    trainer = Trainer(load_config(None, overrides))
+    starts: dict[int, float] = {}
+    begin = trainer.telemetry.begin_step
+
+    def begin_step(step: int) -> None:
+        starts[step] = time.perf_counter()
+        begin(step)
+
+    trainer.telemetry.begin_step = begin_step
+    trainer.fit(stop_at=total + 1)
+    edges = [starts[args.warmup + 1 + r * args.steps] for r in range(args.rounds + 1)]
+    seconds = [(b - a) / args.steps for a, b in zip(edges, edges[1:])]
+    cfg = trainer.cfg
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    queue.put(
+        {
+            "rank": rank,
+            "seconds": seconds,
+            "vocab": cfg.model.vocab_size,
+            "ffn": cfg.model.hidden_dim,
+            "micro_batch": args.batch
+            // (cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.grad_accum_steps),
+        }
+    )
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    d2 = sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True))
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
+def main() -> None:
+    args = _args()
+    worlds = sorted({_world(lay) for lay in LAYOUTS})
+    clusters = {
+        n: Cluster(**{k: v for k, v in measure_cluster(n).items() if k != "measured"})
+        for n in worlds
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        os.environ.setdefault("DEPTHSCALE_CACHE", f"{work}/cache")
+        Path(work, "corpus.txt").write_text(
+            "".join(
+                f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(20000)
+            )
+        )
+        for layout in LAYOUTS:
+            world = _world(layout)
+            results = run_ranks(_worker, world, world, args, layout, work)
+            measured = statistics.median(
+                max(r["seconds"][i] for r in results) for i in range(args.rounds)
+            )
+            r0 = results[0]
+            spec = ModelSpec.from_config(
+                ModelConfig(
+                    vocab_size=r0["vocab"], dim=args.dim, n_layers=args.layers,
+                    n_heads=args.heads, residual=args.residual, attnres_n_blocks=2,
+                )
+            )  # fmt: skip
+            lay = Layout(
+                tp=layout.get("tp", 1), pp=layout.get("pp", 1), v=layout.get("pp_virtual", 1),
+                cp=layout.get("cp", 1), dp_shard=layout.get("dp_shard", 1),
+                dp_replicate=layout.get("dp_replicate", 1), micro_batch=r0["micro_batch"],
+            )  # fmt: skip
+            est = estimate(
+                Workload(spec, args.seq, args.batch, "float32"), clusters[world], lay, GLOO, world
+            )
+            rows.append({"layout": layout, "ranks": world, "measured_s": round(measured, 4),
+                         "predicted_s": round(est.step_s, 4), "ok": est.ok, "reason": est.reason,
+                         "ratio": round(est.step_s / measured, 3)})  # fmt: skip
+    errors = [abs(r["ratio"] - 1) for r in rows]
+    report = {
+        **device_info(),
+        "config": vars(args),
+        "clusters": {n: dataclasses.asdict(c) for n, c in clusters.items()},
+        "layouts": rows,
+        "spearman": round(
+            _spearman([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows]), 3
+        ),
+        "median_abs_error": round(statistics.median(errors), 3),
+        "max_abs_error": round(max(errors), 3),
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+def _world(layout: dict[str, int]) -> int:
+    n = 1
+    for key in ("tp", "pp", "cp", "dp_shard", "dp_replicate"):
+        n *= layout.get(key, 1)
+    return n
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Bytes each rank hands to collectives and point-to-point per optimizer step (forward, backward
+and gradient reduction of every micro-batch), per operation and process group — depthscale's
+layouts, op by op, as `parallel/` issues them:
+
+- tp (sequence parallel): per sublayer one all-gather of its input and one reduce-scatter of its
+  output in forward and the mirror pair in backward (recompute gathers again, and reduce-scatters
+  again all but the layer's last output, which backward does not need); one
+  pair each for the head's input and the vocabulary-parallel embedding; the loss reduces three
+  fp32 numbers per token; the replicated parameters' gradients are summed once per step.
+- pp: each chunk sends its depth state forward and the gradient of its input back — the AttnRes
+  hop carries the partial sum and the blocks the receiver lacks (cross-stage cache, Eq. 8); the
+  loss is summed and a tied embedding's gradient all-reduced between first and last stage.
+- cp (zigzag ring attention): a key/value block travels as far as the farthest rank that needs it;
+  backward sends it again, and each rank passes the gradients of the blocks it received on to the
+  next rank of the ring.
+- FSDP over dp_shard × cp: every micro-batch all-gathers each unit's padded shards twice (forward,
+  and backward after resharding) and reduce-scatters padded fp32 gradients — once per step under
+  pipelines; HSDP all-reduces the reduced shards across replicas; the layers' AttnRes queries,
+  left whole, are averaged over all data ranks; DDP all-reduces fp32 gradients (in C++).
+
+Payload: an all-gather counts its output, a reduce-scatter its input, an all-reduce its tensor,
+P2P what is sent and received. `wire_bytes` turns payloads into bytes on the wire.
+`tests/dist/test_plan_comm.py` counts them on gloo ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from depthscale.plan.layout import Layout
+from depthscale.plan.pipeline import hop_tensors
+from depthscale.plan.spec import ModelSpec
+from depthscale.plan.states import local_numel, param_table, rank_params, split_layers
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dimensions, outermost first."""
+
+
+def group(lay: Layout, *dims: str) -> str | None:
+    """The label of the group spanning `dims`: its dimensions of size > 1, in mesh order."""
+    sizes = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+             "cp": lay.cp, "tp": lay.tp}  # fmt: skip
+    real = [d for d in DIMS if d in dims and sizes[d] > 1]
+    return "+".join(real) or None
+
+
+def rank_payload(
+    spec: ModelSpec,
+    lay: Layout,
+    seq: int,
+    batch: int,
+    bf16: bool,
+    pp_rank: int = 0,
+    cp_rank: int = 0,
+    shard_rank: int = 0,
+) -> Counter:
+    """(operation, group) → bytes this rank hands over in one step."""
+    e = 2 if bf16 else 4
+    out: Counter = Counter()
+    m = batch // (lay.dp * lay.micro_batch)
+    tokens = lay.micro_batch * seq // lay.cp
+    d = spec.dim
+    chunks = lay.pp * lay.v
+    mine = list(range(pp_rank, chunks, lay.pp))
+    ranges = split_layers(spec.n_layers, chunks)
+    layers = sum(len(ranges[c]) for c in mine)
+    first, last = 0 in mine, chunks - 1 in mine
+    held = rank_params(spec, lay, pp_rank)
+
+    tp = group(lay, "tp")
+    if tp:
+        sublayers = layers * spec.sublayers_per_layer
+        ends = int(first) + int(last)  # the embedding's and the head's pair
+        gathers = scatters = 2 * sublayers + ends
+        if lay.recompute != "none":
+            # recomputation re-gathers every sublayer's input; it stops before the layer's (or,
+            # recomputing sublayer bodies, each body's) last reduce-scatter, whose output
+            # backward does not need
+            gathers += sublayers
+            if lay.recompute in ("selective", "full"):
+                scatters += layers * (spec.sublayers_per_layer - 1)
+        out["all_gather", tp] += m * gathers * tokens * d * e
+        out["reduce_scatter", tp] += m * scatters * tokens * d * e
+        if last:
+            out["all_reduce", tp] += m * 3 * tokens * 4
+        replicated = sum(math.prod(p.shape) for p in held if p.tp_dim is None)
+        out["all_reduce", tp] += replicated * 4
+
+    pp = group(lay, "pp")
+    if pp:
+        hops = hop_tensors(spec, lay)
+        unit = lay.micro_batch * seq // lay.cp // lay.tp * d * e
+        for c in mine:
+            if c < chunks - 1:
+                out["isend", pp] += m * hops[c] * unit
+                out["irecv", pp] += m * hops[c] * unit  # the gradient of what it sent
+            if c > 0:
+                out["irecv", pp] += m * hops[c - 1] * unit
+                out["isend", pp] += m * hops[c - 1] * unit
+        out["all_reduce", pp] += 4
+        if spec.tie_embeddings and (first or last) and not (first and last):
+            tied = next(p for p in held if p.name in ("tok_embeddings.weight", "output.weight"))
+            out["all_reduce", pp] += local_numel(tied, lay, 0, shard_rank) * 4  # its shard
+
+    cp = group(lay, "cp")
+    if cp:
+        kv = lay.micro_batch * 2 * spec.kv_dim // lay.tp * e  # K and V per token
+        sent, received = ring_units(lay.cp, seq, spec.sliding_window, cp_rank)
+        block = m * layers * seq // (2 * lay.cp) * kv  # one key chunk, every layer and micro-batch
+        behind = ring_units(lay.cp, seq, spec.sliding_window, (cp_rank - 1) % lay.cp)[1]
+        # K,V forward and again in backward; the gradients of the blocks a rank received move
+        # on around the ring, so it receives what the rank behind it received
+        out["isend", cp] += (2 * sent + received) * block
+        out["irecv", cp] += (2 * received + behind) * block
+        if last:
+            out["all_reduce", cp] += m * 16
+
+    shard = group(lay, "dp_shard", "cp")
+    data = group(lay, "dp_replicate", "dp_shard", "cp")
+    if lay.shard > 1:
+        e_param = e if bf16 else 4
+        padded = sum(_padded(p, lay) for p in held if p.fsdp)
+        out["all_gather", shard] += m * 2 * padded * e_param
+        out["reduce_scatter", shard] += (1 if lay.pp > 1 else m) * padded * 4
+        if lay.dp_replicate > 1:
+            out["all_reduce", group(lay, "dp_replicate")] += padded // lay.shard * 4
+    elif lay.dp_replicate > 1:
+        whole = sum(math.prod(p.shape) for p in held if p.fsdp)
+        out["all_reduce(ddp)", group(lay, "dp_replicate")] += whole * 4
+    if data and spec.attnres:
+        queries = sum(math.prod(p.shape) for p in held if not p.fsdp)
+        out["all_reduce", data] += queries * 4
+    return out
+
+
+def _padded(p, lay: Layout) -> int:
+    """Elements of a parameter's FSDP shard times the group size (shards are padded to equal
+    dim-0 lengths), after tensor parallelism's split."""
+    shape = list(p.shape)
+    if p.tp_dim is not None and lay.tp > 1:
+        shape[p.tp_dim] = math.ceil(shape[p.tp_dim] / lay.tp)
+    rows = math.ceil(shape[0] / lay.shard) * lay.shard
+    return rows * math.prod(shape[1:])
+
+
+def _needs(q: int, k: int, chunk: int, window: int) -> bool:
+    """Does query chunk q see any key of chunk k (causal, optionally within `window`)?"""
+    if q < k:
+        return False
+    if window <= 0 or q == k:
+        return True
+    return (q - k - 1) * chunk + 1 < window
+
+
+def _ring_blocks(cp: int, seq: int, window: int) -> list[tuple[int, int]]:
+    """(owner, hops) of every key chunk under the zigzag layout (rank r holds chunks r and
+    2·cp−1−r): a block goes around the ring to the farthest rank that needs it."""
+    chunk = seq // (2 * cp)
+    holds = {r: (r, 2 * cp - 1 - r) for r in range(cp)}
+    blocks = []
+    for owner in range(cp):
+        for k in holds[owner]:
+            hops = 0
+            for other in range(cp):
+                if other != owner and any(_needs(q, k, chunk, window) for q in holds[other]):
+                    hops = max(hops, (other - owner) % cp)
+            blocks.append((owner, hops))
+    return blocks
+
+
+def ring_units(cp: int, seq: int, window: int, rank: int) -> tuple[int, int]:
+    """(key chunks this rank sends, key chunks it receives) in one forward ring."""
+    sent = received = 0
+    for owner, hops in _ring_blocks(cp, seq, window):
+        for h in range(hops):  # hop h: from owner+h to owner+h+1
+            sent += (owner + h) % cp == rank
+            received += (owner + h + 1) % cp == rank
+    return sent, received
+
+
+def wire_bytes(payload: Counter, sizes: dict[str, int]) -> float:
+    """Bytes on the wire per rank for ring algorithms: (n−1)/n of an all-gather or
+    reduce-scatter, 2·(n−1)/n of an all-reduce, all of a send."""
+    total = 0.0
+    for (op, grp), b in payload.items():
+        n = math.prod(sizes[d] for d in grp.split("+"))
+        if op.startswith("all_reduce"):
+            total += 2 * (n - 1) / n * b
+        elif op in ("all_gather", "reduce_scatter"):
+            total += (n - 1) / n * b
+        elif op == "isend":
+            total += b
+    return total
+
+
+__all__ = ["group", "param_table", "rank_payload", "ring_units", "wire_bytes"]

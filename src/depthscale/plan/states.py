@@ -1,0 +1,136 @@
+"""Model states per rank, exactly: which parameters a rank holds and how many of their elements.
+
+The parameter table mirrors `Transformer` (names, shapes), how tensor parallelism places each
+(vocabulary and column-parallel rows Shard(0), row-parallel Shard(1), norms and AttnRes queries
+replicated), which pipeline stage owns it (`split_layers`: earlier stages take the remainder; the
+embedding on the first, the output read, final norm and head on the last, a tied head copied there
+when they are different ranks), and how FSDP2 shards it (dim 0 of the tp-local tensor in
+`torch.chunk` pieces over dp_shard × cp; the layers' AttnRes queries stay whole). Gradients have
+their parameter's local shape; AdamW and LAMB keep two fp32 moments of that shape and a 0-d fp32
+step per parameter. `tests/dist/test_plan_states.py` compares it with what gloo ranks allocate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from depthscale.plan.layout import Layout
+from depthscale.plan.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    """The dimension tensor parallelism shards (None: replicated)."""
+    stage: str
+    """'embed', 'layer:<i>' or 'head'."""
+    fsdp: bool = True
+    """False for what FSDP leaves whole (the layers' AttnRes queries)."""
+
+
+def param_table(spec: ModelSpec) -> list[Param]:
+    """Every parameter of our `Transformer`, in `named_parameters()` order."""
+    if spec.family != "llama":
+        raise ValueError("param_table models depthscale's own model (family 'llama')")
+    d, hd = spec.dim, spec.head_dim
+    out = [Param("tok_embeddings.weight", (spec.vocab, d), 0, "embed")]
+    residuals = ["residual"] if spec.parallel_block else ["attention_residual", "ffn_residual"]
+    for i in range(spec.n_layers):
+        stage = f"layer:{i}"
+        p = f"layers.{i}."
+        out.append(Param(p + "attention_norm.weight", (d,), None, stage))
+        out += [
+            Param(p + "attention.wq.weight", (spec.n_heads * hd, d), 0, stage),
+            Param(p + "attention.wk.weight", (spec.kv_heads * hd, d), 0, stage),
+            Param(p + "attention.wv.weight", (spec.kv_heads * hd, d), 0, stage),
+            Param(p + "attention.wo.weight", (d, spec.n_heads * hd), 1, stage),
+            Param(p + "feed_forward.w_gate.weight", (spec.ffn_dim, d), 0, stage),
+            Param(p + "feed_forward.w_up.weight", (spec.ffn_dim, d), 0, stage),
+            Param(p + "feed_forward.w_down.weight", (d, spec.ffn_dim), 1, stage),
+        ]
+        if not spec.parallel_block:
+            out.append(Param(p + "ffn_norm.weight", (d,), None, stage))
+        if spec.attnres:
+            for r in residuals:
+                out.append(Param(p + r + ".pseudo_query", (d,), None, stage, fsdp=False))
+                if spec.key_norm_gain:
+                    out.append(Param(p + r + ".key_norm", (d,), None, stage, fsdp=False))
+    if spec.attnres:
+        out.append(Param("output_residual.pseudo_query", (d,), None, "head"))
+        if spec.key_norm_gain:
+            out.append(Param("output_residual.key_norm", (d,), None, "head"))
+    out.append(Param("norm.weight", (d,), None, "head"))
+    out.append(Param("output.weight", (spec.vocab, d), 0, "head"))
+    return out
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """Length of piece `index` of `torch.chunk(range(n), parts)` (0 past the end)."""
+    size = math.ceil(n / parts)
+    return max(0, min(size, n - index * size))
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """The pipeline's layer ranges (`parallel.pipeline.stage.split_layers`)."""
+    base, extra = divmod(n_layers, n_stages)
+    bounds, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
+def rank_params(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[Param]:
+    """The parameters pipeline rank `pp_rank` holds."""
+    stages = lay.pp * lay.v
+    ranges = split_layers(spec.n_layers, stages)
+    mine = range(pp_rank, stages, lay.pp)
+    layers = {i for s in mine for i in ranges[s]}
+    first, last = 0 in mine, stages - 1 in mine
+    tied_once = spec.tie_embeddings and first and last
+    held = []
+    for p in param_table(spec):
+        if p.stage == "embed" and first:
+            held.append(p)
+        elif p.stage == "head" and last:
+            if p.name == "output.weight" and tied_once:
+                continue  # the same parameter as the embedding
+            held.append(p)
+        elif p.stage.startswith("layer:") and int(p.stage[6:]) in layers:
+            held.append(p)
+    return held
+
+
+def local_numel(p: Param, lay: Layout, tp_rank: int, shard_rank: int) -> int:
+    shape = list(p.shape)
+    if p.tp_dim is not None and lay.tp > 1:
+        shape[p.tp_dim] = _chunk(shape[p.tp_dim], lay.tp, tp_rank)
+    if p.fsdp and lay.shard > 1:
+        shape[0] = _chunk(shape[0], lay.shard, shard_rank)
+    return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def rank_state_bytes(
+    spec: ModelSpec, lay: Layout, pp_rank: int, tp_rank: int, shard_rank: int
+) -> StateBytes:
+    """fp32 parameters, fp32 gradients, AdamW/LAMB state (two fp32 moments, a 0-d fp32 step per
+    parameter) held by one rank (`shard_rank`: its index in the dp_shard × cp group). Offloaded
+    states live in host memory and count there."""
+    held = rank_params(spec, lay, pp_rank)
+    elements = sum(local_numel(p, lay, tp_rank, shard_rank) for p in held)
+    return StateBytes(4 * elements, 4 * elements, 8 * elements + 4 * len(held))
