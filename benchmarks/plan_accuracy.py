@@ -6,7 +6,7 @@
 First this machine is measured as a cluster for jobs of 1, 2 and 4 local ranks
 (`observe.calibrate.measure_cluster`: GEMM rate by shape, attention, memory bandwidth, gloo
 all-reduce latency and bandwidth). Then each layout trains (`Trainer.fit`, the trainer's real loop)
-and its step time — the median over rounds of the slowest rank — is compared with the plan's
+and its step time — the median over rounds and passes of the slowest rank — is compared with the plan's
 prediction for the same model, batch and layout (framework `depthscale` without communication
 overlap: on gloo the collectives run on the cores that compute). Prints JSON: per layout measured
 and predicted seconds and their ratio, Spearman's rank correlation, the median absolute error.
@@ -63,6 +63,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--residual", default="block")
+    p.add_argument("--passes", type=int, default=2, help="runs of every layout, order alternating")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -137,7 +138,7 @@ def main() -> None:
     args = _args()
     worlds = sorted({_world(lay) for lay in LAYOUTS})
     clusters = {
-        n: Cluster(**{k: v for k, v in measure_cluster(n).items() if k != "measured"})
+        n: Cluster(**{k: v for k, v in measure_cluster(n, budget_s=0.5).items() if k != "measured"})
         for n in worlds
     }
     rows = []
@@ -148,13 +149,20 @@ def main() -> None:
                 f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(20000)
             )
         )
-        for layout in LAYOUTS:
+        runs: dict[int, list] = {i: [] for i in range(len(LAYOUTS))}
+        order = list(range(len(LAYOUTS)))
+        for p in range(args.passes):  # alternate the order: drift hits every layout alike
+            for i in order if p % 2 == 0 else order[::-1]:
+                world = _world(LAYOUTS[i])
+                runs[i].append(run_ranks(_worker, world, world, args, LAYOUTS[i], work))
+        for i, layout in enumerate(LAYOUTS):
             world = _world(layout)
-            results = run_ranks(_worker, world, world, args, layout, work)
             measured = statistics.median(
-                max(r["seconds"][i] for r in results) for i in range(args.rounds)
+                max(r["seconds"][k] for r in results)
+                for results in runs[i]
+                for k in range(args.rounds)
             )
-            r0 = results[0]
+            r0 = runs[i][0][0]
             spec = ModelSpec.from_config(
                 ModelConfig(
                     vocab_size=r0["vocab"], dim=args.dim, n_layers=args.layers,
@@ -171,7 +179,8 @@ def main() -> None:
             )
             rows.append({"layout": layout, "ranks": world, "measured_s": round(measured, 4),
                          "predicted_s": round(est.step_s, 4), "ok": est.ok, "reason": est.reason,
-                         "ratio": round(est.step_s / measured, 3)})  # fmt: skip
+                         "ratio": round(est.step_s / measured, 3),
+                         "predicted_parts_s": {k: round(v, 4) for k, v in est.times.items()}})  # fmt: skip
     errors = [abs(r["ratio"] - 1) for r in rows]
     report = {
         **device_info(),

@@ -172,15 +172,17 @@ def test_cache_is_what_makes_an_interleaved_70b_layout_fit():
     assert on.comm["pp"] < off.comm["pp"]
 
 
-def test_calibration_fits_recover_known_curves():
-    from depthscale.observe.calibrate import fit_gemm, fit_link
+def test_calibration_fits_and_measured_gemm_curves():
+    from depthscale.observe.calibrate import fit_link
 
-    peak, half = 2e11, 50.0
-    samples = [(x, peak * x / (x + half)) for x in (16, 64, 256, 1024)]
-    got_peak, got_half = fit_gemm(samples)
-    assert got_peak == pytest.approx(peak, rel=1e-9) and got_half == pytest.approx(half, rel=1e-9)
     bw, lat = fit_link([(b, 2e-5 + b / 3e9) for b in (1e3, 1e5, 1e6, 4e6)])
     assert bw == pytest.approx(3e9, rel=1e-9) and lat == pytest.approx(2e-5, rel=1e-6)
+    c = PRESETS["a100"].__class__(
+        **{**PRESETS["a100"].to_json(), "gemm_curve": ((32, 0.5), (512, 0.9))}
+    )
+    assert c.gemm_flops("bfloat16", 16) == pytest.approx(0.5 * 312e12)
+    assert c.gemm_flops("bfloat16", 128) == pytest.approx(0.7 * 312e12)  # halfway in log x
+    assert c.gemm_flops("bfloat16", 4096) == pytest.approx(0.9 * 312e12)
 
 
 def test_cli_calibrate_needs_an_existing_directory(tmp_path, capsys):

@@ -3,14 +3,13 @@ against real runs here (`depthscale plan --calibrate OUT.json --nproc N`).
 
 Each rank of an N-process job runs with cpu_count // N threads (what `depthscale train` gives its
 workers); with more ranks than cores they share the cores, so per-rank rates are the measured ones
-scaled by cores / N. Measured: GEMM FLOP/s over shapes (fitted to peak · x / (x + x½) in the
-smallest dimension), fused causal attention's fraction of that peak, elementwise memory bandwidth,
+scaled by cores / N. Measured: GEMM FLOP/s by the smallest dimension (a curve of fractions of the
+best), fused causal attention's fraction of that peak, elementwise memory bandwidth,
 and gloo all-reduce latency and bandwidth between N local processes.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import time
@@ -18,91 +17,168 @@ import time
 import torch
 import torch.nn.functional as F
 
-GEMM_SHAPES = [(64, 64, 64), (128, 256, 128), (256, 256, 256), (512, 512, 512),
-               (1024, 512, 512), (1024, 1024, 1024), (2048, 256, 256), (512, 2048, 128)]  # fmt: skip
+GEMM_SIDES = (32, 64, 128, 256, 512, 1024)
+"""Smallest dimensions measured: [4096 or 8·x] × [x] GEMMs against a wide third dimension, the
+shapes of a layer's projections."""
 
 
 def _best_time(fn, budget_s: float) -> float:
+    """Median seconds of fn() over `budget_s` (at least 5 runs): under a full machine the best
+    run would be one that found a core free, not the rate a job gets."""
     fn()
-    best, start = math.inf, time.perf_counter()
-    while time.perf_counter() - start < budget_s or best == math.inf:
+    times: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < budget_s or len(times) < 5:
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def fit_gemm(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(peak, x½) of rate(x) = peak · x / (x + x½) from (smallest dim, FLOP/s) samples: a line
-    1/rate = 1/peak + (x½/peak) · (1/x), fitted by least squares."""
-    xs = [1 / x for x, _ in samples]
-    ys = [1 / r for _, r in samples]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    intercept = my - slope * mx
-    if intercept <= 0:  # rates still rising at the largest shape: take the best as the peak
-        return max(r for _, r in samples), 0.0
-    return 1 / intercept, max(0.0, slope / intercept)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(bytes/s, latency s) of time = latency + bytes / bandwidth, least squares."""
-    n = len(samples)
-    mx = sum(b for b, _ in samples) / n
-    my = sum(t for _, t in samples) / n
-    var = sum((b - mx) ** 2 for b, _ in samples)
-    slope = sum((b - mx) * (t - my) for b, t in samples) / var
-    return 1 / slope, max(0.0, my - slope * mx)
+    """(bytes/s, latency s) of time = latency + bytes / bandwidth through the smallest and the
+    largest sample: the small one is nearly all latency, the large one nearly all bandwidth, and
+    two medians resist the outliers a shared machine produces better than a least-squares line."""
+    (b0, t0), (b1, t1) = min(samples), max(samples)
+    bw = (b1 - b0) / max(t1 - t0, 1e-12)
+    return bw, max(0.0, t0 - b0 / bw)
 
 
 def _local(budget_s: float) -> dict:
     samples = []
-    for m, n, k in GEMM_SHAPES:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        samples.append((min(m, n, k), 2 * m * n * k / _best_time(lambda a=a, b=b: a @ b, budget_s)))
-    peak, half = fit_gemm(samples)
+    for x in GEMM_SIDES:
+        wide = max(1024, 4 * x)
+        a, b = torch.randn(wide, x), torch.randn(x, wide)
+        rate = 2 * wide * wide * x / _best_time(lambda a=a, b=b: a @ b, budget_s)
+        samples.append((float(x), rate))
+    peak = max(r for _, r in samples)
     q = torch.randn(2, 4, 512, 64)
     t_attn = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), budget_s)
     attention = 0.5 * 4 * 2 * 4 * 512 * 512 * 64 / t_attn / peak
-    x = torch.randn(4 * 2**20)
-    y = torch.empty_like(x)
-    t_copy = _best_time(lambda: torch.add(x, 1.0, out=y), budget_s)
     return {
         "peak": peak,
-        "half_dim": half,
+        "curve": [(x, r / peak) for x, r in samples],
         "attention_efficiency": min(1.0, attention),
-        "memory_bw": 2 * x.nbytes / t_copy,
+        "memory_bw": _elementwise_bandwidth(budget_s),
         "gemm_samples": samples,
     }
 
 
+def _elementwise_bandwidth(budget_s: float, tokens: int = 8192, dim: int = 256) -> float:
+    """Bytes/s of the memory-bound work of a training step as the planner charges it: an RMSNorm
+    and a SiLU-gated product, forward and backward, timed, against ELEMENTWISE_PASSES × (1 + 2)
+    times the bytes they keep for backward (fp32: the norm's input, rsqrt, x̂ and output; the
+    gate's input and silu)."""
+    from depthscale.plan.estimate import ELEMENTWISE_PASSES
+
+    x = torch.randn(tokens, dim, requires_grad=True)
+    weight = torch.ones(dim, requires_grad=True)
+
+    def step() -> None:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * weight
+        (F.silu(h) * h).sum().backward()
+
+    kept = tokens * (4 * dim + 4 + 4 * dim + 4 * dim + 4 * dim)
+    return ELEMENTWISE_PASSES * 3 * kept / _best_time(step, budget_s)
+
+
+def _local_worker(rank: int, threads: int, budget_s: float, queue) -> None:
+    torch.set_num_threads(threads)
+    queue.put((rank, _local(budget_s)))
+
+
+def _concurrent_local(nproc: int, threads: int, budget_s: float) -> dict:
+    """`_local` in `nproc` processes at once (ranks of a job share caches, memory bandwidth and
+    clocks); rank 0's numbers."""
+    if nproc == 1:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return _local(budget_s)
+        finally:
+            torch.set_num_threads(previous)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_local_worker, args=(r, threads, budget_s, queue)) for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return results[0]
+
+
+COLLECTIVE_SIZES = (2**12, 2**16, 2**20, 2**22)
+"""Payload bytes each collective is timed at."""
+
+
+def _timed(fn, barrier) -> float:
+    fn()
+    times = []
+    for _ in range(5):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
+    """Time each operation in groups of every power-of-two size up to `world`, all groups of a
+    size at once (as a layout's groups run): rank 0 reports, per size, (payload, seconds)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    samples = []
-    for size in (2**10, 2**14, 2**18, 2**20, 2**22):
-        t = torch.ones(size // 4)
-        dist.all_reduce(t)
-        times = []
-        for _ in range(5):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(t)
-            times.append(time.perf_counter() - t0)
-        # a ring all-reduce moves 2·(n−1)/n of the buffer over 2·(n−1) steps
-        samples.append((2 * (world - 1) / world * size, sorted(times)[len(times) // 2]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    out: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    size = 2
+    while size <= world:
+        groups = [dist.new_group(list(range(g, g + size))) for g in range(0, world, size)]
+        group = groups[rank // size]
+        me, members = rank % size, list(range(rank // size * size, rank // size * size + size))
+        peer = members[(me + 1) % size], members[(me - 1) % size]
+        samples: dict[str, list[tuple[float, float]]] = {k: [] for k in OPS}
+        for payload in COLLECTIVE_SIZES:
+            n = payload // 4 // size * size
+            full, part = torch.ones(n), torch.ones(n // size)
+
+            def p2p(full=full, peer=peer):
+                ops = [
+                    dist.P2POp(dist.isend, full, peer[0]),
+                    dist.P2POp(dist.irecv, full.clone(), peer[1]),
+                ]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+
+            runs = {
+                "all_reduce": lambda full=full, g=group: dist.all_reduce(full, group=g),
+                "all_gather": lambda full=full, part=part, g=group: gather(full, part, group=g),
+                "reduce_scatter": lambda full=full, part=part, g=group: scatter(
+                    part, full, group=g
+                ),
+                "p2p": p2p,
+            }
+            for op, fn in runs.items():
+                samples[op].append((float(n * 4), _timed(fn, dist.barrier)))
+        out[size] = samples
+        size *= 2
     if rank == 0:
-        queue.put(samples)
+        queue.put(out)
     dist.destroy_process_group()
 
 
-def _comm(world: int, threads: int) -> list[tuple[float, float]]:
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def _comm(world: int, threads: int) -> dict[int, dict[str, list[tuple[float, float]]]]:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -127,14 +203,15 @@ def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
     `nproc` local ranks."""
     cores = os.cpu_count() or 1
     threads = max(1, cores // nproc)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        local = _local(budget_s)
-    finally:
-        torch.set_num_threads(previous)
-    share = min(1.0, cores / (nproc * threads))  # oversubscribed ranks share the cores
-    bw, latency = fit_link(_comm(nproc, threads)) if nproc > 1 else (1e12, 0.0)
+    local = _concurrent_local(nproc, threads, budget_s)
+    share = 1.0  # measured with every rank busy: sharing is in the numbers
+    links: dict[str, list[tuple[int, float, float]]] = {}
+    if nproc > 1:
+        for n, ops in _comm(nproc, threads).items():
+            for op, samples in ops.items():
+                bw, latency = fit_link(samples)
+                links.setdefault(op, []).append((n, latency, bw))  # per call, payload bytes
+    _, latency, bw = links["all_reduce"][-1] if links else (1, 0.0, 1e12)
     step_latency = latency / max(1, 2 * (nproc - 1))
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {
@@ -148,10 +225,11 @@ def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
         "intra_latency": step_latency,
         "inter_latency": step_latency,
         "gemm_efficiency": 1.0,
-        "gemm_half_dim": local["half_dim"],
+        "gemm_curve": local["curve"],
         "attention_efficiency": local["attention_efficiency"],
         "memory_efficiency": 1.0,
         "comm_efficiency": 1.0,
         "memory_reserve": 0.0,
+        "collectives": links,
         "measured": {"threads_per_rank": threads, "gemm": local["gemm_samples"]},
     }

@@ -144,8 +144,9 @@ def estimate(
     layer_f = f_layer + tp_f + cp_f
     layer_b = b_layer + rc_layer + tp_b + cp_b
     # FSDP prefetches the next layer's gather behind this layer's compute: what does not fit shows
-    layer_f += max(0.0, fsdp.layer_f_s - layer_f)
-    layer_b += max(0.0, fsdp.layer_b_s - layer_b)
+    # (without overlap, all of it)
+    layer_f += max(0.0, fsdp.layer_f_s - layer_f) if fw.dp_overlap else fsdp.layer_f_s
+    layer_b += max(0.0, fsdp.layer_b_s - layer_b) if fw.dp_overlap else fsdp.layer_b_s
     head_f, head_b = _head_times(w, c, lay, tokens)
     # uniform stages at the pace of the busiest rank, the last: V chunks and, once per micro-batch,
     # the head and the loss; per micro-batch also the gathers nothing hides (the root's and the
@@ -157,8 +158,7 @@ def estimate(
     hops = hop_tensors(s, lay)
     hop_bytes = [h * tokens * s.dim * e / lay.tp for h in hops]  # sequence-parallel: 1/tp each
     pp_inter = lay.tp * lay.cp * lay.dp * lay.pp > c.gpus_per_node and lay.pp > 1
-    bw, lat = c.link(lay.pp, pp_inter)
-    hop_time = [lat + b / bw for b in hop_bytes]
+    hop_time = [c.op_time("p2p", b, lay.pp, pp_inter) for b in hop_bytes]
     if lay.pp > 1:
         hop = sum(hop_time) / len(hop_time) if hop_time else 0.0
         f1, b1, lat1 = f_stage[0], b_stage[0], hop
@@ -343,16 +343,15 @@ def _layer_times(
 
 
 def _tp_bytes(s: ModelSpec, lay: Layout, fw: Framework, tokens: int, e: int) -> float:
-    """Bytes one rank sends per layer and micro-batch for tensor parallelism (forward, backward
-    and a recompute that re-runs the layer's collectives)."""
+    """Payload one rank hands to tensor-parallel collectives per layer and micro-batch (forward,
+    backward and a recompute that re-runs the layer's collectives)."""
     if lay.tp == 1:
         return 0.0
-    one = (lay.tp - 1) / lay.tp * tokens * s.dim * e  # one all-gather or reduce-scatter
-    per_pass = 2 * s.sublayers_per_layer * one
+    per_pass = 2 * s.sublayers_per_layer * tokens * s.dim * e  # an all-gather + reduce-scatter each
     passes = 2.0
     if lay.recompute in ("full", "sublayer") or (fw.ours and lay.recompute == "selective"):
         passes += 1
-    if not fw.ours and lay.tp > 1:
+    if not fw.ours:
         passes += 0.5  # Megatron re-gathers each sublayer's input for the weight gradient
     return per_pass * passes
 
@@ -360,13 +359,20 @@ def _tp_bytes(s: ModelSpec, lay: Layout, fw: Framework, tokens: int, e: int) -> 
 def _tp_comm(
     s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int, gemm: float
 ) -> tuple[float, float]:
+    """Seconds of tensor-parallel traffic per layer and micro-batch, forward and backward: each
+    sublayer all-gathers its input and reduce-scatters its output (backward: the mirror pair)."""
     if lay.tp == 1:
         return 0.0, 0.0
-    bw, lat = c.link(lay.tp, False)
-    total = _tp_bytes(s, lay, fw, tokens, e) / bw
-    ops = 2 * s.sublayers_per_layer
-    fwd = total / 2 + ops * (lay.tp - 1) * lat
-    bwd = total / 2 + ops * (lay.tp - 1) * lat
+    total = _tp_bytes(s, lay, fw, tokens, e)  # payload over forward, backward and recompute
+    per_pass = 2 * s.sublayers_per_layer * tokens * s.dim * e  # payload of one pass
+    ops = s.sublayers_per_layer
+    one = c.op_time("all_gather", per_pass / 2, lay.tp, False, ops) + c.op_time(
+        "reduce_scatter", per_pass / 2, lay.tp, False, ops
+    )
+    if fw.ours:  # tp_comm reorders rank blocks into sequence order and back (a copy each way)
+        one += 2 * per_pass / (c.hbm_bw * c.memory_efficiency)
+    fwd = one
+    bwd = one * (total / per_pass - 1)
     if fw.tp_overlap:
         fwd = max(fwd / 4, fwd - gemm)
         bwd = max(bwd / 4, bwd - 2 * gemm)
@@ -381,11 +387,11 @@ def _cp_bytes(w: Workload, lay: Layout, e: int) -> float:
 
 
 def _cp_comm(w: Workload, c: Cluster, lay: Layout, e: int, layer_f: float) -> tuple[float, float]:
+    """Ring attention's traffic per layer and micro-batch, behind the attention it overlaps."""
     if lay.cp == 1:
         return 0.0, 0.0
     inter = lay.tp * lay.cp > c.gpus_per_node
-    bw, lat = c.link(lay.cp, inter)
-    t = _cp_bytes(w, lay, e) / bw + 3 * (lay.cp - 1) * lat
+    t = c.op_time("p2p", _cp_bytes(w, lay, e), lay.cp, inter, 3 * (lay.cp - 1))
     return max(0.0, t / 3 - layer_f / 2), max(0.0, 2 * t / 3 - layer_f)
 
 
@@ -417,45 +423,53 @@ def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp
     if not fw.ours or lay.shard == 1:
         return _Fsdp()
     sh = lay.shard
-    part = (sh - 1) / sh
     layer = s.layer_params() / lay.tp
-    gather = part * layer * e
-    scatter = 0.0 if lay.pp > 1 else part * layer * 4
-    root = part * (s.embedding_params() + s.head_params()) / lay.tp * e
+    gather = layer * e  # payloads: the gathered layer, its fp32 gradients
+    scatter = 0.0 if lay.pp > 1 else layer * 4
+    root = (s.embedding_params() + s.head_params()) / lay.tp * e
     inter = lay.tp * lay.cp * lay.dp_shard > c.gpus_per_node
-    bw, lat = c.link(sh, inter)
+    part = (sh - 1) / sh
+    # FSDP2 copies a gathered buffer out into the parameters, and gradients into one to scatter
+    copy = 2 / (c.hbm_bw * c.memory_efficiency)
+    gather_s = c.op_time("all_gather", gather, sh, inter) + copy * gather
+    scatter_s = c.op_time("reduce_scatter", scatter, sh, inter) + copy * scatter
     return _Fsdp(
-        gather,
-        gather + scatter,
-        root,
-        gather / bw + (sh - 1) * lat,
-        (gather + scatter) / bw + 2 * (sh - 1) * lat,
-        root / bw + (sh - 1) * lat,
+        part * gather,
+        part * (gather + scatter),
+        part * root,
+        gather_s,
+        gather_s + scatter_s,
+        c.op_time("all_gather", root, sh, inter) + copy * root,
     )
 
 
 def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float) -> tuple[float, float]:
-    """(bytes sent, seconds) of the gradient reduction at the end of a step: FSDP's deferred
-    reduce-scatter (pipelines), the all-reduce across HSDP replicas, DDP's all-reduce (fp32), or
-    Megatron's all-reduce / distributed-optimizer reduce-scatter and gather."""
+    """(bytes on the wire, seconds) of the gradient reduction at the end of a step: FSDP's
+    deferred reduce-scatter (pipelines), the all-reduce across HSDP replicas, DDP's all-reduce
+    (fp32, in buckets), or Megatron's all-reduce / distributed-optimizer reduce-scatter and
+    gather."""
     inter = lay.tp * lay.cp * lay.dp > c.gpus_per_node
-    sent, ring = 0.0, lay.dp
+    sent = seconds = 0.0
     if fw.ours and lay.shard > 1:
         sh = lay.shard
         if lay.pp > 1:
             sent += (sh - 1) / sh * params * 4
+            seconds += c.op_time("reduce_scatter", params * 4, sh, inter)
         if lay.dp_replicate > 1:
             r = lay.dp_replicate
             sent += 2 * (r - 1) / r * params / sh * 4
-        ring = sh
+            seconds += c.op_time("all_reduce", params / sh * 4, r, True)
     elif lay.dp > 1:
         d = lay.dp
         if lay.zero1:
-            sent += (d - 1) / d * params * (fw.grad_bytes + fw.weight_bytes)
+            grads, weights = params * fw.grad_bytes, params * fw.weight_bytes
+            sent += (d - 1) / d * (grads + weights)
+            buckets = max(1.0, grads / DDP_BUCKET_BYTES)
+            seconds += c.op_time("reduce_scatter", grads, d, inter, buckets)
+            seconds += c.op_time("all_gather", weights, d, inter, buckets)
         else:
-            sent += 2 * (d - 1) / d * params * fw.grad_bytes
-    if not sent:
-        return 0.0, 0.0
-    bw, lat = c.link(ring, inter)
-    buckets = max(1.0, sent / DDP_BUCKET_BYTES)
-    return sent, sent / bw + buckets * 2 * (ring - 1) * lat
+            grads = params * fw.grad_bytes
+            sent += 2 * (d - 1) / d * grads
+            buckets = max(1.0, grads / DDP_BUCKET_BYTES)
+            seconds += c.op_time("all_reduce", grads, d, inter, buckets)
+    return sent, seconds

@@ -9,7 +9,8 @@ and libraries, the same for every model and layout (never fitted to a published 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 GiB = 2**30
@@ -46,6 +47,13 @@ class Cluster:
     """Fraction of link bandwidth a NCCL ring reaches on large messages."""
     memory_reserve: float = 0.05
     """Device memory the allocator's fragmentation and the CUDA context take (fraction)."""
+    collectives: dict[str, tuple[tuple[int, float, float], ...]] = field(default_factory=dict)
+    """Measured (group size, latency s per call, payload bytes/s) of 'all_reduce', 'all_gather',
+    'reduce_scatter' and 'p2p' (`--calibrate`); when given they replace the ring model below for
+    that operation (the entry of the nearest group size)."""
+    gemm_curve: tuple[tuple[float, float], ...] = ()
+    """Measured (smallest dimension, fraction of peak) points (`depthscale plan --calibrate`);
+    when given they replace the x / (x + gemm_half_dim) curve, interpolated in log x."""
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
@@ -53,6 +61,8 @@ class Cluster:
     def gemm_flops(self, dtype: str, smallest_dim: float) -> float:
         """Achieved FLOP/s of a GEMM whose smallest dimension is `smallest_dim`."""
         x = max(smallest_dim, 1.0)
+        if self.gemm_curve:
+            return self.peak(dtype) * _interpolate(self.gemm_curve, x)
         return self.peak(dtype) * self.gemm_efficiency * x / (x + self.gemm_half_dim)
 
     def usable_bytes(self) -> float:
@@ -64,8 +74,38 @@ class Cluster:
             return self.inter_bw * self.comm_efficiency, self.inter_latency
         return self.intra_bw * self.comm_efficiency, self.intra_latency
 
+    def op_time(self, op: str, payload: float, n: int, span_nodes: bool, calls: float = 1) -> float:
+        """Seconds of `calls` collectives of kind `op` moving `payload` bytes in all over a
+        group of `n` ranks: measured rates where calibrated, else a ring — an all-gather or
+        reduce-scatter puts (n−1)/n of its payload on the wire in n−1 steps, an all-reduce twice
+        that, a send all of it in one."""
+        if n <= 1 or payload <= 0:
+            return 0.0
+        if op in self.collectives:
+            _, latency, bw = min(self.collectives[op], key=lambda e: abs(e[0] - n))
+            return calls * latency + payload / bw
+        factor, steps = {
+            "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
+            "all_gather": ((n - 1) / n, n - 1),
+            "reduce_scatter": ((n - 1) / n, n - 1),
+            "p2p": (1.0, 1),
+        }[op]
+        bw, lat = self.link(n, span_nodes)
+        return factor * payload / bw + calls * steps * lat
+
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + t * (y1 - y0)
+    return pts[-1][1]
 
 
 _GB = 1e9
@@ -126,6 +166,12 @@ def cluster(name: str) -> Cluster:
 def load_cluster(path: Path) -> Cluster:
     data = json.loads(Path(path).read_text())
     fields = {k: v for k, v in data.items() if k in Cluster.__dataclass_fields__}
+    if "collectives" in fields:
+        fields["collectives"] = {
+            k: tuple(tuple(e) for e in v) for k, v in fields["collectives"].items()
+        }
+    if "gemm_curve" in fields:
+        fields["gemm_curve"] = tuple(tuple(p) for p in fields["gemm_curve"])
     try:
         return Cluster(**fields)
     except TypeError as e:
