@@ -120,6 +120,8 @@ def test_cli_plans_a_config(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["layouts"] and report["layouts"][0]["ok"]
     assert report["model"]["params"] > 0 and report["flops"]["formula"]
+    best = report["layouts"][0]
+    assert best["wire_gb"] > 0 and best["bytes_per_group_gb"]
     assert main(["plan", "-c", str(cfg), "--gpus", "16", "--layout", "tp=4,pp=2,fsdp=2"]) == 0
     assert "step s" in capsys.readouterr().out
 
@@ -190,3 +192,20 @@ def test_cli_calibrate_needs_an_existing_directory(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["plan", "--model.vocab_size", "256"]) == 2
     assert "--gpus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("not json", "not a readable JSON"),
+        ("[1, 2]", "a JSON object"),
+        ('{"peak_flops": 5}', "peak_flops must map"),
+        ('{"peak_flops": {"float32": 1e11}, "hbm_bytes": 1e9}', "hbm_bw must be a number"),
+    ],
+)
+def test_a_damaged_calibration_file_is_named(tmp_path, capsys, text, words):
+    bad = tmp_path / "cluster.json"
+    bad.write_text(text)
+    assert main(["plan", "--gpus", "2", "--model.vocab_size", "256", "--cluster", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and str(bad) in err and "Traceback" not in err

@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import hop_tensors
 from depthscale.plan.spec import ModelSpec
-from depthscale.plan.states import local_numel, param_table, rank_params, split_layers
+from depthscale.plan.states import local_numel, rank_params
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first."""
@@ -192,6 +193,3 @@ def wire_bytes(payload: Counter, sizes: dict[str, int]) -> float:
         elif op == "isend":
             total += b
     return total
-
-
-__all__ = ["group", "param_table", "rank_payload", "ring_units", "wire_bytes"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 GiB = 2**30
@@ -159,24 +159,38 @@ def cluster(name: str) -> Cluster:
     allowed = ", ".join(sorted(PRESETS))
     raise ValueError(
         f"unknown cluster {name!r}; allowed: {allowed}, or a calibration JSON file "
-        "(depthscale diagnose --calibrate OUT.json)"
+        "(depthscale plan --calibrate OUT.json --nproc N)"
     )
 
 
 def load_cluster(path: Path) -> Cluster:
-    data = json.loads(Path(path).read_text())
-    fields = {k: v for k, v in data.items() if k in Cluster.__dataclass_fields__}
-    if "collectives" in fields:
-        fields["collectives"] = {
-            k: tuple(tuple(e) for e in v) for k, v in fields["collectives"].items()
-        }
-    if "gemm_curve" in fields:
-        fields["gemm_curve"] = tuple(tuple(p) for p in fields["gemm_curve"])
+    """A cluster from a JSON file (`depthscale plan --calibrate` writes one); ValueError naming
+    the file and what is wrong with it."""
     try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON cluster description ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a cluster description is a JSON object")
+    fields = {k: v for k, v in data.items() if k in Cluster.__dataclass_fields__}
+    peaks = fields.get("peak_flops")
+    if (
+        not isinstance(peaks, dict)
+        or not peaks
+        or not all(isinstance(v, int | float) and v > 0 for v in peaks.values())
+    ):
+        raise ValueError(f"{path}: peak_flops must map dtypes to FLOP/s > 0, got {peaks!r}")
+    for name in ("hbm_bytes", "hbm_bw", "gpus_per_node", "intra_bw", "inter_bw"):
+        value = fields.get(name)
+        if not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"{path}: {name} must be a number > 0, got {value!r}")
+    try:
+        if "collectives" in fields:
+            fields["collectives"] = {
+                k: tuple(tuple(e) for e in v) for k, v in fields["collectives"].items()
+            }
+        if "gemm_curve" in fields:
+            fields["gemm_curve"] = tuple(tuple(p) for p in fields["gemm_curve"])
         return Cluster(**fields)
-    except TypeError as e:
+    except (TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a cluster description ({e})") from None
-
-
-def with_changes(c: Cluster, **changes) -> Cluster:
-    return replace(c, **changes)

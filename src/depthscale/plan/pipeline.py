@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from depthscale.parallel.pipeline.schedules import interleaved_1f1b, simulate
+from depthscale.parallel.pipeline.schedules import interleaved_1f1b, simulate, split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.spec import ModelSpec
-from depthscale.plan.states import split_layers
 
 _SIMULATED_ROUNDS = 1
 """Micro-batches simulated before extrapolating: this many rounds of P beyond the warm-up."""

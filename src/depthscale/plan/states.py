@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.spec import ModelSpec
 
@@ -71,17 +72,6 @@ def _chunk(n: int, parts: int, index: int) -> int:
     """Length of piece `index` of `torch.chunk(range(n), parts)` (0 past the end)."""
     size = math.ceil(n / parts)
     return max(0, min(size, n - index * size))
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """The pipeline's layer ranges (`parallel.pipeline.stage.split_layers`)."""
-    base, extra = divmod(n_layers, n_stages)
-    bounds, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        bounds.append(range(start, start + size))
-        start += size
-    return bounds
 
 
 def rank_params(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[Param]:

@@ -67,6 +67,18 @@ class Layout:
 Schedule = list[list[Action]]
 
 
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous, balanced layer ranges; earlier stages take the remainder. With fewer layers than
+    stages the trailing stages are empty and just pass the depth state on (the last adds the head)."""
+    base, extra = divmod(n_layers, n_stages)
+    bounds, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        bounds.append(range(start, start + size))
+        start += size
+    return bounds
+
+
 def gpipe(ranks: int, microbatches: int) -> Schedule:
     """All forwards, then all backwards (peak in-flight = microbatches on every rank)."""
     layout = Layout(ranks)

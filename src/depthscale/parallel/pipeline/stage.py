@@ -22,19 +22,8 @@ from depthscale.config import ModelConfig
 from depthscale.model.residual import DepthState, block_assignment, link_groups
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.observe import spans
+from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.parallel.startup import own_group
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous, balanced layer ranges; earlier stages take the remainder. With fewer layers than
-    stages the trailing stages are empty and just pass the depth state on (the last adds the head)."""
-    base, extra = divmod(n_layers, n_stages)
-    bounds, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        bounds.append(range(start, start + size))
-        start += size
-    return bounds
 
 
 def blocks_after(cfg: ModelConfig, n_layers_done: int) -> int:
