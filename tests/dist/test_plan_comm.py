@@ -66,7 +66,7 @@ def _counting(label):
     def batch(fn):
         def run(ops):
             for op in ops:
-                kind = "isend" if op.op is dist.isend else "irecv"
+                kind = "send" if op.op is dist.isend else "recv"
                 log[kind, label(op.group)] += op.tensor.numel() * op.tensor.element_size()
             return fn(ops)
 

@@ -179,6 +179,8 @@ def test_calibration_fits_and_measured_gemm_curves():
 
     bw, lat = fit_link([(b, 2e-5 + b / 3e9) for b in (1e3, 1e5, 1e6, 4e6)])
     assert bw == pytest.approx(3e9, rel=1e-9) and lat == pytest.approx(2e-5, rel=1e-6)
+    bw, lat = fit_link([(1e3, 5e-3), (1e6, 1e-3), (4e6, 4e-3)])  # a descheduled small call
+    assert bw == pytest.approx(1e9) and lat == pytest.approx(1e-3)
     c = PRESETS["a100"].__class__(
         **{**PRESETS["a100"].to_json(), "gemm_curve": ((32, 0.5), (512, 0.9))}
     )

@@ -40,7 +40,9 @@ def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
     largest sample: the small one is nearly all latency, the large one nearly all bandwidth, and
     two medians resist the outliers a shared machine produces better than a least-squares line."""
     (b0, t0), (b1, t1) = min(samples), max(samples)
-    bw = (b1 - b0) / max(t1 - t0, 1e-12)
+    if t1 <= t0:  # the small call was the slow one (the machine was busy): bound, don't fit
+        return b1 / t1, min(t for _, t in samples)
+    bw = (b1 - b0) / (t1 - t0)
     return bw, max(0.0, t0 - b0 / bw)
 
 
@@ -132,6 +134,8 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
     size at once (as a layout's groups run): rank 0 reports, per size, (payload, seconds)."""
     import torch.distributed as dist
 
+    from depthscale.parallel import p2p as p2p_layer
+
     torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -143,20 +147,19 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
     while size <= world:
         groups = [dist.new_group(list(range(g, g + size))) for g in range(0, world, size)]
         group = groups[rank // size]
-        me, members = rank % size, list(range(rank // size * size, rank // size * size + size))
-        peer = members[(me + 1) % size], members[(me - 1) % size]
+        me = rank % size
         samples: dict[str, list[tuple[float, float]]] = {k: [] for k in OPS}
         for payload in COLLECTIVE_SIZES:
             n = payload // 4 // size * size
             full, part = torch.ones(n), torch.ones(n // size)
 
-            def p2p(full=full, peer=peer):
-                ops = [
-                    dist.P2POp(dist.isend, full, peer[0]),
-                    dist.P2POp(dist.irecv, full.clone(), peer[1]),
+            def p2p(full=full, g=group, me=me, size=size):
+                # through the project's P2P layer, as the pipeline and the ring post theirs
+                sends = [p2p_layer.Send(full, (me + 1) % size, "calibrate")]
+                recvs = [
+                    p2p_layer.Recv(tuple(full.shape), full.dtype, (me - 1) % size, "calibrate")
                 ]
-                for w in dist.batch_isend_irecv(ops):
-                    w.wait()
+                p2p_layer.post(g, sends, recvs, full.device, p2p_layer.Traffic()).wait()
 
             runs = {
                 "all_reduce": lambda full=full, g=group: dist.all_reduce(full, group=g),

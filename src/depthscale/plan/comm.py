@@ -94,11 +94,11 @@ def rank_payload(
         unit = lay.micro_batch * seq // lay.cp // lay.tp * d * e
         for c in mine:
             if c < chunks - 1:
-                out["isend", pp] += m * hops[c] * unit
-                out["irecv", pp] += m * hops[c] * unit  # the gradient of what it sent
+                out["send", pp] += m * hops[c] * unit
+                out["recv", pp] += m * hops[c] * unit  # the gradient of what it sent
             if c > 0:
-                out["irecv", pp] += m * hops[c - 1] * unit
-                out["isend", pp] += m * hops[c - 1] * unit
+                out["recv", pp] += m * hops[c - 1] * unit
+                out["send", pp] += m * hops[c - 1] * unit
         out["all_reduce", pp] += 4
         if spec.tie_embeddings and (first or last) and not (first and last):
             tied = next(p for p in held if p.name in ("tok_embeddings.weight", "output.weight"))
@@ -112,8 +112,8 @@ def rank_payload(
         behind = ring_units(lay.cp, seq, spec.sliding_window, (cp_rank - 1) % lay.cp)[1]
         # K,V forward and again in backward; the gradients of the blocks a rank received move
         # on around the ring, so it receives what the rank behind it received
-        out["isend", cp] += (2 * sent + received) * block
-        out["irecv", cp] += (2 * received + behind) * block
+        out["send", cp] += (2 * sent + received) * block
+        out["recv", cp] += (2 * received + behind) * block
         if last:
             out["all_reduce", cp] += m * 16
 
@@ -190,6 +190,6 @@ def wire_bytes(payload: Counter, sizes: dict[str, int]) -> float:
             total += 2 * (n - 1) / n * b
         elif op in ("all_gather", "reduce_scatter"):
             total += (n - 1) / n * b
-        elif op == "isend":
+        elif op == "send":
             total += b
     return total
