@@ -212,7 +212,8 @@ def _straggler_drill(tmp_path: Path, victim: int, slow: str, expect: str) -> Non
     assert flagged, proc.stdout
     assert all(f"rank {victim} (pp0 dp{victim} cp0 tp0)" in ln for ln in flagged), flagged
     first = int(flagged[0].split("straggler at step ")[1].split(":")[0])
-    assert 10 <= first < 20 and expect in flagged[0], flagged
+    # slowed from step 10 on, named within 10 steps (docs/observability.md): by step 20
+    assert 10 <= first <= 20 and expect in flagged[0], flagged
     logged = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     events = [m for m in logged if m["split"] == "straggler" and not m["recovered"]]
     assert events and {(m["rank"], m["coords"]["dp"]) for m in events} == {(victim, victim)}
