@@ -8,12 +8,13 @@ import sys
 import pytest
 
 from depthscale.cli import main
+from depthscale.config import ModelConfig
 from depthscale.parallel.pipeline.schedules import interleaved_1f1b, simulate
 from depthscale.plan.estimate import Workload, estimate
 from depthscale.plan.frameworks import DEPTHSCALE, MEGATRON_2022
 from depthscale.plan.hardware import PRESETS
 from depthscale.plan.layout import Layout, parse_layout
-from depthscale.plan.pipeline import _simulated, peak_in_flight, pipeline_time
+from depthscale.plan.pipeline import _simulated, hop_tensors, peak_in_flight, pipeline_time
 from depthscale.plan.search import SIMULATED, search
 from depthscale.plan.spec import ModelSpec
 
@@ -71,9 +72,25 @@ def test_long_pipelines_extrapolate_exactly(p, v, m):
     assert fast.peak_in_flight == full.peak_in_flight
 
 
-def test_cache_cuts_pipeline_traffic_as_eq8():
-    """Block AttnRes under interleaved pp: bytes per hop with the cache follow Eq. 8, without it
-    Eq. 7 (tests/unit/test_depth_cache.py checks the runtime against the same formulas)."""
+@pytest.mark.parametrize(
+    ("p", "v", "layers", "block_size"), [(2, 2, 8, 2), (4, 2, 16, 4), (2, 3, 6, 3), (4, 3, 13, 5)]
+)
+@pytest.mark.parametrize("cache", [True, False])
+def test_hops_carry_what_the_depth_cache_sends(p, v, layers, block_size, cache):
+    """The plan's hop sizes are the runtime's: `DepthCache` (which test_depth_cache.py checks
+    against Eq. 7 and 8) sends the same blocks per hop, plus a partial sum where a block goes on."""
+    from depthscale.parallel.pipeline.depth_cache import DepthCache
+    from depthscale.parallel.pipeline.schedules import split_layers
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, residual="block",
+                      attnres_block_size=block_size)  # fmt: skip
+    runtime = DepthCache(cfg, split_layers(layers, p * v), p, enabled=cache)
+    plan = hop_tensors(ModelSpec.from_config(cfg), Layout(pp=p, v=v, cache=cache))
+    sizes = [runtime.hop_size(u) for u in range(p * v - 1)]
+    assert plan == sizes
+
+
+def test_the_cache_cuts_pipeline_bytes_and_memory():
     spec = ModelSpec(
         16, 256, 8, 8, 704, 1000, residual="block", blocks=tuple(i // 4 for i in range(32))
     )
@@ -84,7 +101,7 @@ def test_cache_cuts_pipeline_traffic_as_eq8():
     off = estimate(w, PRESETS["h100"], Layout(pp=4, v=2, dp_replicate=2, micro_batch=1, cache=False),
                    DEPTHSCALE, 8)  # fmt: skip
     assert on.ok and off.ok
-    assert on.comm["pp"] < off.comm["pp"]
+    assert on.comm["pp"] < off.comm["pp"] and on.memory["pipeline"] < off.memory["pipeline"]
 
 
 def test_search_names_what_each_rejected_layout_breaks():

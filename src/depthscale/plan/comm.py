@@ -38,10 +38,15 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first."""
 
 
+def dim_sizes(lay: Layout) -> dict[str, int]:
+    """The layout's size along each mesh dimension."""
+    return {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+            "cp": lay.cp, "tp": lay.tp}  # fmt: skip
+
+
 def group(lay: Layout, *dims: str) -> str | None:
     """The label of the group spanning `dims`: its dimensions of size > 1, in mesh order."""
-    sizes = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-             "cp": lay.cp, "tp": lay.tp}  # fmt: skip
+    sizes = dim_sizes(lay)
     real = [d for d in DIMS if d in dims and sizes[d] > 1]
     return "+".join(real) or None
 

@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from depthscale.plan.comm import rank_payload, wire_bytes
+from depthscale.plan.comm import dim_sizes, rank_payload, wire_bytes
 from depthscale.plan.estimate import Estimate, Workload, estimate
 from depthscale.plan.frameworks import FRAMEWORKS
 from depthscale.plan.hardware import Cluster, cluster
@@ -50,10 +50,7 @@ def run(req: PlanRequest) -> dict:
             out["bytes_per_group_gb"] = {
                 f"{op} {grp}": b / 1e9 for (op, grp), b in sorted(payload.items()) if b
             }
-            lay = e.layout
-            sizes = {"pp": lay.pp, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
-                     "cp": lay.cp, "tp": lay.tp}  # fmt: skip
-            out["wire_gb"] = wire_bytes(payload, sizes) / 1e9
+            out["wire_gb"] = wire_bytes(payload, dim_sizes(e.layout)) / 1e9
         if e.ok and e.layout.cache and e.layout.pp > 1 and req.spec.attnres:
             off = estimate(w, c, e.layout.with_(cache=False), fw, req.gpus)
             out["cache_saves_gib"] = (off.peak_bytes - e.peak_bytes) / GiB

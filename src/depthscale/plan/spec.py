@@ -157,20 +157,6 @@ class ModelSpec:
         keys = seq if not self.sliding_window or self.sliding_window >= seq else self.sliding_window
         return 4.0 * seq * keys * self.dim
 
-    def depth_read_flops(self, seq: int) -> float:
-        """Forward FLOPs of the AttnRes reads for one sequence: a logit (d multiply-adds) and a
-        weighted sum (d) per source per sublayer — ~4·d per source-token, memory-bound."""
-        if not self.attnres:
-            return 0.0
-        total = 0
-        done = 1  # b_0
-        for i, b in enumerate(self.blocks):
-            total += done + (1 if i and self.blocks[i - 1] == b else 0)
-            if i == len(self.blocks) - 1 or self.blocks[i + 1] != b:
-                done += 1
-        total += done  # the output read
-        return 4.0 * seq * self.dim * total
-
     def logits_flops(self, seq: int) -> float:
         return 2.0 * seq * self.dim * self.vocab
 
