@@ -4,21 +4,27 @@
                                    --layers 8 --seq 128 --rounds 5]
 
 For every layout of the grid (pp × virtual × dim × microbatches) it spawns `pp` gloo workers, each
-with one thread, and runs three variants in interleaved rounds (so drift hits all alike): the
-standard residual, Block AttnRes with the cross-stage cache, Block AttnRes without it. Per variant:
-step time (median over rounds of the slowest rank), P2P bytes per step (and the cache's blocks per
-hop, Eq. 7/8), the most bytes handed to `isend` and alive at once (`_common.SentBuffers`, measured
-from outside the library), and per rank: busy (forward/backward compute), depth-cache work, time
-waiting for messages in warm-up, steady state and cool-down, and the rest (idle: Python, polling,
-the optimizer-free remainder), with the bubble (step − busy) / busy against (P−1)/(V·M).
+with one thread, and runs three variants in interleaved rounds, in ABBA order (so drift and order
+hit all alike): the standard residual, Block AttnRes with the cross-stage cache, Block AttnRes
+without it. Per variant: step time (median over rounds of the slowest rank), P2P bytes per step
+(and the cache's blocks per hop, Eq. 7/8), the most bytes handed to `isend` and alive at once
+(`_common.SentBuffers`, measured from outside the library), and per rank: busy (forward/backward
+compute), depth-cache work, time waiting for messages in warm-up, steady state and cool-down, and
+the rest (idle: Python, polling, the optimizer-free remainder), with the bubble (step − busy) /
+busy against (P−1)/(V·M).
 
-The same model without a pipeline is measured in the same run, one process and one thread (as a
-pipeline rank has), over the same micro-batches, by rank 0 between the pipeline's rounds, so the overhead the pipeline adds to Block AttnRes
-is a number: (block/standard under PP) − (block/standard without PP) (paper: PP overhead < 4 %),
-in step time and in each process's own CPU time (`thread_time`: no waiting, and none of the time
-other ranks sharing the cores take from it, which step time includes when ranks outnumber cores).
-On a CPU the ranks share the machine's cores (pp=4 on 2 cores runs two ranks per core), so times
-compare variants with each other, not with a GPU.
+torch's own schedule (`ScheduleInterleaved1F1B`; `Schedule1F1B` at V = 1) runs the same standard
+stage modules in the same rounds, so the bubble this machine gives a pipeline that is not ours is
+measured beside ours (its loss is checked equal to ours: the same work).
+
+The same model without a pipeline is measured in the same rounds, one process and one thread per
+rank (as a pipeline rank has), over the same micro-batches, by every rank at once (so under the
+same load as the pipeline), so the overhead the pipeline adds to Block AttnRes is a number:
+(block/standard under PP) − (block/standard without PP) (paper: PP overhead < 4 %), in step time
+and in each process's own CPU time (`thread_time`: no waiting, and none of the time other ranks
+sharing the cores take from it, which step time includes when ranks outnumber cores). On a CPU the
+ranks share the machine's cores (pp=4 on 2 cores runs two ranks per core), so times compare
+variants with each other, not with a GPU.
 """
 
 from __future__ import annotations
@@ -108,19 +114,23 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
             model,
             dc,
         )
+    torch_schedule = _TorchSchedule(args, rank, layout)
     samples = {k: [] for k in runtimes}
     cpu_s = {k: [] for k in runtimes}  # this rank's own CPU time per step: no waits, no peers
     sent_alive = SentBuffers().install()
     peak_alive = dict.fromkeys(runtimes, 0)
-    reference = _WithoutPipeline(args, dim, m) if rank == 0 else None
+    losses = {}
+    reference = _WithoutPipeline(args, dim, m)
     for r in range(args.rounds + 1):
-        if reference is not None:
-            reference.round(record=r > 0)
-        for key, (rt, model, _) in runtimes.items():
+        dist.barrier()
+        reference.round(record=r > 0, reverse=r % 2 == 1)
+        order = list(runtimes) if r % 2 == 0 else list(reversed(runtimes))  # ABBA: no order bias
+        for key in order:
+            rt, model, _ = runtimes[key]
             dist.barrier()
             sent_alive.reset()
             cpu0 = time.thread_time()
-            _, stats = rt.step(
+            loss, stats = rt.step(
                 tokens,
                 labels,
                 (args.micro_batch, args.seq, dim),
@@ -129,11 +139,14 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
             )
             cpu = time.thread_time() - cpu0
             model.zero_grad(set_to_none=True)
+            losses[key] = None if loss is None else float(loss.detach())
             peak_alive[key] = max(peak_alive[key], sent_alive.peak)
             if r:  # round 0 is warm-up
                 cpu_s[key].append(cpu)
                 settle = getattr(stats, "settle", None)
                 samples[key].append(settle() if settle else stats)  # CUDA event times, once read
+        dist.barrier()
+        torch_schedule.step(tokens, labels, record=r > 0)
     results = {}
     for key, stats in samples.items():
         results[f"{key[0]}_cache_{key[1]}"] = {
@@ -144,16 +157,84 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
             "breakdown_s": {p: statistics.median(_breakdown(s)[p] for s in stats) for p in PHASES},
             "blocks_per_hop": runtimes[key][2].blocks_per_hop(),
         }
-    no_pp = reference.result() if reference is not None else None
-    queue.put({"rank": rank, "results": results, "without_pp": no_pp})
+    no_pp = reference.result()
+    queue.put(
+        {
+            "rank": rank,
+            "results": results,
+            "without_pp": no_pp,
+            "torch_step_s": torch_schedule.times,
+            "torch_loss": torch_schedule.loss,
+            "loss": None
+            if losses[("standard", True)] is None
+            else float(losses[("standard", True)]),
+        }
+    )
     destroy_distributed()
+
+
+class _TorchSchedule:
+    """The standard-residual model on the same stage modules, run by torch's own pipelining
+    (`ScheduleInterleaved1F1B`, or `Schedule1F1B` at V = 1) over the same micro-batches: what the
+    bubble looks like on this machine under a schedule that is not ours."""
+
+    def __init__(self, args, rank: int, layout: dict) -> None:
+        from torch.distributed import pipelining
+
+        from depthscale.model.transformer import Transformer, cross_entropy
+        from depthscale.parallel.pipeline.stage import build_stages
+
+        pp, v, m = layout["pp"], layout["virtual"], layout["microbatches"]
+        torch.manual_seed(0)
+        self.model = Transformer(_model_config(args, layout["dim"], "standard"))
+        chunks = [
+            pipelining.PipelineStage(_TorchChunk(s), s.spec.stage, pp * v, torch.device("cpu"))
+            for s in build_stages(self.model, rank, pp, v)
+        ]
+        self.first = chunks[0].is_first
+        self.last = chunks[-1].is_last
+        if v == 1:
+            self.schedule = pipelining.Schedule1F1B(chunks[0], m, loss_fn=cross_entropy)
+        else:
+            self.schedule = pipelining.ScheduleInterleaved1F1B(chunks, m, loss_fn=cross_entropy)
+        self.times: list[float] = []
+        self.loss: float | None = None  # the last stage's: the same as ours, or not the same work
+
+    def step(self, tokens: list, labels: list, record: bool) -> None:
+        inputs = (torch.cat(tokens),) if self.first else ()
+        losses: list = []
+        target = {"target": torch.cat(labels), "losses": losses} if self.last else {}
+        t0 = time.perf_counter()
+        self.schedule.step(*inputs, **target)
+        if record:
+            self.times.append(time.perf_counter() - t0)
+        if losses:
+            self.loss = float(torch.stack(losses).mean())
+        self.model.zero_grad(set_to_none=True)
+
+
+class _TorchChunk(torch.nn.Module):
+    """One of our stages with tensors in and out, as torch's `PipelineStage` takes it: tokens or
+    the hidden state in, the hidden state or the logits (last stage) out."""
+
+    def __init__(self, stage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x):
+        from depthscale.model.residual import DepthState
+
+        stage, model = self.stage, self.stage.model
+        state = stage(x if stage.spec.is_first else DepthState([], x))
+        return model.head(state) if stage.spec.is_last else state.partial
 
 
 class _WithoutPipeline:
     """The same model in one process and thread over the same micro-batches (forward, backward,
-    no optimizer: what a pipeline step runs), standard and block. Rank 0 runs one round of it
-    after every pipeline round while the other ranks wait at the next barrier, so the reference
-    sees the same drift of the machine as the pipeline does."""
+    no optimizer: what a pipeline step runs), standard and block. Every rank runs one round of it
+    between the pipeline's rounds, all at once, so the reference runs under the load the pipeline
+    runs under (as many busy processes on the cores) and sees the same drift of the machine; the
+    order of the two alternates from round to round."""
 
     def __init__(self, args, dim: int, m: int) -> None:
         from depthscale.model.transformer import Transformer
@@ -167,10 +248,11 @@ class _WithoutPipeline:
         self.times = {k: [] for k in self.models}
         self.cpu = {k: [] for k in self.models}
 
-    def round(self, record: bool) -> None:
+    def round(self, record: bool, reverse: bool) -> None:
         from depthscale.model.transformer import cross_entropy
 
-        for name, model in self.models.items():
+        for name in sorted(self.models, reverse=reverse):
+            model = self.models[name]
             t0, c0 = time.perf_counter(), time.thread_time()
             for x, y in zip(self.tokens, self.labels, strict=True):
                 (cross_entropy(model(x), y) / self.m).backward()
@@ -180,19 +262,19 @@ class _WithoutPipeline:
                 self.cpu[name].append(time.thread_time() - c0)
 
     def result(self) -> dict[str, float]:
-        med = {k: statistics.median(t) for k, t in self.times.items()}
-        med_cpu = {k: statistics.median(t) for k, t in self.cpu.items()}
         return {
-            "standard_step_s": med["standard"],
-            "block_step_s": med["block"],
-            "block/standard": med["block"] / med["standard"],
-            "block/standard_cpu": med_cpu["block"] / med_cpu["standard"],
+            f"{name}_{what}": statistics.median(samples[name])
+            for name in self.models
+            for what, samples in (("step_s", self.times), ("cpu_s", self.cpu))
         }
 
 
 def _layout_report(args, layout: dict, ranks: list[dict]) -> dict:
     pp, v, m = layout["pp"], layout["virtual"], layout["microbatches"]
-    no_pp = ranks[0]["without_pp"]
+    # without PP: every rank's reference, summed (each ran under the pipeline's load)
+    no_pp = {k: sum(r["without_pp"][k] for r in ranks) for k in ranks[0]["without_pp"]}
+    no_pp["block/standard"] = no_pp["block_step_s"] / no_pp["standard_step_s"]
+    no_pp["block/standard_cpu"] = no_pp["block_cpu_s"] / no_pp["standard_cpu_s"]
     out: dict = {"layout": layout, "variants": {}}
     step = {}
     for name in ranks[0]["results"]:
@@ -236,9 +318,31 @@ def _layout_report(args, layout: dict, ranks: list[dict]) -> dict:
         "bubble_block_cache_mean": round(
             statistics.mean(out["variants"]["block_cache_True"]["bubble_per_rank"]), 4
         ),
-        "without_pp_s": {k: round(x, 4) for k, x in no_pp.items() if k.endswith("_step_s")},
+        "without_pp_s_all_ranks": {
+            k: round(x, 4) for k, x in no_pp.items() if k.endswith("_step_s")
+        },
     }
+    out["summary"].update(_torch_summary(ranks, out["variants"]["standard_cache_True"], step))
     return out
+
+
+def _torch_summary(ranks: list[dict], ours: dict, step: dict) -> dict:
+    """torch's schedule on the same standard stages, against ours: its step (slowest rank, median)
+    over ours, and its bubble per rank, taken over our busy time on that rank (the same stage
+    modules do the same compute under either schedule)."""
+    slowest = [max(s) for s in zip(*(r["torch_step_s"] for r in ranks), strict=True)]
+    busy = [r["busy"] for r in ours["per_rank_s"]]
+    bubble = [
+        statistics.median(r["torch_step_s"]) / b - 1 for r, b in zip(ranks, busy, strict=True)
+    ]
+    loss = [(r["loss"], r["torch_loss"]) for r in ranks if r["torch_loss"] is not None]
+    return {
+        "torch_schedule_step/ours": round(
+            statistics.median(slowest) / step["standard_cache_True"], 3
+        ),
+        "bubble_torch_schedule_mean": round(statistics.mean(bubble), 4),
+        "torch_schedule_loss_diff": abs(loss[0][0] - loss[0][1]) if loss else None,
+    }
 
 
 def main() -> None:

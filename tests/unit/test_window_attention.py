@@ -1,7 +1,8 @@
 """Blockwise sliding-window attention against SDPA with the dense window mask: same outputs and
 gradients (fp32 bound of the softmax chain, tests/tolerances.py), for windows shorter and longer
-than a block, sequences that do not divide into blocks, GQA, and the fused CPU path as well as the
-per-block SDPA path other devices take."""
+than a block, of two keys, sequences that do not divide into blocks (a tail), several body blocks
+whose key runs overlap, GQA, inputs laid out as the model makes them ([B, T, H, d] transposed),
+and the fused CPU path as well as the SDPA path other devices take."""
 
 from __future__ import annotations
 
@@ -33,16 +34,25 @@ def _grads(fn, q, k, v, do):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize(
     "T, window, block, heads",
-    [(64, 8, 16, (4, 4)), (70, 24, 16, (6, 2)), (50, 40, 8, (4, 1)), (33, 5, 128, (2, 2))],
+    [
+        (64, 8, 16, (4, 4)),
+        (70, 24, 16, (6, 2)),
+        (50, 40, 8, (4, 1)),
+        (33, 5, 128, (2, 2)),
+        (61, 2, 8, (2, 1)),
+        (96, 20, 4, (4, 2)),
+    ],
 )
 def test_window_attention_matches_the_dense_mask(monkeypatch, fused, T, window, block, heads):
     if not fused:  # the path of devices without a fused tile kernel (CUDA)
         monkeypatch.setattr(attention_tiles, "fused", lambda device: False)
     g = torch.Generator().manual_seed(T + window)
     H, Hkv = heads
-    q = torch.randn(2, H, T, 16, generator=g)
-    k, v = (torch.randn(2, Hkv, T, 16, generator=g) for _ in range(2))
-    do = torch.randn(2, H, T, 16, generator=g)
+
+    def model_layout(h):  # [B, T, h, d] viewed as [B, h, T, d], as `Attention` passes them
+        return torch.randn(2, T, h, 16, generator=g).transpose(1, 2)
+
+    q, k, v, do = model_layout(H), model_layout(Hkv), model_layout(Hkv), model_layout(H)
     want = _grads(lambda *t: _dense(*t, window), q.double(), k.double(), v.double(), do.double())
     got = _grads(lambda *t: wa.window_attention(*t, window, block), q, k, v, do)
     chain = 2 * (window + 16) + T * H // Hkv  # scores, softmax·V, back; dK/dV over the rows

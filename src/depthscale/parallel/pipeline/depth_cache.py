@@ -74,11 +74,14 @@ class DepthCache:
         u = stage - 1
         mic = self.micro.setdefault(microbatch, _Micro())
         c, k, has_p = self.cached(u), self.k[u], self.partial[u]
-        new = [hop[int(has_p) + i] for i in range(k - c)] if hop is not None else []
+        # unbind, not hop[i]: its backward stacks the pieces' gradients into the hop's once,
+        # where each select's backward would write a zero-filled hop-sized gradient of its own
+        parts = hop.unbind(0) if hop is not None else ()
+        new = list(parts[int(has_p) : int(has_p) + k - c])
         del mic.blocks[c:]  # stale entries beyond what this hop replaces (cache off: everything)
         mic.blocks.extend(_Entry(t, None) for t in new)
         blocks = [self._read(e) for e in mic.blocks[:c]] + new
-        return DepthState(blocks, hop[0] if has_p else None)
+        return DepthState(blocks, parts[0] if has_p else None)
 
     def _read(self, entry: _Entry) -> Tensor:
         if entry.produced_by is None:
