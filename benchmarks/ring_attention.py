@@ -22,6 +22,11 @@ Spawns `cp` gloo workers per setting (one thread each) and prints ONE JSON objec
 * `comm`: time blocked in `wait()` as a share of ring time (`exposed_fraction`), and the share of
   communication hidden behind compute, `hidden_fraction = 1 - blocked / comm_alone`, where
   `comm_alone` is the same ring run with the block math replaced by no-ops (pure transfer time).
+  Blocked time also counts waiting for a slower peer, so the more direct measure is
+  `added_by_comm_s`: the slowest rank's ring time (median over rounds) minus the same with nothing
+  moved (`no_comm_ring_s_slowest`: every group "receives" zeros of the right shape at once, the
+  compute is the same; the two alternate round by round, in ABBA order), and
+  `hidden_vs_no_comm = 1 − added_by_comm / comm_alone` (slowest rank).
 """
 
 from __future__ import annotations
@@ -45,8 +50,37 @@ from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model import attention_tiles  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
 from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
+from depthscale.parallel import cp_comm  # noqa: E402
 from depthscale.parallel.ring_plan import RingPlan, Span  # noqa: E402
 from depthscale.train.memory import saved_activation_bytes  # noqa: E402
+
+_STAND_INS: dict = {}
+
+
+class _LocalBatch:
+    """A posted group that moves nothing: its receives are ready at once, stand-ins of the right
+    shape made once per shape (random normal, like the K/V the ring carries: zeros would change
+    the kernels' arithmetic), which the ring only reads; its sends are dropped."""
+
+    def __init__(self, recvs) -> None:
+        self.bufs = {r.label: _stand_in(tuple(r.shape), r.dtype) for r in recvs}
+
+    def recv(self, label: str):
+        return self.bufs.pop(label)
+
+    def wait_sends(self, peer=None) -> None:
+        pass
+
+
+def _stand_in(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if (shape, dtype) not in _STAND_INS:
+        g = torch.Generator().manual_seed(len(_STAND_INS))
+        _STAND_INS[shape, dtype] = torch.randn(shape, generator=g).to(dtype)
+    return _STAND_INS[shape, dtype]
+
+
+def _local_post(self, sends, recvs, device):
+    return _LocalBatch(recvs) if sends or recvs else None
 
 
 def _noop_tile(q, k, v, mask, scale):
@@ -140,6 +174,26 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
             comm_alone[mode] += stats.settle().ring_s / args.rounds
     attention_tiles.forward, attention_tiles.backward = real
     out["comm_alone_s"] = comm_alone
+
+    # the same compute with nothing moved (received blocks are zeros), alternating with the real
+    # ring round by round: the slowest rank's difference is the time communication adds
+    posting = cp_comm.Ring.post
+    with_comm = {m: [] for m in modes}
+    no_comm = {m: [] for m in modes}
+    cp_comm.Ring.post = _local_post
+    for mode in modes:  # warm-up: makes the stand-ins
+        step(mode)
+    for r in range(args.rounds):
+        for mode in modes:
+            for local in (False, True) if r % 2 == 0 else (True, False):
+                cp_comm.Ring.post = _local_post if local else posting
+                dist.barrier()
+                stats.reset()
+                step(mode)
+                (no_comm if local else with_comm)[mode].append(stats.settle().ring_s)
+    cp_comm.Ring.post = posting
+    out["no_comm_ring_s"] = no_comm
+    out["with_comm_ring_s"] = with_comm
     out["plan_s"] = _plan_times(args, group, rank, cp)
     queue.put(out)
     dist.barrier()
@@ -200,6 +254,20 @@ def _summary(cp: int, ranks: list[dict], rounds: int) -> dict:
             "exposed_fraction": round(wait_s / ring_s, 3) if ring_s else 0.0,
             "hidden_fraction": round(max(0.0, 1 - wait_s / alone), 3) if cp > 1 and alone else None,
         }
+        if cp > 1:  # slowest rank per round, with and without the messages, medians
+            real = statistics.median(
+                max(r["with_comm_ring_s"][m][i] for r in ranks) for i in range(rounds)
+            )
+            local = statistics.median(
+                max(r["no_comm_ring_s"][m][i] for r in ranks) for i in range(rounds)
+            )
+            slowest_alone = max(r["comm_alone_s"][m] for r in ranks)
+            comm[m]["ring_s_slowest"] = round(real, 4)
+            comm[m]["no_comm_ring_s_slowest"] = round(local, 4)
+            comm[m]["added_by_comm_s"] = round(real - local, 4)
+            comm[m]["hidden_vs_no_comm"] = round(
+                min(1.0, max(0.0, 1 - (real - local) / slowest_alone)), 3
+            )
     out = {
         "peak_sent_bytes_alive_per_rank": [r["peak_sent_bytes_alive"] for r in ranks],
         "peak_sent_kv_blocks_alive": round(
