@@ -360,11 +360,17 @@ def main() -> None:
     args = ap.parse_args()
     layouts = []
     for pp, v, dim, m in itertools.product(args.pp, args.virtual, args.dim, args.microbatches):
-        if args.layers % (pp * v):
-            print(
-                f"skipping pp={pp} V={v}: {args.layers} layers do not split into {pp * v} chunks",
-                file=sys.stderr,
-            )
+        why = None
+        if pp < 2 or v < 1 or m < 1:
+            why = "a pipeline needs pp ≥ 2, V ≥ 1 and M ≥ 1"
+        elif args.layers % (pp * v):
+            why = f"{args.layers} layers do not split into {pp * v} chunks"
+        elif v > 1 and m % pp:
+            why = f"interleaved 1F1B needs microbatches ({m}) divisible by pp ({pp})"
+        elif dim % args.heads:
+            why = f"dim {dim} is not a multiple of {args.heads} heads"
+        if why:
+            print(f"skipping pp={pp} V={v} d={dim} M={m}: {why}", file=sys.stderr)
             continue
         layout = {"pp": pp, "virtual": v, "dim": dim, "microbatches": m}
         ranks = run_ranks(_worker, pp, args, layout)

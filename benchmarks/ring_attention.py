@@ -311,6 +311,14 @@ def main() -> None:
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--layers", type=int, default=16, help="attention layers per step (planning)")
     args = ap.parse_args()
+    for cp in args.cp:
+        if cp < 1 or args.seq % (2 * cp):
+            ap.error(
+                f"--seq {args.seq} must split into 2·cp zigzag chunks for every --cp "
+                f"(cp={cp}: a multiple of {2 * max(cp, 1)})"
+            )
+    if args.heads % args.kv_heads or args.dim % args.heads:
+        ap.error("--dim must be a multiple of --heads, and --heads of --kv-heads")
     result = {
         "benchmark": "ring_attention",
         **device_info(),
