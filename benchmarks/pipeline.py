@@ -165,9 +165,7 @@ def _worker(rank: int, args, layout: dict, port: int, queue) -> None:
             "without_pp": no_pp,
             "torch_step_s": torch_schedule.times,
             "torch_loss": torch_schedule.loss,
-            "loss": None
-            if losses[("standard", True)] is None
-            else float(losses[("standard", True)]),
+            "loss": losses[("standard", True)],
         }
     )
     destroy_distributed()
@@ -209,7 +207,7 @@ class _TorchSchedule:
         if record:
             self.times.append(time.perf_counter() - t0)
         if losses:
-            self.loss = float(torch.stack(losses).mean())
+            self.loss = float(torch.stack(losses).mean().detach())
         self.model.zero_grad(set_to_none=True)
 
 
@@ -218,14 +216,15 @@ class _TorchChunk(torch.nn.Module):
     the hidden state in, the hidden state or the logits (last stage) out."""
 
     def __init__(self, stage) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def forward(self, x):
         from depthscale.model.residual import DepthState
 
+        super().__init__()
+        self.stage = stage
+        self.state_of = lambda hidden: DepthState([], hidden)
+
+    def forward(self, x):
         stage, model = self.stage, self.stage.model
-        state = stage(x if stage.spec.is_first else DepthState([], x))
+        state = stage(x if stage.spec.is_first else self.state_of(x))
         return model.head(state) if stage.spec.is_last else state.partial
 
 

@@ -2,10 +2,10 @@
 against real runs here (`depthscale plan --calibrate OUT.json --nproc N`).
 
 Each rank of an N-process job runs with cpu_count // N threads (what `depthscale train` gives its
-workers); with more ranks than cores they share the cores, so per-rank rates are the measured ones
-scaled by cores / N. Measured: GEMM FLOP/s by the smallest dimension (a curve of fractions of the
-best), fused causal attention's fraction of that peak, elementwise memory bandwidth,
-and gloo all-reduce latency and bandwidth between N local processes.
+workers), all N at once, so the rates are what a rank gets beside the others (with more ranks
+than cores they share the cores). Measured: GEMM FLOP/s by the smallest dimension (a curve of
+fractions of the best), fused causal attention's fraction of that peak, elementwise memory
+bandwidth, and gloo collective and P2P latency and bandwidth per group size.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ GEMM_SIDES = (32, 64, 128, 256, 512, 1024)
 shapes of a layer's projections."""
 
 
-def _best_time(fn, budget_s: float) -> float:
-    """Median seconds of fn() over `budget_s` (at least 5 runs): under a full machine the best
-    run would be one that found a core free, not the rate a job gets."""
+def _median_time(fn, budget_s: float = 0.0, before=None) -> float:
+    """Median seconds of fn() over at least 5 runs and `budget_s` (after `before()` each, e.g. a
+    barrier): under a full machine the best run would be one that found a core free, not the rate
+    a job gets."""
     fn()
     times: list[float] = []
     start = time.perf_counter()
     while time.perf_counter() - start < budget_s or len(times) < 5:
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -51,11 +54,11 @@ def _local(budget_s: float) -> dict:
     for x in GEMM_SIDES:
         wide = max(1024, 4 * x)
         a, b = torch.randn(wide, x), torch.randn(x, wide)
-        rate = 2 * wide * wide * x / _best_time(lambda a=a, b=b: a @ b, budget_s)
+        rate = 2 * wide * wide * x / _median_time(lambda a=a, b=b: a @ b, budget_s)
         samples.append((float(x), rate))
     peak = max(r for _, r in samples)
     q = torch.randn(2, 4, 512, 64)
-    t_attn = _best_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), budget_s)
+    t_attn = _median_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), budget_s)
     attention = 0.5 * 4 * 2 * 4 * 512 * 512 * 64 / t_attn / peak
     return {
         "peak": peak,
@@ -81,7 +84,7 @@ def _elementwise_bandwidth(budget_s: float, tokens: int = 8192, dim: int = 256) 
         (F.silu(h) * h).sum().backward()
 
     kept = tokens * (4 * dim + 4 + 4 * dim + 4 * dim + 4 * dim)
-    return ELEMENTWISE_PASSES * 3 * kept / _best_time(step, budget_s)
+    return ELEMENTWISE_PASSES * 3 * kept / _median_time(step, budget_s)
 
 
 def _local_worker(rank: int, threads: int, budget_s: float, queue) -> None:
@@ -116,17 +119,7 @@ def _concurrent_local(nproc: int, threads: int, budget_s: float) -> dict:
 
 COLLECTIVE_SIZES = (2**12, 2**16, 2**20, 2**22)
 """Payload bytes each collective is timed at."""
-
-
-def _timed(fn, barrier) -> float:
-    fn()
-    times = []
-    for _ in range(5):
-        barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
@@ -170,15 +163,13 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
                 "p2p": p2p,
             }
             for op, fn in runs.items():
-                samples[op].append((float(n * 4), _timed(fn, dist.barrier)))
+                # no time budget: every rank must run the collective the same number of times
+                samples[op].append((float(n * 4), _median_time(fn, before=dist.barrier)))
         out[size] = samples
         size *= 2
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
-
-
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 def _comm(world: int, threads: int) -> dict[int, dict[str, list[tuple[float, float]]]]:
@@ -207,7 +198,6 @@ def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
     cores = os.cpu_count() or 1
     threads = max(1, cores // nproc)
     local = _concurrent_local(nproc, threads, budget_s)
-    share = 1.0  # measured with every rank busy: sharing is in the numbers
     links: dict[str, list[tuple[int, float, float]]] = {}
     if nproc > 1:
         for n, ops in _comm(nproc, threads).items():
@@ -219,9 +209,9 @@ def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {
         "name": f"cpu-{nproc}",
-        "peak_flops": {"float32": local["peak"] * share, "bfloat16": local["peak"] * share},
+        "peak_flops": {"float32": local["peak"], "bfloat16": local["peak"]},
         "hbm_bytes": pages / nproc,
-        "hbm_bw": local["memory_bw"] * share,
+        "hbm_bw": local["memory_bw"],
         "gpus_per_node": nproc,
         "intra_bw": bw,
         "inter_bw": bw,
