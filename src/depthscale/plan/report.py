@@ -127,12 +127,12 @@ def _row(e: Estimate, req: PlanRequest) -> dict:
 def format_table(report: dict) -> str:
     m = report["model"]
     lines = [
-        f"{m['name'] or 'model'}: {m['params'] / 1e9:.2f}B params, {m['layers']} layers, "
+        f"{m['name'] or 'model'}: {m['params'] / 1e9:.3g}B params, {m['layers']} layers, "
         f"d={m['dim']}, {m['heads']} heads ({m['kv_heads']} kv), residual={m['residual']}"
         + (f" ({m['blocks']} blocks)" if m["blocks"] else ""),
         f"{report['gpus']} × {report['cluster']} GPUs, {report['framework']}, seq {report['seq']}, "
         f"batch {report['batch']} sequences, {report['dtype']}",
-        f"FLOPs: {report['flops']['formula']}; peak {report['flops']['peak_flops_per_gpu'] / 1e12:.0f}"
+        f"FLOPs: {report['flops']['formula']}; peak {report['flops']['peak_flops_per_gpu'] / 1e12:.3g}"
         " TFLOP/s per GPU",
     ]
     if "considered" in report:
