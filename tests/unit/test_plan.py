@@ -206,6 +206,32 @@ def test_calibration_fits_and_measured_gemm_curves():
     assert c.gemm_flops("bfloat16", 4096) == pytest.approx(0.9 * 312e12)
 
 
+def test_calibration_takes_each_rate_from_the_slowest_rank():
+    from depthscale.observe.calibrate import _slowest
+
+    fast = {"gemm_samples": [(64.0, 100.0), (256.0, 200.0)], "peak": 200.0,
+            "attention_efficiency": 0.5, "memory_bw": 8.0}  # fmt: skip
+    slow = {"gemm_samples": [(64.0, 120.0), (256.0, 150.0)], "peak": 150.0,
+            "attention_efficiency": 0.4, "memory_bw": 9.0}  # fmt: skip
+    out = _slowest([fast, slow])
+    assert out["gemm_samples"] == [(64.0, 100.0), (256.0, 150.0)] and out["peak"] == 150.0
+    assert out["curve"] == [(64.0, pytest.approx(100 / 150)), (256.0, 1.0)]
+    assert out["attention_efficiency"] * out["peak"] == pytest.approx(60.0)  # slow: 0.4 × 150
+    assert out["memory_bw"] == 8.0
+
+
+def test_calibration_times_shapes_in_interleaved_rounds():
+    from depthscale.observe.calibrate import _interleaved_medians
+
+    order: list[str] = []
+    seconds = _interleaved_medians(
+        {"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 0.0
+    )
+    assert set(seconds) == {"a", "b"} and all(t >= 0 for t in seconds.values())
+    assert order[:2] == ["a", "b"] and order[2:] == ["a", "b"] * ((len(order) - 2) // 2)
+    assert len(order) >= 2 + 2 * 5  # a warm-up call each, then at least five rounds
+
+
 def test_cli_calibrate_needs_an_existing_directory(tmp_path, capsys):
     assert main(["plan", "--calibrate", str(tmp_path / "no" / "c.json")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -3,16 +3,20 @@ against real runs here (`depthscale plan --calibrate OUT.json --nproc N`).
 
 Each rank of an N-process job runs with cpu_count // N threads (what `depthscale train` gives its
 workers), all N at once, so the rates are what a rank gets beside the others (with more ranks
-than cores they share the cores). Measured: GEMM FLOP/s by the smallest dimension (a curve of
-fractions of the best), fused causal attention's fraction of that peak, elementwise memory
-bandwidth, and gloo collective and P2P latency and bandwidth per group size.
+than cores they share the cores), and each rate is the slowest rank's: a synchronous step waits
+for it. Shapes are timed in interleaved rounds, so a burst of load hits all alike. Measured:
+GEMM FLOP/s by the smallest dimension (a curve of fractions of the best), fused causal
+attention's fraction of that peak, elementwise memory bandwidth, and gloo collective and P2P
+latency and bandwidth per group size.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,29 +53,51 @@ def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
     return bw, max(0.0, t0 - b0 / bw)
 
 
+def _interleaved_medians(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
+    """Median seconds of each fn, timed in rounds that run every fn once, for at least 5 rounds
+    and `budget_s` per fn. A shared machine slows down in bursts: timed one after the other, a
+    burst lands on one shape and bends the curve; timed in rounds, it hits every shape alike."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < 5 or time.perf_counter() - start < budget_s * len(fns):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
 def _local(budget_s: float) -> dict:
-    samples = []
+    work: dict[str, float] = {}
+    fns: dict[str, Callable[[], object]] = {}
     for x in GEMM_SIDES:
         wide = max(1024, 4 * x)
         a, b = torch.randn(wide, x), torch.randn(x, wide)
-        rate = 2 * wide * wide * x / _median_time(lambda a=a, b=b: a @ b, budget_s)
-        samples.append((float(x), rate))
-    peak = max(r for _, r in samples)
+        work[f"gemm{x}"], fns[f"gemm{x}"] = 2 * wide * wide * x, lambda a=a, b=b: a @ b
     q = torch.randn(2, 4, 512, 64)
-    t_attn = _median_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), budget_s)
-    attention = 0.5 * 4 * 2 * 4 * 512 * 512 * 64 / t_attn / peak
+    work["attention"] = 0.5 * 4 * 2 * 4 * 512 * 512 * 64
+    fns["attention"] = lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    work["elementwise"], fns["elementwise"] = _elementwise_pass()
+    seconds = _interleaved_medians(fns, budget_s)
+    rate = {name: work[name] / seconds[name] for name in fns}
+    samples = [(float(x), rate[f"gemm{x}"]) for x in GEMM_SIDES]
+    peak = max(r for _, r in samples)
     return {
         "peak": peak,
         "curve": [(x, r / peak) for x, r in samples],
-        "attention_efficiency": min(1.0, attention),
-        "memory_bw": _elementwise_bandwidth(budget_s),
+        "attention_efficiency": min(1.0, rate["attention"] / peak),
+        "memory_bw": rate["elementwise"],
         "gemm_samples": samples,
     }
 
 
-def _elementwise_bandwidth(budget_s: float, tokens: int = 8192, dim: int = 256) -> float:
-    """Bytes/s of the memory-bound work of a training step as the planner charges it: an RMSNorm
-    and a SiLU-gated product, forward and backward, timed, against ELEMENTWISE_PASSES × (1 + 2)
+def _elementwise_pass(tokens: int = 8192, dim: int = 256) -> tuple[float, Callable[[], None]]:
+    """(bytes, fn) of the memory-bound work of a training step as the planner charges it: an
+    RMSNorm and a SiLU-gated product, forward and backward, against ELEMENTWISE_PASSES × (1 + 2)
     times the bytes they keep for backward (fp32: the norm's input, rsqrt, x̂ and output; the
     gate's input and silu)."""
     from depthscale.plan.estimate import ELEMENTWISE_PASSES
@@ -84,7 +110,24 @@ def _elementwise_bandwidth(budget_s: float, tokens: int = 8192, dim: int = 256) 
         (F.silu(h) * h).sum().backward()
 
     kept = tokens * (4 * dim + 4 + 4 * dim + 4 * dim + 4 * dim)
-    return ELEMENTWISE_PASSES * 3 * kept / _median_time(step, budget_s)
+    return ELEMENTWISE_PASSES * 3 * kept, step
+
+
+def _slowest(results: list[dict]) -> dict:
+    """Each rate from the rank that measured it lowest: a synchronous step waits for its slowest
+    rank at every collective, and on a shared machine which rank that is varies by core."""
+    gemm = [
+        (x, min(r["gemm_samples"][i][1] for r in results))
+        for i, (x, _) in enumerate(results[0]["gemm_samples"])
+    ]
+    peak = max(r for _, r in gemm)
+    return {
+        "peak": peak,
+        "curve": [(x, r / peak) for x, r in gemm],
+        "attention_efficiency": min(r["attention_efficiency"] * r["peak"] / peak for r in results),
+        "memory_bw": min(r["memory_bw"] for r in results),
+        "gemm_samples": gemm,
+    }
 
 
 def _local_worker(rank: int, threads: int, budget_s: float, queue) -> None:
@@ -94,7 +137,7 @@ def _local_worker(rank: int, threads: int, budget_s: float, queue) -> None:
 
 def _concurrent_local(nproc: int, threads: int, budget_s: float) -> dict:
     """`_local` in `nproc` processes at once (ranks of a job share caches, memory bandwidth and
-    clocks); rank 0's numbers."""
+    clocks); each rate from the slowest rank."""
     if nproc == 1:
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -114,7 +157,7 @@ def _concurrent_local(nproc: int, threads: int, budget_s: float) -> dict:
     results = dict(queue.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    return results[0]
+    return _slowest([results[r] for r in range(nproc)])
 
 
 COLLECTIVE_SIZES = (2**12, 2**16, 2**20, 2**22)
