@@ -1,7 +1,8 @@
 """Gradient accumulation does not multiply the gradient reductions: DDP's all-reduce and HSDP's
 cross-replica all-reduce run once per step however many micro-batches it has (FSDP's reduce-scatter
 too with `parallel.fsdp_defer_reduce_scatter`), and the gradients equal one micro-batch's. (FSDP's
-parameter all-gathers run per micro-batch by design: that is what keeps parameters sharded.)
+parameter all-gathers run per micro-batch by design, that is what keeps parameters sharded — except
+under pipelines, whose stages keep them gathered for the step by default.)
 
 Collectives are counted from the profiler's record of the c10d operations each rank issued during
 one step (after a warm-up step), so DDP's C++ reducer is counted as well as FSDP2's Python calls.
@@ -25,7 +26,7 @@ from depthscale.parallel.parallelize import parallelize
 ROWS, SEQ, VOCAB = 4, 16, 64  # rows per data-parallel rank
 
 
-def _step(dims_kw: dict, accum: int, defer: bool) -> dict:
+def _step(dims_kw: dict, accum: int, defer: bool, reshard: str | bool = "auto") -> dict:
     cfg = Config()
     m = cfg.model
     m.vocab_size, m.dim, m.n_layers, m.n_heads, m.max_seq_len = VOCAB, 32, 2, 4, SEQ
@@ -33,6 +34,7 @@ def _step(dims_kw: dict, accum: int, defer: bool) -> dict:
     for name, value in dims_kw.items():
         setattr(cfg.parallel, name, value)
     cfg.parallel.fsdp_defer_reduce_scatter = defer
+    cfg.parallel.fsdp_reshard_after_forward = reshard
     dims = ParallelDims(**dims_kw)
     mesh = cached_mesh(dims)
     cfg.train.batch_size, cfg.train.micro_batch_size = ROWS * dims.dp, ROWS // accum
@@ -114,4 +116,20 @@ def test_hsdp_defers_only_the_cross_replica_all_reduce(dist_pool):
         assert a["ops"]["allreduce"] == b["ops"]["allreduce"]
         scatters = [sum(v for k, v in r["ops"].items() if "reduce_scatter" in k) for r in (a, b)]
         assert scatters[0] > 0 and scatters[1] == 4 * scatters[0], scatters
+    _compare(one, four)
+
+
+@pytest.mark.parametrize("reshard", ["auto", True], ids=["auto-keeps", "zero3"])
+def test_pipeline_stages_keep_gathered_parameters_for_the_step(dist_pool, reshard):
+    """pp × dp_shard: by default a stage gathers each unit once per step however many micro-batches
+    run through it (resharded after its last backward); `fsdp_reshard_after_forward = true`
+    gathers twice per micro-batch (ZeRO-3). Gradients equal one micro-batch's either way."""
+    pool = dist_pool(4)
+    kw = {"pp": 2, "dp_shard": 2}
+    one, four = pool.run(_step, kw, 1, False, reshard), pool.run(_step, kw, 4, False, reshard)
+    for a, b in zip(one, four):
+        assert _reductions(a["ops"]) == _reductions(b["ops"])
+        assert _gathers(a["ops"]) > 0
+        grows = 1 if reshard == "auto" else 4
+        assert _gathers(b["ops"]) == grows * _gathers(a["ops"]), (a["ops"], b["ops"])
     _compare(one, four)

@@ -234,10 +234,13 @@ class ParallelConfig:
     """MegaScale TP overlap: split the sequence-parallel all-gather / reduce-scatter around the
     column- / row-parallel GEMMs into this many chunks, so communication of chunk i+1 overlaps the
     GEMM of chunk i. 1 = no chunking."""
-    fsdp_reshard_after_forward: bool = True
-    """FSDP: free gathered parameters after forward (ZeRO-3); False keeps them until backward
-    (ZeRO-2-like). Replicas without dp_shard × cp (dp_replicate beside tp or pp) gather nothing
-    and keep their unsharded copies, as DDP does."""
+    fsdp_reshard_after_forward: Literal["auto", True, False] = "auto"
+    """FSDP: true frees gathered parameters after forward (ZeRO-3: gathered again for backward);
+    false keeps them until backward (ZeRO-2-like). Under pipeline parallelism false keeps a
+    stage's gathered parameters for the whole step, so they are gathered once per step, not twice
+    per micro-batch (resharded after the stage's last backward). "auto": false under pipeline
+    parallelism (as torchtitan and Megatron do), true otherwise. Replicas without dp_shard × cp
+    (dp_replicate beside tp or pp) gather nothing and keep their unsharded copies, as DDP does."""
     fsdp_defer_reduce_scatter: bool = False
     """With gradient accumulation, FSDP/HSDP reduce-scatter each micro-batch's gradients (the
     cross-replica all-reduce of HSDP and DDP's all-reduce always wait for the last micro-batch).

@@ -150,6 +150,11 @@ def parallelize(
         from depthscale.parallel.data_parallel import apply_fsdp
 
         shard = flat(mesh, "dp_shard_cp")
+        reshard = cfg.parallel.fsdp_reshard_after_forward
+        if reshard == "auto":  # a pipeline would gather every layer twice per micro-batch
+            reshard = not stages
+        for stage in stages:
+            stage.keep_gathered = sharded and not reshard
         both = ("dp_replicate", flat_name(mesh, "dp_shard_cp"))
         dp_mesh = mesh[both] if dims.dp_replicate > 1 else shard
         whole = apply_fsdp(
@@ -159,7 +164,7 @@ def parallelize(
             # from forward to backward (re-copying it would save memory, not communication)
             param_dtype=dtype if sharded else torch.float32,
             reduce_dtype=torch.float32,
-            reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward and sharded,
+            reshard_after_forward=reshard and sharded,
             offload=offload,
             roots=stages or None,
         )

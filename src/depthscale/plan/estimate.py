@@ -179,6 +179,13 @@ def estimate(
     window = lay.v * b_stage[0]  # the last micro-batch's backward on this rank
     exposed_dp = max(dp_time / 8, dp_time - window) if fw.dp_overlap else dp_time
     dp_bytes += m * (lay.v * per_chunk * (fsdp.layer_f + fsdp.layer_b) + fsdp.root)
+    # a pipeline stage gathers its units once per step, prefetched one unit ahead through the
+    # first micro-batch's forward: the first unit's gather shows, and what outruns the compute
+    dp_bytes += fsdp.step
+    if fw.dp_overlap:
+        exposed_dp += max(fsdp.first_s, fsdp.step_s - lay.v * per_chunk * layer_f)
+    else:
+        exposed_dp += fsdp.step_s
     opt_bytes = local_params * (fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes)
     opt_bytes /= lay.shard if fw.ours else (lay.dp if lay.zero1 else 1)
     optimizer = 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
@@ -266,7 +273,11 @@ def memory(
     pipeline = units * (max(hops) if hops else 0) * tokens * s.dim * e / lay.tp
     logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
     transient = logits if lay.pp == 1 else 0.0
-    if fw.ours and lay.shard > 1:  # two gathered layers (one prefetched) and one unsharded grad
+    if fw.ours and lay.shard > 1 and lay.pp > 1:
+        # a stage keeps its gathered weights for the step, and accumulates unsharded fp32
+        # gradients until the step's reduce-scatter
+        transient += local_params * (e + 4)
+    elif fw.ours and lay.shard > 1:  # two gathered layers (one prefetched), one unsharded grad
         layer_local = s.layer_params() / lay.tp
         transient += layer_local * (2 * e + 4)
     return {
@@ -405,7 +416,9 @@ def _head_times(w: Workload, c: Cluster, lay: Layout, tokens: int) -> tuple[floa
 @dataclass(frozen=True)
 class _Fsdp:
     """What FSDP moves per layer and micro-batch (bytes, seconds) and per micro-batch for the
-    root unit (embedding, final norm, head: gathered once, kept until its backward)."""
+    root unit (embedding, final norm, head: gathered once, kept until its backward) — or, under
+    pipelines, once per step for all of a rank's units (`step`, `step_s`; `first_s`: the root's and
+    one layer's gather, which nothing hides)."""
 
     layer_f: float = 0.0
     layer_b: float = 0.0
@@ -413,25 +426,38 @@ class _Fsdp:
     layer_f_s: float = 0.0
     layer_b_s: float = 0.0
     root_s: float = 0.0
+    step: float = 0.0
+    step_s: float = 0.0
+    first_s: float = 0.0
 
 
 def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp:
     """depthscale's FSDP2 (`parallel/data_parallel.apply_fsdp`): every micro-batch gathers each
     layer in the compute dtype before its forward and again before its backward (reshard after
-    forward), and reduce-scatters its fp32 gradients after its backward — except under pipelines,
-    which defer the reduce-scatter to the step's end (`_dp_comm`)."""
+    forward), and reduce-scatters its fp32 gradients after its backward. Under pipelines a stage
+    keeps its gathered parameters for the whole step (`fsdp_reshard_after_forward = "auto"`):
+    each unit is gathered once per step, and the reduce-scatter waits for the step's end
+    (`_dp_comm`)."""
     if not fw.ours or lay.shard == 1:
         return _Fsdp()
     sh = lay.shard
     layer = s.layer_params() / lay.tp
     gather = layer * e  # payloads: the gathered layer, its fp32 gradients
-    scatter = 0.0 if lay.pp > 1 else layer * 4
+    scatter = layer * 4
     root = (s.embedding_params() + s.head_params()) / lay.tp * e
     inter = lay.tp * lay.cp * lay.dp_shard > c.gpus_per_node
     part = (sh - 1) / sh
     # FSDP2 copies a gathered buffer out into the parameters, and gradients into one to scatter
     copy = 2 / (c.hbm_bw * c.memory_efficiency)
     gather_s = c.op_time("all_gather", gather, sh, inter) + copy * gather
+    root_s = c.op_time("all_gather", root, sh, inter) + copy * root
+    if lay.pp > 1:
+        layers = s.n_layers // lay.pp
+        return _Fsdp(
+            step=part * (layers * gather + root),
+            step_s=layers * gather_s + root_s,
+            first_s=gather_s + root_s,
+        )
     scatter_s = c.op_time("reduce_scatter", scatter, sh, inter) + copy * scatter
     return _Fsdp(
         part * gather,
@@ -439,7 +465,7 @@ def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp
         part * root,
         gather_s,
         gather_s + scatter_s,
-        c.op_time("all_gather", root, sh, inter) + copy * root,
+        root_s,
     )
 
 

@@ -11,7 +11,7 @@ from depthscale.plan.estimate import Estimate, Workload, estimate
 from depthscale.plan.frameworks import FRAMEWORKS
 from depthscale.plan.hardware import Cluster, cluster
 from depthscale.plan.layout import parse_layout
-from depthscale.plan.search import search
+from depthscale.plan.search import SIMULATED, search
 from depthscale.plan.spec import ModelSpec
 
 GiB = 2**30
@@ -60,7 +60,8 @@ def run(req: PlanRequest) -> dict:
     if req.layout:
         est = estimate(w, c, parse_layout(req.layout), fw, req.gpus)
         return {**header, "seconds": time.perf_counter() - started, "layouts": [row(est)]}
-    result = search(w, c, fw, req.gpus)
+    # every row shown is simulated: past the simulated few the closed form would rank them
+    result = search(w, c, fw, req.gpus, simulated=max(SIMULATED, req.top))
     reasons: dict[str, int] = {}
     for e in result.rejected:
         key = e.reason.split(" by ")[0] if e.reason.startswith("OOM") else e.reason

@@ -295,7 +295,11 @@ def _defer_gradient_sync(stage: PipelineStage, until_last: bool) -> None:
     """A stage wrapped by FSDP2 (or its replicate) would reduce-scatter / all-reduce its gradients
     after every micro-batch's backward; accumulate them unsharded instead and reduce once, in the
     stage's last backward of the step (what FSDP1 called `no_sync`): M times fewer reductions for
-    the memory of one unsharded gradient copy. The same sum, so results change by rounding only."""
+    the memory of one unsharded gradient copy. The same sum, so results change by rounding only.
+    A stage that keeps its gathered parameters (`keep_gathered`) reshards them only then, too: the
+    step's next micro-batches compute with them, gathered once."""
     sync = getattr(stage, "set_requires_gradient_sync", None)  # FSDPModule API
     if sync is not None:
         sync(until_last)
+        if stage.keep_gathered:
+            stage.set_reshard_after_backward(until_last)

@@ -81,6 +81,10 @@ class PipelineStage(nn.Module):
         link_groups([r for layer in self.layers for r in layer.residuals()])
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] = cross_entropy
         """logits, labels → the loss to backpropagate; the parallel plan sets the layout's."""
+        self.keep_gathered = False
+        """Set by the parallel plan when FSDP shards this stage and does not reshard after
+        forward: its gathered parameters then stay for the whole step (the runtime reshards them
+        at the stage's last backward), gathered once per step instead of per micro-batch."""
 
     def register_modules(self) -> None:
         """(Re-)register the model's modules this stage runs, as its children: again after a layout
