@@ -21,6 +21,7 @@ broadcast a reference copy, they only slice (FSDP) or check (DDP) what is there.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -35,6 +36,18 @@ from depthscale.observe import spans
 
 # ---------------------------------------------------------------------------------------------
 # FSDP2 / HSDP
+
+# FSDP2 warns, once per rank, when a unit returns a view: an in-place op on it would bypass the
+# unit's pre-backward hook. A block (or a pipeline stage) returns a DepthState whose tensors are
+# two-phase reads' aliases (`model/attnres_ops.py`: views by design, so that one backward sums each
+# source's gradients), and nothing writes into a depth state in place (`model/residual.py`: a
+# read's result is in the state it returns, never a side effect; the pipeline runtime only sends
+# and backpropagates a stage's outputs). The FSDP parity tests check the gradients.
+warnings.filterwarnings(
+    "ignore",
+    message=r"FSDP2-wrapped module \(FSDP(TransformerBlock|PipelineStage)\) returned a view tensor",
+    category=UserWarning,
+)
 
 
 def depth_query_params(model: nn.Module) -> list[nn.Parameter]:
