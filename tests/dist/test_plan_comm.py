@@ -83,7 +83,7 @@ def _counting(label):
 
 def _measure(residual: str, dims_kw: dict, recompute: str) -> dict:
     cfg = _config(residual, dims_kw, recompute)
-    dims = ParallelDims(**{k: v for k, v in dims_kw.items() if k != "pp_virtual"})
+    dims = ParallelDims(**{k: v for k, v in dims_kw.items() if k in DIMS})
     mesh = cached_mesh(dims)
     coords = {int(r): c for c, r in zip(_coordinates(mesh.mesh.shape), mesh.mesh.flatten())}
 
@@ -135,6 +135,7 @@ CASES = [
     ({"dp_replicate": 2, "dp_shard": 2}, 4, "block", "none"),
     ({"tp": 2, "pp": 2}, 4, "block", "full"),
     ({"pp": 2, "dp_shard": 2}, 4, "block", "none"),
+    ({"pp": 2, "dp_shard": 2, "fsdp_reshard_after_forward": True}, 4, "block", "none"),
 ]
 
 
@@ -146,7 +147,7 @@ def test_bytes_per_group_are_predicted_exactly(dist_pool, dims_kw, world, residu
     for r in dist_pool(world).run(_measure, residual, dims_kw, recompute):
         lay = Layout(tp=p.tp, pp=p.pp, v=p.pp_virtual, cp=p.cp, dp_shard=p.dp_shard,
                      dp_replicate=p.dp_replicate, micro_batch=r["micro_batch"],
-                     recompute=recompute)  # fmt: skip
+                     recompute=recompute, zero3=p.fsdp_reshard_after_forward is True)  # fmt: skip
         predicted = rank_payload(spec, lay, SEQ, BATCH, False, r["pp"], r["cp"], r["shard"])
         expected = {k: v for k, v in predicted.items() if k[0] != "all_reduce(ddp)" and v}
         assert r["log"] == expected, (r["pp"], r["cp"])

@@ -191,6 +191,28 @@ def test_cache_is_what_makes_an_interleaved_70b_layout_fit():
     assert on.comm["pp"] < off.comm["pp"]
 
 
+def test_a_pipeline_that_cannot_keep_its_weights_gathered_re_gathers_them():
+    """70B on 64 H100s, tp=4, pp=4, fsdp=4: keeping each stage's gathered weights for the step
+    (the default under pipelines) runs out of memory; re-gathering them for every micro-batch
+    (zero3) fits, at 2·M gathers per step instead of one, and the search offers that twin."""
+    spec = ModelSpec(80, 8192, 64, 8, 28672, 128256, residual="block",
+                     blocks=tuple(min(i // 20, 7) for i in range(160)), tie_embeddings=False)  # fmt: skip
+    w = Workload(spec, 4096, 1024)
+    keep = estimate(w, PRESETS["h100"], Layout(tp=4, pp=4, dp_shard=4), DEPTHSCALE, 64)
+    zero3 = estimate(w, PRESETS["h100"], Layout(tp=4, pp=4, dp_shard=4, zero3=True), DEPTHSCALE, 64)
+    assert not keep.ok and keep.reason.startswith("OOM by") and zero3.ok
+    assert zero3.memory["transient"] < keep.memory["transient"]
+    assert zero3.comm["dp"] > keep.comm["dp"] and zero3.step_s > keep.step_s
+    labels = {e.layout.label() for e in search(w, PRESETS["h100"], DEPTHSCALE, 64).ranked}
+    assert "tp=4,pp=4,fsdp=4,mb=1,zero3" in labels and "tp=4,pp=4,fsdp=4,mb=1" not in labels
+    with pytest.raises(ValueError, match="zero3"):
+        parse_layout("tp=4,zero3=maybe")
+    bad = estimate(
+        w, PRESETS["h100"], Layout(tp=8, pp=4, dp_replicate=2, zero3=True), DEPTHSCALE, 64
+    )
+    assert not bad.ok and "needs pp > 1 and FSDP" in bad.reason
+
+
 def test_calibration_fits_and_measured_gemm_curves():
     from depthscale.observe.calibrate import fit_link
 

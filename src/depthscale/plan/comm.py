@@ -16,7 +16,8 @@ layouts, op by op, as `parallel/` issues them:
 - FSDP over dp_shard × cp: every micro-batch all-gathers each unit's padded shards twice (forward,
   and backward after resharding) and reduce-scatters padded fp32 gradients; under pipelines a
   stage keeps its gathered parameters for the step (`fsdp_reshard_after_forward = "auto"`), so
-  each unit is gathered once and reduce-scattered once per step; HSDP all-reduces the reduced shards across replicas; the layers' AttnRes queries,
+  each unit is gathered once and reduce-scattered once per step (`zero3`: gathered twice per
+  micro-batch, reduce-scattered once); HSDP all-reduces the reduced shards across replicas; the layers' AttnRes queries,
   left whole, are averaged over all data ranks; DDP all-reduces fp32 gradients (in C++).
 
 Payload: an all-gather counts its output, a reduce-scatter its input, an all-reduce its tensor,
@@ -128,7 +129,9 @@ def rank_payload(
     if lay.shard > 1:
         e_param = e if bf16 else 4
         padded = sum(_padded(p, lay) for p in held if p.fsdp)
-        out["all_gather", shard] += (1 if lay.pp > 1 else m * 2) * padded * e_param
+        out["all_gather", shard] += (
+            (1 if lay.pp > 1 and not lay.zero3 else m * 2) * padded * e_param
+        )
         out["reduce_scatter", shard] += (1 if lay.pp > 1 else m) * padded * 4
         if lay.dp_replicate > 1:
             out["all_reduce", group(lay, "dp_replicate")] += padded // lay.shard * 4

@@ -113,6 +113,8 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         return f"{fw.name} has no FSDP (use dp and zero1)"
     if lay.offload and (lay.shard == 1 or lay.tp > 1 or lay.pp > 1):
         return "offload needs dp_shard×cp > 1 and tp = pp = 1"
+    if lay.zero3 and not (fw.ours and lay.pp > 1 and lay.shard > 1):
+        return "zero3 re-gathers per micro-batch under pipelines: it needs pp > 1 and FSDP"
     if lay.recompute == "sublayer" and not fw.ours:
         return f"{fw.name} has no sublayer recompute"
     return ""
@@ -273,12 +275,13 @@ def memory(
     pipeline = units * (max(hops) if hops else 0) * tokens * s.dim * e / lay.tp
     logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
     transient = logits if lay.pp == 1 else 0.0
+    layer_local = s.layer_params() / lay.tp
     if fw.ours and lay.shard > 1 and lay.pp > 1:
-        # a stage keeps its gathered weights for the step, and accumulates unsharded fp32
-        # gradients until the step's reduce-scatter
-        transient += local_params * (e + 4)
+        # a stage accumulates unsharded fp32 gradients until the step's reduce-scatter, and keeps
+        # its gathered weights for the step (zero3: two gathered layers, one prefetched)
+        gathered = 2 * layer_local * e if lay.zero3 else local_params * e
+        transient += gathered + local_params * 4
     elif fw.ours and lay.shard > 1:  # two gathered layers (one prefetched), one unsharded grad
-        layer_local = s.layer_params() / lay.tp
         transient += layer_local * (2 * e + 4)
     return {
         "weights": weights,
@@ -451,13 +454,15 @@ def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp
     copy = 2 / (c.hbm_bw * c.memory_efficiency)
     gather_s = c.op_time("all_gather", gather, sh, inter) + copy * gather
     root_s = c.op_time("all_gather", root, sh, inter) + copy * root
-    if lay.pp > 1:
+    if lay.pp > 1 and not lay.zero3:
         layers = s.n_layers // lay.pp
         return _Fsdp(
             step=part * (layers * gather + root),
             step_s=layers * gather_s + root_s,
             first_s=gather_s + root_s,
         )
+    if lay.pp > 1:  # zero3: gathered per micro-batch, reduce-scattered once at the step's end
+        scatter = 0.0
     scatter_s = c.op_time("reduce_scatter", scatter, sh, inter) + copy * scatter
     return _Fsdp(
         part * gather,

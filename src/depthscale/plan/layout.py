@@ -26,6 +26,10 @@ class Layout:
     zero1: bool = False
     """Megatron's distributed optimizer: fp32 master weights and moments sharded over dp (the
     published GPT rows); ours shards everything with dp_shard instead."""
+    zero3: bool = False
+    """Pipelines under FSDP: gather each unit again for every micro-batch's forward and backward
+    (`parallel.fsdp_reshard_after_forward = true`) instead of keeping a stage's gathered weights
+    for the step (the default): less memory, 2·M gathers per step instead of one."""
 
     @property
     def dp(self) -> int:
@@ -57,6 +61,8 @@ class Layout:
             parts.append("offload")
         if not self.cache:
             parts.append("no-cache")
+        if self.zero3:
+            parts.append("zero3")
         return ",".join(parts)
 
     def to_json(self) -> dict:
@@ -68,7 +74,7 @@ class Layout:
 
 _ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate", "mb": "micro_batch", "rc": "recompute"}
 _INT = {f.name for f in fields(Layout) if f.type in ("int", int)}
-_BOOL = {"cache", "offload", "zero1"}
+_BOOL = {"cache", "offload", "zero1", "zero3"}
 
 
 def parse_layout(text: str) -> Layout:

@@ -71,6 +71,11 @@ def _dp_splits(c: Cluster, fw: Framework, tp: int, cp: int, dp: int) -> list[tup
     return [(s, r, False) for s, r in sorted(splits)]
 
 
+def _regathers(lay: Layout, fw: Framework) -> bool:
+    """Whether the layout has a zero3 twin: a pipeline of ours under FSDP."""
+    return fw.ours and lay.pp > 1 and lay.shard > 1 and not lay.zero3
+
+
 SIMULATED = 8
 """Candidates whose pipelines are simulated after the closed-form pass ranks every layout."""
 
@@ -88,6 +93,14 @@ def search(
             rejected.append(Estimate(lay, ok=False, reason=reason))
             continue
         est = estimate(w, c, lay, fw, gpus, simulate=False)
+        if not est.ok and est.reason.startswith("OOM") and _regathers(lay, fw):
+            # a pipeline under FSDP that runs out of memory keeping its stage's weights gathered
+            # may fit re-gathering them per micro-batch (zero3): more traffic, never faster, so
+            # tried only here
+            n += 1
+            zero3 = estimate(w, c, lay.with_(zero3=True), fw, gpus, simulate=False)
+            rejected.append(est)
+            est = zero3
         (ranked if est.ok else rejected).append(est)
     ranked.sort(key=lambda e: e.step_s)
     best = [estimate(w, c, e.layout, fw, gpus) for e in ranked[:simulated]]
