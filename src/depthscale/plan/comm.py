@@ -17,8 +17,9 @@ layouts, op by op, as `parallel/` issues them:
   and backward after resharding) and reduce-scatters padded fp32 gradients; under pipelines a
   stage keeps its gathered parameters for the step (`fsdp_reshard_after_forward = "auto"`), so
   each unit is gathered once and reduce-scattered once per step (`zero3`: gathered twice per
-  micro-batch, reduce-scattered once); HSDP all-reduces the reduced shards across replicas; the layers' AttnRes queries,
-  left whole, are averaged over all data ranks; DDP all-reduces fp32 gradients (in C++).
+  micro-batch, reduce-scattered once); HSDP all-reduces the reduced shards across replicas; the
+  layers' AttnRes queries, left whole, are averaged over all data ranks; DDP all-reduces fp32
+  gradients (in C++).
 
 Payload: an all-gather counts its output, a reduce-scatter its input, an all-reduce its tensor,
 P2P what is sent and received. `wire_bytes` turns payloads into bytes on the wire.
