@@ -13,6 +13,7 @@ latency and bandwidth per group size.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import statistics
 import time
@@ -26,22 +27,6 @@ GEMM_SIDES = (32, 64, 128, 256, 512, 1024)
 shapes of a layer's projections."""
 
 
-def _median_time(fn, budget_s: float = 0.0, before=None) -> float:
-    """Median seconds of fn() over at least 5 runs and `budget_s` (after `before()` each, e.g. a
-    barrier): under a full machine the best run would be one that found a core free, not the rate
-    a job gets."""
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < budget_s or len(times) < 5:
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
     """(bytes/s, latency s) of time = latency + bytes / bandwidth through the smallest and the
     largest sample: the small one is nearly all latency, the large one nearly all bandwidth, and
@@ -53,10 +38,17 @@ def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
     return bw, max(0.0, t0 - b0 / bw)
 
 
-def _interleaved_medians(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
-    """Median seconds of each fn, timed in rounds that run every fn once, for at least 5 rounds
-    and `budget_s` per fn. A shared machine slows down in bursts: timed one after the other, a
-    burst lands on one shape and bends the curve; timed in rounds, it hits every shape alike."""
+def _interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    budget_s: float,
+    before: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Median seconds of each fn (after `before()` each, e.g. a barrier), timed in rounds that run
+    every fn once, for at least 5 rounds and `budget_s` per fn; with no budget exactly 5, so that
+    every rank runs a collective the same number of times. Medians: under a full machine the best
+    run would be one that found a core free, not the rate a job gets. Rounds: a shared machine
+    slows down in bursts; timed one after the other, a burst lands on one shape and bends the
+    curve, timed in rounds it hits every shape alike."""
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -64,6 +56,8 @@ def _interleaved_medians(fns: dict[str, Callable[[], object]], budget_s: float) 
     rounds = 0
     while rounds < 5 or time.perf_counter() - start < budget_s * len(fns):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
@@ -145,19 +139,42 @@ def _concurrent_local(nproc: int, threads: int, budget_s: float) -> dict:
             return _local(budget_s)
         finally:
             torch.set_num_threads(previous)
+    results = dict(_spawn(_local_worker, nproc, (threads, budget_s), nproc, 600))
+    return _slowest([results[r] for r in range(nproc)])
+
+
+def _ignoring_interrupts(target: Callable[..., None], *args: object) -> None:
+    """A worker's body: Ctrl-C reaches the terminal's whole process group, and the parent alone
+    reports it and stops the workers (no traceback from each)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    target(*args)
+
+
+def _spawn(
+    target: Callable[..., None], nproc: int, args: tuple, replies: int, timeout_s: float
+) -> list:
+    """Run `target(rank, *args, queue)` in `nproc` spawned processes at once; returns the first
+    `replies` items they put on the queue. On an interrupt or an error the workers are stopped."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_local_worker, args=(r, threads, budget_s, queue)) for r in range(nproc)
+        ctx.Process(target=_ignoring_interrupts, args=(target, r, *args, queue))
+        for r in range(nproc)
     ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    return _slowest([results[r] for r in range(nproc)])
+    done = False
+    try:
+        for p in procs:
+            p.start()
+        out = [queue.get(timeout=timeout_s) for _ in range(replies)]
+        done = True
+        return out
+    finally:
+        for p in procs:
+            if not done and p.is_alive():
+                p.terminate()
+            p.join(timeout=60)
 
 
 COLLECTIVE_SIZES = (2**12, 2**16, 2**20, 2**22)
@@ -205,9 +222,9 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
                 ),
                 "p2p": p2p,
             }
-            for op, fn in runs.items():
-                # no time budget: every rank must run the collective the same number of times
-                samples[op].append((float(n * 4), _median_time(fn, before=dist.barrier)))
+            seconds = _interleaved_medians(runs, 0.0, before=dist.barrier)
+            for op in runs:
+                samples[op].append((float(n * 4), seconds[op]))
         out[size] = samples
         size *= 2
     if rank == 0:
@@ -216,23 +233,10 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
 
 
 def _comm(world: int, threads: int) -> dict[int, dict[str, list[tuple[float, float]]]]:
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_comm_worker, args=(r, world, port, threads, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    samples = queue.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    return samples
+    return _spawn(_comm_worker, world, (world, port, threads), 1, 300)[0]
 
 
 def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
