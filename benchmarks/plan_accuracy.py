@@ -48,7 +48,12 @@ LAYOUTS: list[dict[str, int]] = [
     {"pp": 2, "tp": 2},
 ]
 GLOO = dataclasses.replace(
-    DEPTHSCALE, name="depthscale-gloo", tp_overlap=False, pp_overlap=False, dp_overlap=False
+    DEPTHSCALE,
+    name="depthscale-gloo",
+    tp_overlap=False,
+    pp_overlap=False,
+    dp_overlap=False,
+    cp_overlap=False,
 )
 
 

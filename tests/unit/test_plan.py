@@ -213,6 +213,29 @@ def test_a_pipeline_that_cannot_keep_its_weights_gathered_re_gathers_them():
     assert not bad.ok and "needs pp > 1 and FSDP" in bad.reason
 
 
+def test_ring_traffic_shows_in_full_where_it_does_not_overlap():
+    """7B at 32k tokens, cp=8 over nodes: behind the attention (depthscale) the ring's K/V
+    rotation costs the layer nothing; exposed (gloo: transfers on the cores that compute) it adds
+    exactly its transfer time — forward K, V; backward K, V, dK, dV (FSDP's gathers kept
+    additive on both sides, so only the ring differs)."""
+    import dataclasses
+
+    from depthscale.plan.estimate import _cp_bytes
+
+    spec = ModelSpec(32, 4096, 32, 8, 14336, 128256, residual="block",
+                     blocks=tuple(i // 8 for i in range(64)))  # fmt: skip
+    w, lay, c = Workload(spec, 32768, 64), Layout(cp=8), PRESETS["h100"]
+    hidden_fw = dataclasses.replace(DEPTHSCALE, dp_overlap=False)
+    exposed_fw = dataclasses.replace(hidden_fw, cp_overlap=False)
+    hidden, exposed = (estimate(w, c, lay, fw, 8) for fw in (hidden_fw, exposed_fw))
+    assert hidden.ok and exposed.ok and hidden.comm == exposed.comm
+    ring = c.op_time("p2p", _cp_bytes(w, lay, 2), 8, False, 3 * 7)
+    assert ring > 0
+    for part, share in (("layer_forward_s", 1 / 3), ("layer_backward_s", 2 / 3)):
+        assert exposed.times[part] - hidden.times[part] == pytest.approx(share * ring, rel=1e-9)
+    assert exposed.step_s > hidden.step_s
+
+
 def test_calibration_fits_and_measured_gemm_curves():
     from depthscale.observe.calibrate import fit_link
 

@@ -141,7 +141,7 @@ def estimate(
     # -- compute per micro-batch per layer --------------------------------------------------
     f_layer, b_layer, rc_layer, gemm_layer = _layer_times(w, c, lay, fw, tokens, e)
     tp_f, tp_b = _tp_comm(s, c, lay, fw, tokens, e, gemm_layer)
-    cp_f, cp_b = _cp_comm(w, c, lay, e, f_layer)
+    cp_f, cp_b = _cp_comm(w, c, lay, fw, e, f_layer)
     fsdp = _fsdp(s, c, lay, fw, e)
     layer_f = f_layer + tp_f + cp_f
     layer_b = b_layer + rc_layer + tp_b + cp_b
@@ -400,12 +400,17 @@ def _cp_bytes(w: Workload, lay: Layout, e: int) -> float:
     return 3 * (lay.cp - 1) * kv  # K, V forward; K, V and dK, dV backward
 
 
-def _cp_comm(w: Workload, c: Cluster, lay: Layout, e: int, layer_f: float) -> tuple[float, float]:
-    """Ring attention's traffic per layer and micro-batch, behind the attention it overlaps."""
+def _cp_comm(
+    w: Workload, c: Cluster, lay: Layout, fw: Framework, e: int, layer_f: float
+) -> tuple[float, float]:
+    """Ring attention's traffic per layer and micro-batch (forward: K, V; backward: K, V, dK, dV),
+    behind the attention it overlaps — or all of it, where transfers do not overlap."""
     if lay.cp == 1:
         return 0.0, 0.0
     inter = lay.tp * lay.cp > c.gpus_per_node
     t = c.op_time("p2p", _cp_bytes(w, lay, e), lay.cp, inter, 3 * (lay.cp - 1))
+    if not fw.cp_overlap:
+        return t / 3, 2 * t / 3
     return max(0.0, t / 3 - layer_f / 2), max(0.0, 2 * t / 3 - layer_f)
 
 

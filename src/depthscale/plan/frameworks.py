@@ -23,12 +23,16 @@ class Framework:
     dp_overlap: bool
     ours: bool
     """depthscale's activation inventory and FSDP; else Megatron's Table 2 and ZeRO-1."""
+    cp_overlap: bool = True
+    """Ring attention's K/V rotation runs behind the attention of the block in hand."""
 
 
 DEPTHSCALE = Framework("depthscale", 4, 4, 0, 8, "flash", True, True, True, True)
 """fp32 sharded weights under bf16 autocast (FSDP gathers bf16), fp32 gradients and moments;
 TP all-gathers and reduce-scatters overlapped with the GEMMs, P2P posted ahead, FSDP prefetch."""
-MEGATRON_2022 = Framework("megatron", 2, 4, 4, 8, "unfused", False, False, False, False)
+MEGATRON_2022 = Framework(
+    "megatron", 2, 4, 4, 8, "unfused", False, False, False, False, cp_overlap=False
+)
 """bf16 weights, fp32 main gradients, fp32 master weights and moments (18 B/param); softmax
 over materialised scores; no overlap of TP, PP or DP communication with compute."""
 MEGASCALE = Framework("megascale", 2, 4, 4, 8, "flash", True, True, True, False)
