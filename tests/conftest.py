@@ -43,9 +43,38 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 # The gloo worker pools (tests/dist/harness.py), one per world size for the whole session, shared
-# by every directory that runs multi-process cases (tests/dist, tests/faults): idle workers poll.
+# by every directory that runs multi-process cases (tests/dist, tests/faults). Idle workers poll
+# (each takes ~9 % of a core): the cases that use a pool run first, and the pools close after the
+# last of them, so the e2e, fault and unit cases after them get the whole machine.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 _pools: dict = {}
+_last_pool_case: str | None = None
+
+
+def _uses_pool(item: pytest.Item) -> bool:
+    return "dist_pool" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not _uses_pool(item))  # stable: each group keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The last case that uses a pool, among those that will run (after `-m`/`-k` deselection)."""
+    global _last_pool_case
+    users = [item.nodeid for item in session.items if _uses_pool(item)]
+    _last_pool_case = users[-1] if users else None
+
+
+def _close_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if item.nodeid == _last_pool_case:
+        _close_pools()
 
 
 @pytest.fixture(scope="session")
@@ -59,6 +88,4 @@ def dist_pool():
         return _pools[world_size]
 
     yield get
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
+    _close_pools()
