@@ -1,8 +1,10 @@
 """Single-process attention, forward + backward: full causal SDPA against a causal sliding window,
-computed blockwise (`model/window_attention.py`) and with the dense [T, T] window mask it replaces.
+computed blockwise (`model/window_attention.py`: on CPU in fp32 the banded kernel, one variant per
+block size; the same blocks on torch's fused flash kernel, the bf16 path, as `window_flash_tiles`)
+and with the dense [T, T] window mask it replaces.
 
     python benchmarks/attention.py [--seq 4096 --window 512 --heads 8 --kv-heads 2 --head-dim 64
-                                    --blocks 64 128 256 --rounds 5 --threads 1]
+                                    --blocks 32 16 64 --rounds 5 --threads 1]
 
 Interleaved rounds (drift hits every variant alike); prints one JSON object: median seconds per
 variant, each over full causal (the goal: a window of 512 at T = 4096 costs ≤ 0.3× of it), and the
@@ -23,8 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import device_info, interleaved_times  # noqa: E402
 
+from depthscale.kernels import use_cpu_kernels  # noqa: E402
 from depthscale.model.layers import attention_mask  # noqa: E402
-from depthscale.model.window_attention import window_attention  # noqa: E402
+from depthscale.model.window_attention import TILE_BLOCK, window_attention  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +38,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[32, 16, 64])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = ap.parse_args()
@@ -69,13 +72,20 @@ def main() -> None:
         variants[f"window_blockwise_{b}"] = lambda q, k, v, b=b: window_attention(
             q, k, v, args.window, b
         )
+
+    def tiles(q, k, v):  # torch's fused flash kernel per block (the bf16 path), its own block
+        with use_cpu_kernels(False):
+            return window_attention(q, k, v, args.window)
+
+    if device.type == "cpu":
+        variants[f"window_flash_tiles_{TILE_BLOCK}"] = tiles
     seconds = interleaved_times(
         {name: lambda fn=fn: run(fn) for name, fn in variants.items()}, args.rounds
     )
     reference = run(variants["window_dense_mask"])
     errors = {}
     for name in variants:
-        if name.startswith("window_blockwise"):
+        if name.startswith(("window_blockwise", "window_flash_tiles")):
             got = run(variants[name])
             errors[name] = {
                 part: float((a - r).abs().max() / r.abs().max())

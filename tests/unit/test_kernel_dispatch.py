@@ -143,6 +143,26 @@ def test_failed_build_falls_back_once_with_a_warning(monkeypatch, caplog):
         multi_query_read([torch.randn(1, 2, 8)] * 2, torch.randn(1, 8), EPS)
 
 
+def test_a_library_that_loaded_incomplete_is_not_followed_by_another_variant(monkeypatch, caplog):
+    """A variant that loaded but lacks an op (a stale library) has registered its namespaces:
+    loading the next variant would register them again and abort the process, so none is tried."""
+    from depthscale.kernels import attnres_cpu
+
+    attempts = []
+
+    def stale(name, cflags, ldflags):
+        attempts.append(name)
+        raise attnres_cpu._LoadedIncomplete(f"{name} loaded without its ops")
+
+    monkeypatch.setattr(attnres_cpu, "_build", stale)
+    monkeypatch.setattr(attnres_cpu, "_ops", None)
+    monkeypatch.setattr(attnres_cpu, "_tried", False)
+    with caplog.at_level("WARNING", logger=attnres_cpu.__name__):
+        assert attnres_cpu.load() is None
+    assert attempts == [attnres_cpu.VARIANTS[0][0]]
+    assert "loaded without its ops" in caplog.text
+
+
 def test_kernel_paths_and_fallback_reasons_are_recorded_and_logged_once(cpu_ops, caplog):
     blocks, partial, queries, _ = bf16_case()
     mixed = [blocks[0].float(), *blocks[1:]]  # an fp32 embedding before bf16 blocks

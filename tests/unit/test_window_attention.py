@@ -2,7 +2,8 @@
 gradients (fp32 bound of the softmax chain, tests/tolerances.py), for windows shorter and longer
 than a block, of two keys, sequences that do not divide into blocks (a tail), several body blocks
 whose key runs overlap, GQA, inputs laid out as the model makes them ([B, T, H, d] transposed),
-and the fused CPU path as well as the SDPA path other devices take."""
+and each path: the project's banded CPU kernel (fp32), torch's fused flash kernel per tile (bf16,
+or where the kernel does not build) and the SDPA path other devices take."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from depthscale import kernels
 from depthscale.model import attention_tiles
 from depthscale.model import window_attention as wa
 from depthscale.model.layers import attention_mask, sdpa_attention
@@ -31,7 +33,7 @@ def _grads(fn, q, k, v, do):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("path", ["band", "tiles", "sdpa"])
 @pytest.mark.parametrize(
     "T, window, block, heads",
     [
@@ -43,9 +45,19 @@ def _grads(fn, q, k, v, do):
         (96, 20, 4, (4, 2)),
     ],
 )
-def test_window_attention_matches_the_dense_mask(monkeypatch, fused, T, window, block, heads):
-    if not fused:  # the path of devices without a fused tile kernel (CUDA)
+def test_window_attention_matches_the_dense_mask(
+    request, monkeypatch, path, T, window, block, heads
+):
+    if path == "band":  # built (or skipped where no C++ toolchain exists, as the depth reads)
+        request.getfixturevalue("cpu_ops")
+    if path == "sdpa":  # the path of devices without a fused tile kernel (CUDA)
         monkeypatch.setattr(attention_tiles, "fused", lambda device: False)
+    taken = []
+    for name in ("_BandWindow", "_FusedWindow"):
+        apply = getattr(wa, name).apply
+        monkeypatch.setattr(
+            getattr(wa, name), "apply", lambda *a, f=apply, n=name: taken.append(n) or f(*a)
+        )
     g = torch.Generator().manual_seed(T + window)
     H, Hkv = heads
 
@@ -54,7 +66,9 @@ def test_window_attention_matches_the_dense_mask(monkeypatch, fused, T, window, 
 
     q, k, v, do = model_layout(H), model_layout(Hkv), model_layout(Hkv), model_layout(H)
     want = _grads(lambda *t: _dense(*t, window), q.double(), k.double(), v.double(), do.double())
-    got = _grads(lambda *t: wa.window_attention(*t, window, block), q, k, v, do)
+    with kernels.use_cpu_kernels({"band": True, "tiles": False, "sdpa": None}[path]):
+        got = _grads(lambda *t: wa.window_attention(*t, window, block), q, k, v, do)
+    assert taken == {"band": ["_BandWindow"], "tiles": ["_FusedWindow"], "sdpa": []}[path]
     chain = 2 * (window + 16) + T * H // Hkv  # scores, softmax·V, back; dK/dV over the rows
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == b.shape and a.dtype == torch.float32, name

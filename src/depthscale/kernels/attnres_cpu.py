@@ -1,6 +1,8 @@
-"""Fused CPU kernels for the Attention-Residual depth reads (`attnres_cpu.cpp`), built on first use.
+"""Fused CPU kernels, built on first use: the Attention-Residual depth reads (`attnres_cpu.cpp`,
+`torch.ops.depthscale_attnres`) and causal sliding-window attention (`window_cpu.cpp`,
+`torch.ops.depthscale_window`), one library sharing `vec16.h`.
 
-The C++ source ships with the package and is compiled once per machine and source version with
+The C++ sources ship with the package and are compiled once per machine and source version with
 `torch.utils.cpp_extension.load` (g++ or $CXX, and ninja) into torch's extension cache
 ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later processes load the cached
 library in well under a second. The ops register as `torch.ops.depthscale_attnres.*` (no pybind
@@ -20,6 +22,7 @@ kernels (and the build) altogether.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -28,8 +31,16 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-NAME = "depthscale_attnres_cpu"
-SOURCE = Path(__file__).with_name("attnres_cpu.cpp")
+SOURCES = [Path(__file__).with_name(f) for f in ("attnres_cpu.cpp", "window_cpu.cpp")]
+HEADER = Path(__file__).with_name("vec16.h")
+NAME = (
+    "depthscale_cpu_"
+    + hashlib.sha1(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))).hexdigest()[:12]
+)
+"""Named by the sources' content: two checkouts (or versions) of depthscale on one machine build
+and load their own libraries instead of racing for one build directory (torch's cache keys on the
+name; within a process it tracks source changes, across processes only ninja's timestamps do, and
+a library of another version would register ops this one lacks)."""
 CFLAGS = ["-O3", "-ffp-contract=fast"]
 VARIANTS = [
     (NAME, [*CFLAGS, "-fopenmp"], ["-fopenmp"]),
@@ -91,12 +102,14 @@ def load() -> Any:
             ops = _build(name, cflags, ldflags)
         except Exception as exc:  # no compiler, no ninja, compile or load error: next / fall back
             errors.append(f"{name}: {_summary(exc)}")
+            if isinstance(exc, _LoadedIncomplete):
+                break
             continue
         build_seconds = time.perf_counter() - start
-        log.info("AttnRes CPU kernels (%s) ready in %.1f s", name, build_seconds)
+        log.info("CPU kernels (%s) ready in %.1f s", name, build_seconds)
         _ops = ops
         return _ops
-    log.warning("AttnRes CPU kernels unavailable, using the PyTorch ops (%s)", "; ".join(errors))
+    log.warning("CPU kernels unavailable, using the PyTorch ops (%s)", "; ".join(errors))
     return None
 
 
@@ -105,15 +118,24 @@ def _build(name: str, cflags: list[str], ldflags: list[str]) -> Any:
     from torch.utils import cpp_extension
 
     _remove_stale_lock(name)
-    log.info("loading the AttnRes CPU kernels (compiled once per machine and version)")
+    log.info("loading the CPU kernels (compiled once per machine and version)")
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=cflags,
         extra_ldflags=ldflags,
         is_python_module=False,
         verbose=False,
     )
-    ops = torch.ops.depthscale_attnres
-    ops.read_forward  # noqa: B018  (raises if the library registered nothing)
+    try:
+        torch.ops.depthscale_window.forward  # noqa: B018  (raise if the library registered nothing)
+        ops = torch.ops.depthscale_attnres
+        ops.read_forward  # noqa: B018
+    except (AttributeError, RuntimeError) as exc:
+        raise _LoadedIncomplete(f"{name} loaded without its ops: {exc}") from exc
     return ops
+
+
+class _LoadedIncomplete(RuntimeError):
+    """A library loaded but did not register every op: loading another variant would register the
+    same namespaces twice, which aborts the process, so no other variant is tried."""

@@ -7,9 +7,12 @@ the keys [i0 − window + 1, i1), one tile of at most block + window − 1 keys 
 the work is T·(block + window) instead of T²/2. Each block's keys are all it sees, so its own LSE
 is final and no merge is needed.
 
-On CPU each tile runs torch's fused flash kernel through `attention_tiles` (forward and backward,
-band as an additive bias built once per shape; dK/dV of overlapping key ranges are added into one
-buffer). Elsewhere each block is one SDPA call with a boolean mask, differentiated by autograd.
+On CPU, fp32 runs the project's banded kernel (`kernels/window_cpu.cpp`: a KV head's query heads
+stacked into one GEMM per tile, the band applied by index, dK/dV accumulated in place); bf16, or
+fp32 where the kernel did not build, runs each tile on torch's fused flash kernel through
+`attention_tiles` (band as an additive bias built once per shape; dK/dV of overlapping key ranges
+added into one buffer). Elsewhere each block is one SDPA call with a boolean mask, differentiated
+by autograd.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ from torch import Tensor
 
 from depthscale.model import attention_tiles as tiles
 
-DEFAULT_BLOCK = 64
-"""Query rows per block: smaller blocks compute fewer masked-out scores (each block's band wastes
-about block/2 keys per row) but make more kernel calls."""
+BAND_BLOCK = 32
+"""Query rows per tile of the banded CPU kernel (stacked over a KV head's query heads, so its GEMMs
+keep G·32 rows): each block's band wastes about block/2 keys per row. At T = 4096, window 512:
+blocks of 16 / 32 / 64 cost 0.25 / 0.24–0.25 / 0.26–0.28 of full causal (benchmarks/attention.py)."""
+TILE_BLOCK = 64
+"""Query rows per block on torch's flash kernel or SDPA: one head's rows per call, so smaller
+blocks lose more to short GEMMs than they save in masked-out scores."""
 
 
 def _spans(T: int, window: int, block: int) -> list[tuple[int, int, int]]:
@@ -43,10 +50,14 @@ def _band(rows: int, keys: int, window: int, dtype: torch.dtype, device: torch.d
 
 
 def window_attention(
-    q: Tensor, k: Tensor, v: Tensor, window: int, block: int = DEFAULT_BLOCK
+    q: Tensor, k: Tensor, v: Tensor, window: int, block: int | None = None
 ) -> Tensor:
     """Causal attention of q [B, H, T, d] over k/v [B, Hkv, T, d] (positions 0..T−1), each query
-    seeing the `window` latest keys including its own; the result of SDPA with that dense mask."""
+    seeing the `window` latest keys including its own; the result of SDPA with that dense mask.
+    `block`: query rows per tile (default: the path's, BAND_BLOCK or TILE_BLOCK)."""
+    if tiles.fused(q.device) and q.dtype == torch.float32 and _band_ops() is not None:
+        return _BandWindow.apply(q, k, v, window, block or BAND_BLOCK)
+    block = block or TILE_BLOCK
     if tiles.fused(q.device) and q.dtype in (torch.float32, torch.bfloat16):
         return _FusedWindow.apply(q, k, v, window, block)
     gqa = q.shape[1] != k.shape[1]
@@ -59,6 +70,35 @@ def window_attention(
             )
         )
     return torch.cat(outs, dim=2)
+
+
+def _band_ops():
+    """`torch.ops.depthscale_window`, or None: under `use_cpu_kernels(False)`, with
+    DEPTHSCALE_CPU_KERNELS=0, or where the CPU kernels did not build (as for the depth reads)."""
+    from depthscale import kernels
+
+    if kernels.cpu_kernels_override() is False or kernels.load_attnres_cpu() is None:
+        return None
+    return torch.ops.depthscale_window
+
+
+class _BandWindow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, block: int) -> Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        scale = q.shape[-1] ** -0.5
+        out, lse = _band_ops().forward(q, k, v, window, block, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.window, ctx.block, ctx.scale = window, block, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        do = do.contiguous()
+        delta = (do * out).sum(-1)
+        dq, dk, dv = _band_ops().backward(do, q, k, v, lse, delta, ctx.window, ctx.block, ctx.scale)
+        return dq, dk, dv, None, None
 
 
 class _FusedWindow(torch.autograd.Function):
