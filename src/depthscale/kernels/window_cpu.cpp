@@ -120,7 +120,8 @@ void scatter_rows(const float* buf, float* x, int64_t h0, int64_t G, int64_t T, 
 }
 
 void check(const Tensor& q, const Tensor& k, const Tensor& v, int64_t window, int64_t block) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "q [B,H,T,d], k/v [B,Hkv,T,d]");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "q [B,H,T,d], k/v [B,Hkv,T,d]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
