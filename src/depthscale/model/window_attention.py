@@ -56,10 +56,10 @@ def window_attention(
     seeing the `window` latest keys including its own; the result of SDPA with that dense mask.
     `block`: query rows per tile (default: the path's, BAND_BLOCK or TILE_BLOCK)."""
     if tiles.fused(q.device) and q.dtype == torch.float32 and _band_ops() is not None:
-        return _BandWindow.apply(q, k, v, window, block or BAND_BLOCK)
+        return _Window.apply(q, k, v, window, block or BAND_BLOCK, True)
     block = block or TILE_BLOCK
     if tiles.fused(q.device) and q.dtype in (torch.float32, torch.bfloat16):
-        return _FusedWindow.apply(q, k, v, window, block)
+        return _Window.apply(q, k, v, window, block, False)
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for i0, i1, k0 in _spans(q.shape[2], window, block):
@@ -82,60 +82,64 @@ def _band_ops():
     return torch.ops.depthscale_window
 
 
-class _BandWindow(torch.autograd.Function):
+class _Window(torch.autograd.Function):
+    """One autograd node for both fused CPU paths: each saves q, k, v, the output and its fp32 LSE
+    and recomputes the probabilities in backward (FlashAttention-2's backward)."""
+
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, block: int) -> Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, block: int, band: bool):
         scale = q.shape[-1] ** -0.5
-        out, lse = _band_ops().forward(q, k, v, window, block, scale)
+        if band:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = (_band_forward if band else _tiles_forward)(q, k, v, window, block, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.window, ctx.block, ctx.scale = window, block, scale
+        ctx.window, ctx.block, ctx.scale, ctx.band = window, block, scale, band
         return out
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        do = do.contiguous()
-        delta = (do * out).sum(-1)
-        dq, dk, dv = _band_ops().backward(do, q, k, v, lse, delta, ctx.window, ctx.block, ctx.scale)
-        return dq, dk, dv, None, None
+        fn = _band_backward if ctx.band else _tiles_backward
+        grads = fn(do.contiguous(), *ctx.saved_tensors, ctx.window, ctx.block, ctx.scale)
+        return *grads, None, None, None
 
 
-class _FusedWindow(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, block: int) -> Tensor:
-        scale = q.shape[-1] ** -0.5
-        out = q.new_empty(q.shape)
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        for i0, i1, k0 in _spans(q.shape[2], window, block):
-            mask = tiles.TileMask(False, _band(i1 - i0, i1 - k0, window, q.dtype, q.device), None)
-            o, s = tiles.forward(q[:, :, i0:i1], k[:, :, k0:i1], v[:, :, k0:i1], mask, scale)
-            out[:, :, i0:i1] = o
-            lse[:, :, i0:i1] = s
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.window, ctx.block, ctx.scale = window, block, scale
-        return out
+def _band_forward(q, k, v, window: int, block: int, scale: float) -> tuple[Tensor, Tensor]:
+    return _band_ops().forward(q, k, v, window, block, scale)
 
-    @staticmethod
-    def backward(ctx, do: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq = torch.empty_like(q)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        do = do.contiguous()
-        for i0, i1, k0 in _spans(q.shape[2], ctx.window, ctx.block):
-            bias = _band(i1 - i0, i1 - k0, ctx.window, q.dtype, q.device)
-            dq_b, dk_b, dv_b = tiles.backward(
-                do[:, :, i0:i1],
-                q[:, :, i0:i1],
-                k[:, :, k0:i1],
-                v[:, :, k0:i1],
-                out[:, :, i0:i1],
-                lse[:, :, i0:i1],
-                tiles.TileMask(False, bias, None),
-                ctx.scale,
-            )
-            dq[:, :, i0:i1] = dq_b
-            dk[:, :, k0:i1] += dk_b
-            dv[:, :, k0:i1] += dv_b
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+def _band_backward(do, q, k, v, out, lse, window: int, block: int, scale: float):
+    delta = (do * out).sum(-1)
+    return _band_ops().backward(do, q, k, v, lse, delta, window, block, scale)
+
+
+def _tiles_forward(q, k, v, window: int, block: int, scale: float) -> tuple[Tensor, Tensor]:
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    for i0, i1, k0 in _spans(q.shape[2], window, block):
+        mask = tiles.TileMask(False, _band(i1 - i0, i1 - k0, window, q.dtype, q.device), None)
+        o, s = tiles.forward(q[:, :, i0:i1], k[:, :, k0:i1], v[:, :, k0:i1], mask, scale)
+        out[:, :, i0:i1] = o
+        lse[:, :, i0:i1] = s
+    return out, lse
+
+
+def _tiles_backward(do, q, k, v, out, lse, window: int, block: int, scale: float):
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for i0, i1, k0 in _spans(q.shape[2], window, block):
+        bias = _band(i1 - i0, i1 - k0, window, q.dtype, q.device)
+        dq_b, dk_b, dv_b = tiles.backward(
+            do[:, :, i0:i1],
+            q[:, :, i0:i1],
+            k[:, :, k0:i1],
+            v[:, :, k0:i1],
+            out[:, :, i0:i1],
+            lse[:, :, i0:i1],
+            tiles.TileMask(False, bias, None),
+            scale,
+        )
+        dq[:, :, i0:i1] = dq_b
+        dk[:, :, k0:i1] += dk_b
+        dv[:, :, k0:i1] += dv_b
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
