@@ -103,3 +103,22 @@ def test_bf16_window_is_as_close_to_fp64_as_the_dense_mask_in_bf16():
     for name, a, d, e in zip(("out", "dq", "dk", "dv"), blockwise, dense, exact, strict=True):
         assert a.dtype == torch.bfloat16, name
         check(scaled_err(a, e), 2 * scaled_err(d, e) + 2.0**-8, f"bf16 {name}")
+
+
+def test_band_kernel_results_do_not_depend_on_the_thread_count(cpu_ops):
+    """Tiles and backward runs are fixed by the shape, partials added in run order: one thread and
+    two give the same bits (batch 2 × 2 KV heads, 12 blocks in 6 runs per head)."""
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(2, 4, 96, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, 96, 16, generator=g) for _ in range(2))
+    previous = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with kernels.use_cpu_kernels(True):
+                runs.append(_grads(lambda *t: wa.window_attention(*t, 20, 8), q, k, v, do))
+    finally:
+        torch.set_num_threads(previous)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *runs, strict=True):
+        assert torch.equal(a, b), name

@@ -9,11 +9,11 @@
 // sees; scores are one GEMM, the band is applied by index (no bias tensor), the softmax and its
 // gradient run in one vectorised pass per row, and the gradients' GEMMs accumulate dK, dV in place.
 //
-// Layout of the work: one task per (batch, KV head) (at::parallel_for), query blocks in order
-// within it, so dK/dV accumulate in a fixed order without atomics. Inside a parallel region the
-// GEMMs run on one thread; with fewer tasks than threads the tasks run inline and the GEMMs use
-// torch's threads (their rounding may then follow the thread count, as torch's own ops' does).
-// Scores are materialised per tile only: G·block × (block + window − 1) floats, reused.
+// Layout of the work (at::parallel_for; inside a parallel region each GEMM runs on one thread):
+// the forward's tasks are tiles; the backward's are runs of a (batch, KV head)'s query blocks,
+// each accumulating dK/dV into its own partial, added in run order afterwards: no atomics, and a
+// result that does not depend on the thread count (with one task alone the GEMMs may use torch's
+// threads). Scores are materialised per tile only: G·block × (block + window − 1) floats, reused.
 //
 // Tile of rows [i0, i1): keys [k0, i1) with k0 = max(0, i0 − window + 1). Row r = i0 + a sees keys
 // [r − window + 1, r], i.e. tile columns [a − off, a + window − off) ∩ [0, nk) where off = k0 −
@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -36,6 +37,10 @@ namespace {
 using at::Tensor;
 
 #include "vec16.h"
+
+constexpr int64_t kParts = 8;
+// Runs of query blocks per (batch, KV head) in the backward: up to this many tasks each, at the
+// cost of one dK/dV partial per run (about (T/kParts + window) rows).
 
 struct Tile {
   int64_t i0, rows, k0, nk, off;
@@ -138,7 +143,8 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
   const float scale = static_cast<float>(scale_);
   Tensor out = at::empty_like(q);
   Tensor lse = at::empty({B, H, T}, q.options());
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t nblk = (T + block - 1) / block;
+  at::parallel_for(0, B * Hkv * nblk, 1, [&](int64_t begin, int64_t end) {
     // the GEMMs are not differentiated (a thread-local mode: set on every worker thread)
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     Tensor qp = at::empty({G * block, d}, q.options());
@@ -146,37 +152,34 @@ std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tenso
     Tensor sbuf = at::empty({G * block * width}, q.options());
     std::vector<float> inv(G * block);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, hk = task % Hkv, h0 = hk * G;
+      const int64_t b = task / (Hkv * nblk), hk = task / nblk % Hkv, h0 = hk * G;
       const float* qb = q.data_ptr<float>() + b * H * T * d;
       float* ob = out.data_ptr<float>() + b * H * T * d;
       float* lb = lse.data_ptr<float>() + b * H * T;
-      const Tensor kh = k[b][hk], vh = v[b][hk];
-      for (int64_t i0 = 0; i0 < T; i0 += block) {
-        const Tile t = tile_at(i0, T, window, block);
-        const int64_t R = G * t.rows;
-        gather_rows(qb, qp.data_ptr<float>(), h0, G, T, d, i0, t.rows);
-        Tensor qv = qp.narrow(0, 0, R), ov = op.narrow(0, 0, R);
-        Tensor s = sbuf.narrow(0, 0, R * t.nk).view({R, t.nk});
-        Tensor kt = kh.narrow(0, t.k0, t.nk), vt = vh.narrow(0, t.k0, t.nk);
-        at::mm_out(s, qv, kt.t());
-        float* sp = s.data_ptr<float>();
-        float* oq = ov.data_ptr<float>();
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t a = r % t.rows;
-          const int64_t lo = std::max<int64_t>(0, a - t.off), hi = a + window - t.off;
-          float* row = sp + r * t.nk;
-          const float top = max_of(row, lo, hi) * scale;
-          const float total = exp_row(row, t.nk, lo, hi, scale, top);
-          inv[r] = 1.0f / total;
-          lb[(h0 + r / t.rows) * T + i0 + a] = top + std::log(total);
-        }
-        at::mm_out(ov, s, vt);
-        for (int64_t r = 0; r < R; ++r) {
-          float* o = oq + r * d;
-          for (int64_t j = 0; j < d; ++j) o[j] *= inv[r];
-        }
-        scatter_rows(oq, ob, h0, G, T, d, i0, t.rows);
+      const int64_t i0 = task % nblk * block;
+      const Tile t = tile_at(i0, T, window, block);
+      const int64_t R = G * t.rows;
+      gather_rows(qb, qp.data_ptr<float>(), h0, G, T, d, i0, t.rows);
+      Tensor qv = qp.narrow(0, 0, R), ov = op.narrow(0, 0, R);
+      Tensor s = sbuf.narrow(0, 0, R * t.nk).view({R, t.nk});
+      at::mm_out(s, qv, k[b][hk].narrow(0, t.k0, t.nk).t());
+      float* sp = s.data_ptr<float>();
+      float* oq = ov.data_ptr<float>();
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t a = r % t.rows;
+        const int64_t lo = std::max<int64_t>(0, a - t.off), hi = a + window - t.off;
+        float* row = sp + r * t.nk;
+        const float top = max_of(row, lo, hi) * scale;
+        const float total = exp_row(row, t.nk, lo, hi, scale, top);
+        inv[r] = 1.0f / total;
+        lb[(h0 + r / t.rows) * T + i0 + a] = top + std::log(total);
       }
+      at::mm_out(ov, s, v[b][hk].narrow(0, t.k0, t.nk));
+      for (int64_t r = 0; r < R; ++r) {
+        float* o = oq + r * d;
+        for (int64_t j = 0; j < d; ++j) o[j] *= inv[r];
+      }
+      scatter_rows(oq, ob, h0, G, T, d, i0, t.rows);
     }
   });
   return {out, lse};
@@ -196,7 +199,20 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout, const Tensor& q,
   Tensor dq = at::empty_like(q);
   Tensor dk = at::zeros_like(k);
   Tensor dv = at::zeros_like(v);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // A (batch, KV head)'s query blocks in `parts` runs, one task each, with its own dK/dV partial
+  // over the keys its blocks see; the partials are added in run order afterwards. The runs depend
+  // on the shape only, so the sums (and the result) do not depend on the thread count.
+  const int64_t nblk = (T + block - 1) / block;
+  const int64_t per_part = (nblk + kParts - 1) / kParts;
+  const int64_t parts = (nblk + per_part - 1) / per_part;
+  auto key_range = [&](int64_t part) {  // [first key, end key) of the run's tiles
+    const Tile first = tile_at(part * per_part * block, T, window, block);
+    const int64_t last_i0 = (std::min(nblk, (part + 1) * per_part) - 1) * block;
+    const Tile last = tile_at(last_i0, T, window, block);
+    return std::make_pair(first.k0, last.i0 + last.rows);
+  };
+  std::vector<Tensor> pdk(B * Hkv * parts), pdv(B * Hkv * parts);
+  at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
     // the GEMMs are not differentiated (a thread-local mode: set on every worker thread)
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     Tensor qp = at::empty({G * block, d}, q.options());
@@ -205,15 +221,20 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout, const Tensor& q,
     Tensor sbuf = at::empty({G * block * width}, q.options());
     Tensor dpbuf = at::empty({G * block * width}, q.options());
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, hk = task % Hkv, h0 = hk * G;
+      const int64_t b = task / (Hkv * parts), hk = task / parts % Hkv, part = task % parts;
+      const int64_t h0 = hk * G;
       const float* qb = q.data_ptr<float>() + b * H * T * d;
       const float* db = dout.data_ptr<float>() + b * H * T * d;
       float* dqb = dq.data_ptr<float>() + b * H * T * d;
       const float* lb = lse.data_ptr<float>() + b * H * T;
       const float* deltab = delta.data_ptr<float>() + b * H * T;
       const Tensor kh = k[b][hk], vh = v[b][hk];
-      Tensor dkh = dk[b][hk], dvh = dv[b][hk];
-      for (int64_t i0 = 0; i0 < T; i0 += block) {
+      const auto [kstart, kend] = key_range(part);
+      Tensor dkp = at::zeros({kend - kstart, d}, q.options());
+      Tensor dvp = at::zeros({kend - kstart, d}, q.options());
+      const int64_t first = part * per_part, stop = std::min(nblk, first + per_part);
+      for (int64_t blk = first; blk < stop; ++blk) {
+        const int64_t i0 = blk * block;
         const Tile t = tile_at(i0, T, window, block);
         const int64_t R = G * t.rows;
         gather_rows(qb, qp.data_ptr<float>(), h0, G, T, d, i0, t.rows);
@@ -232,10 +253,22 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout, const Tensor& q,
           softmax_grad_row(pp + r * t.nk, dsp + r * t.nk, t.nk, lo, hi, scale,
                            lb[h * T + i0 + a], deltab[h * T + i0 + a]);
         }
-        dvh.narrow(0, t.k0, t.nk).addmm_(p.t(), dov);
-        dkh.narrow(0, t.k0, t.nk).addmm_(ds.t(), qv);
+        dvp.narrow(0, t.k0 - kstart, t.nk).addmm_(p.t(), dov);
+        dkp.narrow(0, t.k0 - kstart, t.nk).addmm_(ds.t(), qv);
         at::mm_out(dqv, ds, kt);
         scatter_rows(dqv.data_ptr<float>(), dqb, h0, G, T, d, i0, t.rows);
+      }
+      pdk[task] = dkp;
+      pdv[task] = dvp;
+    }
+  });
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      for (int64_t part = 0; part < parts; ++part) {
+        const auto [kstart, kend] = key_range(part);
+        dk[bh / Hkv][bh % Hkv].narrow(0, kstart, kend - kstart).add_(pdk[bh * parts + part]);
+        dv[bh / Hkv][bh % Hkv].narrow(0, kstart, kend - kstart).add_(pdv[bh * parts + part]);
       }
     }
   });
