@@ -214,7 +214,7 @@ def test_a_pipeline_that_cannot_keep_its_weights_gathered_re_gathers_them():
 
 
 def test_ring_traffic_shows_in_full_where_it_does_not_overlap():
-    """7B at 32k tokens, cp=8 over nodes: behind the attention (depthscale) the ring's K/V
+    """7B at 32k tokens, cp=8 inside a node: behind the attention (depthscale) the ring's K/V
     rotation costs the layer nothing; exposed (gloo: transfers on the cores that compute) it adds
     exactly its transfer time — forward K, V; backward K, V, dK, dV (FSDP's gathers kept
     additive on both sides, so only the ring differs)."""

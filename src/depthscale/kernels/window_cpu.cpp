@@ -132,7 +132,8 @@ void check(const Tensor& q, const Tensor& k, const Tensor& v, int64_t window, in
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3) &&
                   q.size(1) % k.size(1) == 0, "q and k/v shapes do not match");
-  TORCH_CHECK(window >= 1 && block >= 1, "window and block must be >= 1");
+  TORCH_CHECK(q.size(2) >= 1 && window >= 1 && block >= 1,
+              "sequence, window and block must be >= 1");
 }
 
 std::tuple<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -192,7 +193,10 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Tensor& dout, const Tensor& q,
   check(q, k, v, window, block);
   TORCH_CHECK(dout.sizes() == q.sizes() && dout.is_contiguous() && dout.scalar_type() == at::kFloat,
               "dout like q");
-  TORCH_CHECK(lse.is_contiguous() && delta.is_contiguous(), "contiguous lse and delta");
+  TORCH_CHECK(lse.sizes() == q.sizes().slice(0, 3) && delta.sizes() == lse.sizes() &&
+                  lse.is_contiguous() && delta.is_contiguous() &&
+                  lse.scalar_type() == at::kFloat && delta.scalar_type() == at::kFloat,
+              "lse and delta: contiguous fp32 [B, H, T]");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), d = q.size(3), Hkv = k.size(1);
   const int64_t G = H / Hkv, width = std::min(T, block + window - 1);
   const float scale = static_cast<float>(scale_);
