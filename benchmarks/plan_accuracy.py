@@ -3,13 +3,14 @@
     python benchmarks/plan_accuracy.py [--dim 256 --layers 4 --seq 256 --batch 8 --steps 3
                                         --rounds 3 --out benchmarks/results/plan_accuracy_cpu.json]
 
-First this machine is measured as a cluster for jobs of 1, 2 and 4 local ranks
+Each pass measures this machine as a cluster for jobs of 1, 2 and 4 local ranks
 (`observe.calibrate.measure_cluster`: GEMM rate by shape, attention, memory bandwidth, gloo
-all-reduce latency and bandwidth). Then each layout trains (`Trainer.fit`, the trainer's real loop)
-and its step time — the median over rounds and passes of the slowest rank — is compared with the plan's
-prediction for the same model, batch and layout (framework `depthscale` without communication
-overlap: on gloo the collectives run on the cores that compute). Prints JSON: per layout measured
-and predicted seconds and their ratio, Spearman's rank correlation, the median absolute error.
+collective latency and bandwidth), then trains every layout (`Trainer.fit`, the trainer's real
+loop). A layout's step time — the median over rounds and passes of the slowest rank — is compared
+with the plan's prediction for the same model, batch and layout on the median of the passes'
+calibrations (framework `depthscale` without communication overlap: on gloo the collectives run
+on the cores that compute). Prints JSON: per layout measured and predicted seconds and their
+ratio, Spearman's rank correlation, the median absolute error.
 """
 
 from __future__ import annotations
@@ -35,18 +36,26 @@ from depthscale.plan.hardware import Cluster  # noqa: E402
 from depthscale.plan.layout import Layout  # noqa: E402
 from depthscale.plan.spec import ModelSpec  # noqa: E402
 
-LAYOUTS: list[dict[str, int]] = [
+LAYOUTS: list[dict[str, int | str]] = [
     {},
+    {"recompute": "full"},
     {"dp_replicate": 2},
     {"dp_shard": 2},
     {"tp": 2},
+    {"tp": 2, "recompute": "full"},
     {"cp": 2},
     {"pp": 2},
     {"pp": 2, "pp_virtual": 2},
+    {"pp": 2, "micro_batch_size": 4},
     {"dp_shard": 4},
     {"tp": 2, "dp_shard": 2},
+    {"cp": 2, "dp_shard": 2},
     {"pp": 2, "tp": 2},
 ]
+"""Parallel dimensions (`--parallel.*`), and recompute and micro-batch (`--train.*`): layouts
+whose step times differ by what the plan models (communication, bubble, recompute), so that the
+ranking is a test of the model rather than of the machine's noise between near-equal ones."""
+TRAIN_KEYS = ("recompute", "micro_batch_size")
 GLOO = dataclasses.replace(
     DEPTHSCALE,
     name="depthscale-gloo",
@@ -68,7 +77,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--residual", default="block")
-    p.add_argument("--passes", type=int, default=2, help="runs of every layout, order alternating")
+    p.add_argument("--passes", type=int, default=3, help="runs of every layout, order alternating")
     p.add_argument("--out")
     return p.parse_args()
 
@@ -84,6 +93,7 @@ def _worker(rank: int, world: int, args, layout: dict, work: str, port: int, que
     from depthscale.train.trainer import Trainer
 
     total = args.warmup + args.steps * args.rounds
+    run_dir = f"{work}/run-" + "-".join(f"{k}{v}" for k, v in layout.items())
     overrides = [
         *("--data.path", f"{work}/corpus.txt", "--data.seq_len", str(args.seq)),
         *("--model.dim", str(args.dim), "--model.n_layers", str(args.layers)),
@@ -92,10 +102,11 @@ def _worker(rank: int, world: int, args, layout: dict, work: str, port: int, que
         *("--train.batch_size", str(args.batch), "--train.steps", str(total + 2)),
         *("--train.eval_every", "0", "--checkpoint.every", "0", "--optim.warmup_steps", "2"),
         *("--logging.progress", "false", "--logging.tensorboard", "false"),
-        *("--logging.peak_tflops", "1", "--train.run_dir", f"{work}/run-{world}-{len(layout)}"),
+        *("--logging.peak_tflops", "1", "--train.run_dir", run_dir),
     ]
     for name, value in layout.items():
-        overrides += [f"--parallel.{name}", str(value)]
+        section = "train" if name in TRAIN_KEYS else "parallel"
+        overrides += [f"--{section}.{name}", str(value)]
     trainer = Trainer(load_config(None, overrides))
     starts: dict[int, float] = {}
     begin = trainer.telemetry.begin_step
@@ -121,6 +132,7 @@ def _worker(rank: int, world: int, args, layout: dict, work: str, port: int, que
             "ffn": cfg.model.hidden_dim,
             "micro_batch": args.batch
             // (cfg.parallel.dp_replicate * cfg.parallel.dp_shard * cfg.grad_accum_steps),
+            "recompute": cfg.train.recompute,
         }
     )
 
@@ -142,10 +154,7 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
 def main() -> None:
     args = _args()
     worlds = sorted({_world(lay) for lay in LAYOUTS})
-    clusters = {
-        n: Cluster(**{k: v for k, v in measure_cluster(n, budget_s=0.5).items() if k != "measured"})
-        for n in worlds
-    }
+    calibrations: dict[int, list[dict]] = {n: [] for n in worlds}
     rows = []
     with tempfile.TemporaryDirectory() as work:
         os.environ.setdefault("DEPTHSCALE_CACHE", f"{work}/cache")
@@ -157,9 +166,13 @@ def main() -> None:
         runs: dict[int, list] = {i: [] for i in range(len(LAYOUTS))}
         order = list(range(len(LAYOUTS)))
         for p in range(args.passes):  # alternate the order: drift hits every layout alike
+            for n in worlds:  # calibrate every pass: the cluster is the median over the run
+                measured = measure_cluster(n, budget_s=0.5)
+                calibrations[n].append({k: v for k, v in measured.items() if k != "measured"})
             for i in order if p % 2 == 0 else order[::-1]:
                 world = _world(LAYOUTS[i])
                 runs[i].append(run_ranks(_worker, world, world, args, LAYOUTS[i], work))
+        clusters = {n: Cluster(**_median_of(calibrations[n])) for n in worlds}
         for i, layout in enumerate(LAYOUTS):
             world = _world(layout)
             measured = statistics.median(
@@ -178,6 +191,7 @@ def main() -> None:
                 tp=layout.get("tp", 1), pp=layout.get("pp", 1), v=layout.get("pp_virtual", 1),
                 cp=layout.get("cp", 1), dp_shard=layout.get("dp_shard", 1),
                 dp_replicate=layout.get("dp_replicate", 1), micro_batch=r0["micro_batch"],
+                recompute=r0["recompute"],
             )  # fmt: skip
             est = estimate(
                 Workload(spec, args.seq, args.batch, "float32"), clusters[world], lay, GLOO, world
@@ -204,10 +218,24 @@ def main() -> None:
         Path(args.out).write_text(text + "\n")
 
 
+def _median_of(values: list):
+    """The element-wise median of equally shaped calibrations (numbers, nested in dicts and
+    lists; anything else taken from the first): a shared machine drifts over the minutes a run
+    takes, and one calibration at its start would price every layout at that moment's speed."""
+    first = values[0]
+    if isinstance(first, bool) or not isinstance(first, int | float | dict | list | tuple):
+        return first
+    if isinstance(first, dict):
+        return {k: _median_of([v[k] for v in values]) for k in first}
+    if isinstance(first, list | tuple):
+        return type(first)(_median_of([v[i] for v in values]) for i in range(len(first)))
+    return statistics.median(values)
+
+
 def _world(layout: dict[str, int]) -> int:
     n = 1
     for key in ("tp", "pp", "cp", "dp_shard", "dp_replicate"):
-        n *= layout.get(key, 1)
+        n *= int(layout.get(key, 1))
     return n
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -241,8 +242,11 @@ def test_calibration_fits_and_measured_gemm_curves():
 
     bw, lat = fit_link([(b, 2e-5 + b / 3e9) for b in (1e3, 1e5, 1e6, 4e6)])
     assert bw == pytest.approx(3e9, rel=1e-9) and lat == pytest.approx(2e-5, rel=1e-6)
-    bw, lat = fit_link([(1e3, 5e-3), (1e6, 1e-3), (4e6, 4e-3)])  # a descheduled small call
+    # a descheduled smallest call: the next size up stands in for the latency
+    bw, lat = fit_link([(1e3, 5e-3), (1e6, 2e-3), (4e6, 5e-3)])
     assert bw == pytest.approx(1e9) and lat == pytest.approx(1e-3)
+    bw, lat = fit_link([(1e3, 5e-3), (1e6, 6e-3), (4e6, 4e-3)])  # both small ones slow: bound
+    assert bw == pytest.approx(1e9) and lat == pytest.approx(4e-3)
     c = PRESETS["a100"].__class__(
         **{**PRESETS["a100"].to_json(), "gemm_curve": ((32, 0.5), (512, 0.9))}
     )
@@ -275,6 +279,22 @@ def test_calibration_times_shapes_in_interleaved_rounds():
     assert set(seconds) == {"a", "b"} and all(t >= 0 for t in seconds.values())
     assert order[:2] == ["a", "b"] and order[2:] == ["a", "b"] * ((len(order) - 2) // 2)
     assert len(order) >= 2 + 2 * 5  # a warm-up call each, then at least five rounds
+
+
+def test_calibration_samples_short_calls_over_a_window():
+    """With more ranks than cores a call shorter than a time slice reads a whole core; a window
+    of back-to-back calls reads the share a rank gets. The result stays seconds per call."""
+    from depthscale.observe.calibrate import _interleaved_medians
+
+    calls = []
+
+    def nap() -> None:
+        calls.append(1)
+        time.sleep(0.002)
+
+    seconds = _interleaved_medians({"nap": nap}, 0.0, window_s=0.1)
+    assert len(calls) >= 1 + 5 * 2  # the warm-up call sets the count: at least two per sample
+    assert 0.002 <= seconds["nap"] < 0.1
 
 
 def test_cli_calibrate_needs_an_existing_directory(tmp_path, capsys):

@@ -4,7 +4,8 @@ against real runs here (`depthscale plan --calibrate OUT.json --nproc N`).
 Each rank of an N-process job runs with cpu_count // N threads (what `depthscale train` gives its
 workers), all N at once, so the rates are what a rank gets beside the others (with more ranks
 than cores they share the cores), and each rate is the slowest rank's: a synchronous step waits
-for it. Shapes are timed in interleaved rounds, so a burst of load hits all alike. Measured:
+for it. Shapes are timed in interleaved rounds, so a burst of load hits all alike, and each
+sample spans several scheduler time slices, so ranks that share a core read their share. Measured:
 GEMM FLOP/s by the smallest dimension (a curve of fractions of the best), fused causal
 attention's fraction of that peak, elementwise memory bandwidth, and gloo collective and P2P
 latency and bandwidth per group size.
@@ -12,6 +13,7 @@ latency and bandwidth per group size.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -28,10 +30,12 @@ shapes of a layer's projections."""
 
 
 def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(bytes/s, latency s) of time = latency + bytes / bandwidth through the smallest and the
-    largest sample: the small one is nearly all latency, the large one nearly all bandwidth, and
-    two medians resist the outliers a shared machine produces better than a least-squares line."""
-    (b0, t0), (b1, t1) = min(samples), max(samples)
+    """(bytes/s, latency s) of time = latency + bytes / bandwidth through a small and the
+    largest sample: a small call is nearly all latency, the large one nearly all bandwidth, and
+    two medians resist the outliers a shared machine produces better than a least-squares line.
+    The small one is the quicker of the two smallest: noise only adds time."""
+    ordered = sorted(samples)
+    (b0, t0), (b1, t1) = min(ordered[:2], key=lambda s: s[1]), ordered[-1]
     if t1 <= t0:  # the small call was the slow one (the machine was busy): bound, don't fit
         return b1 / t1, min(t for _, t in samples)
     bw = (b1 - b0) / (t1 - t0)
@@ -42,30 +46,48 @@ def _interleaved_medians(
     fns: dict[str, Callable[[], object]],
     budget_s: float,
     before: Callable[[], object] | None = None,
+    window_s: float = 0.0,
+    rounds: int = 5,
 ) -> dict[str, float]:
-    """Median seconds of each fn (after `before()` each, e.g. a barrier), timed in rounds that run
-    every fn once, for at least 5 rounds and `budget_s` per fn; with no budget exactly 5, so that
-    every rank runs a collective the same number of times. Medians: under a full machine the best
-    run would be one that found a core free, not the rate a job gets. Rounds: a shared machine
-    slows down in bursts; timed one after the other, a burst lands on one shape and bends the
-    curve, timed in rounds it hits every shape alike."""
-    for fn in fns.values():
+    """Median seconds of one call of each fn (after `before()` each, e.g. a barrier), timed in
+    rounds that run every fn once, for at least `rounds` rounds and `budget_s` per fn; with no
+    budget exactly `rounds`, so that every rank runs a collective the same number of times. Medians: under a
+    full machine the best run would be one that found a core free, not the rate a job gets.
+    Rounds: a shared machine slows down in bursts; timed one after the other, a burst lands on one
+    shape and bends the curve, timed in rounds it hits every shape alike.
+
+    `window_s` > 0 times each sample as back-to-back calls lasting at least that long (the count
+    is set by the warm-up call): with more processes than cores, a call shorter than the
+    scheduler's time slice mostly runs unpreempted and reads a whole core's speed, while a job's
+    ranks get a share of one. Collectives keep one call a sample (every rank must make the same
+    calls)."""
+    reps: dict[str, int] = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
         fn()
+        first = max(time.perf_counter() - t0, 1e-6)
+        reps[name] = max(1, math.ceil(window_s / first)) if window_s > 0 else 1
     samples: dict[str, list[float]] = {name: [] for name in fns}
     start = time.perf_counter()
-    rounds = 0
-    while rounds < 5 or time.perf_counter() - start < budget_s * len(fns):
+    done = 0
+    while done < rounds or time.perf_counter() - start < budget_s * len(fns):
         for name, fn in fns.items():
             if before is not None:
                 before()
             t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-        rounds += 1
+            for _ in range(reps[name]):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / reps[name])
+        done += 1
     return {name: statistics.median(t) for name, t in samples.items()}
 
 
-def _local(budget_s: float) -> dict:
+WINDOW_S = 0.05
+"""Shortest sample of a local measurement: several of Linux's time slices, so that ranks sharing
+a core each read their share of it."""
+
+
+def _local(budget_s: float, window_s: float = WINDOW_S) -> dict:
     work: dict[str, float] = {}
     fns: dict[str, Callable[[], object]] = {}
     for x in GEMM_SIDES:
@@ -76,7 +98,7 @@ def _local(budget_s: float) -> dict:
     work["attention"] = 0.5 * 4 * 2 * 4 * 512 * 512 * 64
     fns["attention"] = lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)
     work["elementwise"], fns["elementwise"] = _elementwise_pass()
-    seconds = _interleaved_medians(fns, budget_s)
+    seconds = _interleaved_medians(fns, budget_s, window_s=window_s)
     rate = {name: work[name] / seconds[name] for name in fns}
     samples = [(float(x), rate[f"gemm{x}"]) for x in GEMM_SIDES]
     peak = max(r for _, r in samples)
@@ -124,9 +146,20 @@ def _slowest(results: list[dict]) -> dict:
     }
 
 
-def _local_worker(rank: int, threads: int, budget_s: float, queue) -> None:
+def _local_worker(rank: int, threads: int, budget_s: float, sync, queue) -> None:
+    """`_local` beside the other ranks: all start together, and each keeps a core busy until the
+    last has finished, so no rank measures with the machine to itself."""
+    start, finished = sync
     torch.set_num_threads(threads)
-    queue.put((rank, _local(budget_s)))
+    a = torch.randn(256, 256)
+    start.wait(timeout=300)
+    result = _local(budget_s)
+    with finished.get_lock():
+        finished.value += 1
+    deadline = time.monotonic() + 300  # a rank that died leaves the parent to stop us
+    while finished.value < start.parties and time.monotonic() < deadline:
+        a @ a
+    queue.put((rank, result))
 
 
 def _concurrent_local(nproc: int, threads: int, budget_s: float) -> dict:
@@ -139,7 +172,11 @@ def _concurrent_local(nproc: int, threads: int, budget_s: float) -> dict:
             return _local(budget_s)
         finally:
             torch.set_num_threads(previous)
-    results = dict(_spawn(_local_worker, nproc, (threads, budget_s), nproc, 600))
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    sync = (ctx.Barrier(nproc), ctx.Value("i", 0))
+    results = dict(_spawn(_local_worker, nproc, (threads, budget_s, sync), nproc, 600))
     return _slowest([results[r] for r in range(nproc)])
 
 
@@ -180,6 +217,10 @@ def _spawn(
 COLLECTIVE_SIZES = (2**12, 2**16, 2**20, 2**22)
 """Payload bytes each collective is timed at."""
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+COMM_ROUNDS = 21
+"""Calls of each operation and size (after a barrier each): on two shared cores one call in
+three can take several times the median, and five calls left the fitted latency and bandwidth
+varying by 3x between runs."""
 
 
 def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
@@ -222,7 +263,7 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
                 ),
                 "p2p": p2p,
             }
-            seconds = _interleaved_medians(runs, 0.0, before=dist.barrier)
+            seconds = _interleaved_medians(runs, 0.0, before=dist.barrier, rounds=COMM_ROUNDS)
             for op in runs:
                 samples[op].append((float(n * 4), seconds[op]))
         out[size] = samples
