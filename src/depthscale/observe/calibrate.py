@@ -51,10 +51,10 @@ def _interleaved_medians(
 ) -> dict[str, float]:
     """Median seconds of one call of each fn (after `before()` each, e.g. a barrier), timed in
     rounds that run every fn once, for at least `rounds` rounds and `budget_s` per fn; with no
-    budget exactly `rounds`, so that every rank runs a collective the same number of times. Medians: under a
-    full machine the best run would be one that found a core free, not the rate a job gets.
-    Rounds: a shared machine slows down in bursts; timed one after the other, a burst lands on one
-    shape and bends the curve, timed in rounds it hits every shape alike.
+    budget exactly `rounds`, so that every rank runs a collective the same number of times.
+    Medians: under a full machine the best run would be one that found a core free, not the rate
+    a job gets. Rounds: a shared machine slows down in bursts; timed one after the other, a burst
+    lands on one shape and bends the curve, timed in rounds it hits every shape alike.
 
     `window_s` > 0 times each sample as back-to-back calls lasting at least that long (the count
     is set by the warm-up call): with more processes than cores, a call shorter than the
