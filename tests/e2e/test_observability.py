@@ -4,7 +4,7 @@
 - every pipeline message (activations and gradients, with the AttnRes depth cache) and every ring
   transfer is one arrow in the merged timeline, as many as the schedule posts; injected ±50 ms
   clock skews are measured and undone; nothing points back in time;
-- a rank made 20 % slower is named with its coordinates;
+- a rank made 40 % slower is named with its coordinates;
 - a rank that stops (SIGSTOP) before a data-parallel all-reduce, a pipeline receive or a ring send,
   or in its backward while FSDP's reductions wait for it, is named, with the operation its peers
   wait in, although it writes no dump itself.
@@ -223,8 +223,15 @@ def _straggler_drill(tmp_path: Path, victim: int, slow: str, expect: str, *more:
     assert (run / "trace" / "stragglers.png").stat().st_size > 10_000
 
 
+# How much slower the drills make a rank: 40 % more CPU time in its forward and backward reads as
+# 30-55 % more busy time than its peers. 20 % read as only 10-25 % (the peers' CPU time moves
+# with the victim's: four ranks share two cores), a margin over the 12 % threshold that one CI run
+# in a few missed by step 20.
+SLOWED = "40%"
+
+
 def test_a_slowed_rank_is_named_and_is_the_hottest_cell(tmp_path):
-    _straggler_drill(tmp_path, 2, "20%", "compute")
+    _straggler_drill(tmp_path, 2, SLOWED, "compute")
 
 
 def test_a_slow_data_loader_is_blamed_on_its_data_phase_only(tmp_path):
@@ -238,7 +245,7 @@ def test_a_slow_data_loader_is_blamed_on_its_data_phase_only(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("drill", range(10))
 def test_straggler_drills_repeated(tmp_path, drill):
-    _straggler_drill(tmp_path, drill % 4, "20%", "compute")
+    _straggler_drill(tmp_path, drill % 4, SLOWED, "compute")
 
 
 @pytest.mark.slow
