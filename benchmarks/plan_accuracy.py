@@ -6,11 +6,15 @@
 Each pass measures this machine as a cluster for jobs of 1, 2 and 4 local ranks
 (`observe.calibrate.measure_cluster`: GEMM rate by shape, attention, memory bandwidth, gloo
 collective latency and bandwidth), then trains every layout (`Trainer.fit`, the trainer's real
-loop). A layout's step time — the median over rounds and passes of the slowest rank — is compared
-with the plan's prediction for the same model, batch and layout on the median of the passes'
-calibrations (framework `depthscale` without communication overlap: on gloo the collectives run
-on the cores that compute). Prints JSON: per layout measured and predicted seconds and their
-ratio, Spearman's rank correlation, the median absolute error.
+loop) and right after each run measures the compute rates again for its rank count
+(`measure_compute`): this shared machine's speed drifts by 20 % and more over the minutes a pass
+takes, and a rate taken minutes away prices a run at another moment's speed. A layout's step
+time — the median over rounds and passes of the slowest rank — is compared with the median over
+passes of the plan's prediction for the same model, batch and layout on the passes' median
+collectives and the compute rates measured beside that pass's run (framework `depthscale` without
+communication overlap: on gloo the collectives run on the cores that compute). Prints JSON: per
+layout measured and predicted seconds and their ratio, Spearman's rank correlation, the median
+absolute error.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_info, run_ranks  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
-from depthscale.observe.calibrate import measure_cluster  # noqa: E402
+from depthscale.observe.calibrate import measure_cluster, measure_compute  # noqa: E402
 from depthscale.plan.estimate import Workload, estimate  # noqa: E402
 from depthscale.plan.frameworks import DEPTHSCALE  # noqa: E402
 from depthscale.plan.hardware import Cluster  # noqa: E402
@@ -164,6 +168,7 @@ def main() -> None:
             )
         )
         runs: dict[int, list] = {i: [] for i in range(len(LAYOUTS))}
+        beside: dict[int, list[dict]] = {i: [] for i in range(len(LAYOUTS))}
         order = list(range(len(LAYOUTS)))
         for p in range(args.passes):  # alternate the order: drift hits every layout alike
             for n in worlds:  # calibrate every pass: the cluster is the median over the run
@@ -172,6 +177,7 @@ def main() -> None:
             for i in order if p % 2 == 0 else order[::-1]:
                 world = _world(LAYOUTS[i])
                 runs[i].append(run_ranks(_worker, world, world, args, LAYOUTS[i], work))
+                beside[i].append(measure_compute(world, budget_s=0.5))
         clusters = {n: Cluster(**_median_of(calibrations[n])) for n in worlds}
         for i, layout in enumerate(LAYOUTS):
             world = _world(layout)
@@ -193,12 +199,16 @@ def main() -> None:
                 dp_replicate=layout.get("dp_replicate", 1), micro_batch=r0["micro_batch"],
                 recompute=r0["recompute"],
             )  # fmt: skip
-            est = estimate(
-                Workload(spec, args.seq, args.batch, "float32"), clusters[world], lay, GLOO, world
-            )
+            work_ = Workload(spec, args.seq, args.batch, "float32")
+            ests = [
+                estimate(work_, _with(clusters[world], rates), lay, GLOO, world)
+                for rates in beside[i]
+            ]
+            est = sorted(ests, key=lambda e: e.step_s)[len(ests) // 2]  # the median prediction
+            peaks = [round(r["peak_flops"]["float32"] / 1e9, 1) for r in beside[i]]
             rows.append({"layout": layout, "ranks": world, "measured_s": round(measured, 4),
                          "predicted_s": round(est.step_s, 4), "ok": est.ok, "reason": est.reason,
-                         "ratio": round(est.step_s / measured, 3),
+                         "ratio": round(est.step_s / measured, 3), "gflops_beside": peaks,
                          "predicted_parts_s": {k: round(v, 4) for k, v in est.times.items()}})  # fmt: skip
     errors = [abs(r["ratio"] - 1) for r in rows]
     report = {
@@ -216,6 +226,13 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+
+
+def _with(cluster: Cluster, rates: dict) -> Cluster:
+    """`cluster` with the compute fields of a `measure_compute` result."""
+    fields = {k: v for k, v in rates.items() if k in Cluster.__dataclass_fields__}
+    fields["gemm_curve"] = tuple(tuple(p) for p in fields["gemm_curve"])
+    return dataclasses.replace(cluster, **fields)
 
 
 def _median_of(values: list):

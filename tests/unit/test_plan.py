@@ -297,6 +297,37 @@ def test_calibration_samples_short_calls_over_a_window():
     assert 0.002 <= seconds["nap"] < 0.1
 
 
+def test_collectives_are_charged_what_they_add_between_bursts_of_compute(monkeypatch):
+    """A collective is timed as a step meets it: each call after a burst of compute, and charged
+    what the loop of both takes over the loop of the bursts alone (a clock the calls advance
+    makes the arithmetic exact); a call that reads as free costs a microsecond, not less."""
+    from depthscale.observe import calibrate
+
+    clock = [0.0]
+    calls: list[str] = []
+
+    def work(name: str, seconds: float):
+        def fn() -> None:
+            calls.append(name)
+            clock[0] += seconds
+
+        return fn
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    costs = calibrate._costs_after_compute(
+        {"op": work("op", 0.25), "free": work("free", 0.0)},
+        work("burst", 1.0),
+        rounds=3,
+        calls=4,
+        before=work("barrier", 7.0),  # outside the timed loops
+    )
+    assert costs == {"op": pytest.approx(0.25), "free": 1e-6}
+    round_ = ["barrier", *["burst"] * 4]
+    for name in ("op", "free"):
+        round_ += ["barrier", *[name_ for _ in range(4) for name_ in ("burst", name)]]
+    assert calls == round_ * 3
+
+
 def test_cli_calibrate_needs_an_existing_directory(tmp_path, capsys):
     assert main(["plan", "--calibrate", str(tmp_path / "no" / "c.json")]) == 2
     assert "does not exist" in capsys.readouterr().err

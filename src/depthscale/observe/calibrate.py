@@ -8,7 +8,8 @@ for it. Shapes are timed in interleaved rounds, so a burst of load hits all alik
 sample spans several scheduler time slices, so ranks that share a core read their share. Measured:
 GEMM FLOP/s by the smallest dimension (a curve of fractions of the best), fused causal
 attention's fraction of that peak, elementwise memory bandwidth, and gloo collective and P2P
-latency and bandwidth per group size.
+latency and bandwidth per group size — each call timed between bursts of compute, as a step makes
+it, not right after a barrier.
 """
 
 from __future__ import annotations
@@ -45,13 +46,11 @@ def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
 def _interleaved_medians(
     fns: dict[str, Callable[[], object]],
     budget_s: float,
-    before: Callable[[], object] | None = None,
     window_s: float = 0.0,
     rounds: int = 5,
 ) -> dict[str, float]:
-    """Median seconds of one call of each fn (after `before()` each, e.g. a barrier), timed in
-    rounds that run every fn once, for at least `rounds` rounds and `budget_s` per fn; with no
-    budget exactly `rounds`, so that every rank runs a collective the same number of times.
+    """Median seconds of one call of each fn, timed in rounds that run every fn once, for at
+    least `rounds` rounds and `budget_s` per fn.
     Medians: under a full machine the best run would be one that found a core free, not the rate
     a job gets. Rounds: a shared machine slows down in bursts; timed one after the other, a burst
     lands on one shape and bends the curve, timed in rounds it hits every shape alike.
@@ -59,8 +58,7 @@ def _interleaved_medians(
     `window_s` > 0 times each sample as back-to-back calls lasting at least that long (the count
     is set by the warm-up call): with more processes than cores, a call shorter than the
     scheduler's time slice mostly runs unpreempted and reads a whole core's speed, while a job's
-    ranks get a share of one. Collectives keep one call a sample (every rank must make the same
-    calls)."""
+    ranks get a share of one."""
     reps: dict[str, int] = {}
     for name, fn in fns.items():
         t0 = time.perf_counter()
@@ -72,8 +70,6 @@ def _interleaved_medians(
     done = 0
     while done < rounds or time.perf_counter() - start < budget_s * len(fns):
         for name, fn in fns.items():
-            if before is not None:
-                before()
             t0 = time.perf_counter()
             for _ in range(reps[name]):
                 fn()
@@ -217,15 +213,55 @@ def _spawn(
 COLLECTIVE_SIZES = (2**12, 2**16, 2**20, 2**22)
 """Payload bytes each collective is timed at."""
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-COMM_ROUNDS = 21
-"""Calls of each operation and size (after a barrier each): on two shared cores one call in
-three can take several times the median, and five calls left the fitted latency and bandwidth
-varying by 3x between runs."""
+COMM_ROUNDS = 9
+"""Samples of each operation and size, interleaved with the compute-only loop they are taken
+against; their median resists a burst of load on a shared machine."""
+SYNC_CALLS = 4
+"""Calls of an operation in one sample (each after a burst of compute): their mean keeps the
+occasional slow wake-up a step pays as well."""
+SYNC_BURST_S = 0.01
+"""Compute before each timed call: longer than a scheduler time slice (ranks sharing a core are
+preempted within it, as in a step's layer) and about what a layer computes between two of its
+collectives in the runs the model is checked against. Timed right after a barrier, a two-rank
+all-reduce reads ~0.4 ms here; after compute it costs 1.5-4 ms, and a four-rank one on two cores
+5 ms against 7-10 ms (measured on this 2-core VM): the ranks that arrive first have gone idle and
+must be woken, and ranks leave it at different moments. A step pays the second figure."""
+
+
+def _costs_after_compute(
+    fns: dict[str, Callable[[], object]],
+    burst: Callable[[], object],
+    rounds: int = COMM_ROUNDS,
+    calls: int = SYNC_CALLS,
+    before: Callable[[], object] | None = None,
+) -> dict[str, float]:
+    """Seconds one call of each fn adds to a loop of `burst(); fn()` over the loop of `burst()`
+    alone, as a training step meets a collective: between two stretches of compute. Median over
+    `rounds` samples, each fn's taken beside a compute-only loop of the same round."""
+
+    def loop(fn: Callable[[], object] | None) -> float:
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            burst()
+            if fn is not None:
+                fn()
+        return (time.perf_counter() - t0) / calls
+
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        alone = loop(None)
+        for name, fn in fns.items():
+            samples[name].append(loop(fn) - alone)
+    # noise can make a tiny call read as negative: the cost is at least a microsecond
+    return {name: max(1e-6, statistics.median(t)) for name, t in samples.items()}
 
 
 def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
     """Time each operation in groups of every power-of-two size up to `world`, all groups of a
-    size at once (as a layout's groups run): rank 0 reports, per size, (payload, seconds)."""
+    size at once (as a layout's groups run), each call after the same burst of compute on every
+    rank (`_costs_after_compute`): rank 0 reports, per size, (payload, seconds)."""
     import torch.distributed as dist
 
     from depthscale.parallel import p2p as p2p_layer
@@ -236,6 +272,17 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
     )
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    reps = torch.tensor([max(1, round(SYNC_BURST_S * 50 / (time.perf_counter() - t0)))])
+    dist.broadcast(reps, 0)  # every rank bursts the same work, as a layout's ranks compute
+
+    def burst(n: int = int(reps)) -> None:
+        for _ in range(n):
+            a @ a
+
     out: dict[int, dict[str, list[tuple[float, float]]]] = {}
     size = 2
     while size <= world:
@@ -263,7 +310,7 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
                 ),
                 "p2p": p2p,
             }
-            seconds = _interleaved_medians(runs, 0.0, before=dist.barrier, rounds=COMM_ROUNDS)
+            seconds = _costs_after_compute(runs, burst, before=dist.barrier)
             for op in runs:
                 samples[op].append((float(n * 4), seconds[op]))
         out[size] = samples
@@ -280,12 +327,26 @@ def _comm(world: int, threads: int) -> dict[int, dict[str, list[tuple[float, flo
     return _spawn(_comm_worker, world, (world, port, threads), 1, 300)[0]
 
 
+def measure_compute(nproc: int = 1, budget_s: float = 0.2) -> dict:
+    """The compute fields of a cluster description (peak, GEMM curve, attention, memory
+    bandwidth) for jobs of `nproc` local ranks: the quick part of `measure_cluster`, to re-measure
+    beside each run on a machine whose speed drifts."""
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    local = _concurrent_local(nproc, threads, budget_s)
+    return {
+        "peak_flops": {"float32": local["peak"], "bfloat16": local["peak"]},
+        "hbm_bw": local["memory_bw"],
+        "gemm_curve": local["curve"],
+        "attention_efficiency": local["attention_efficiency"],
+        "measured": {"threads_per_rank": threads, "gemm": local["gemm_samples"]},
+    }
+
+
 def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
     """A cluster description (the fields of `plan.hardware.Cluster`) of this machine for jobs of
     `nproc` local ranks."""
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // nproc)
-    local = _concurrent_local(nproc, threads, budget_s)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    compute = measure_compute(nproc, budget_s)
     links: dict[str, list[tuple[int, float, float]]] = {}
     if nproc > 1:
         for n, ops in _comm(nproc, threads).items():
@@ -297,20 +358,16 @@ def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {
         "name": f"cpu-{nproc}",
-        "peak_flops": {"float32": local["peak"], "bfloat16": local["peak"]},
+        **compute,
         "hbm_bytes": pages / nproc,
-        "hbm_bw": local["memory_bw"],
         "gpus_per_node": nproc,
         "intra_bw": bw,
         "inter_bw": bw,
         "intra_latency": step_latency,
         "inter_latency": step_latency,
         "gemm_efficiency": 1.0,
-        "gemm_curve": local["curve"],
-        "attention_efficiency": local["attention_efficiency"],
         "memory_efficiency": 1.0,
         "comm_efficiency": 1.0,
         "memory_reserve": 0.0,
         "collectives": links,
-        "measured": {"threads_per_rank": threads, "gemm": local["gemm_samples"]},
     }
