@@ -3,18 +3,17 @@
     python benchmarks/plan_accuracy.py [--dim 256 --layers 4 --seq 256 --batch 8 --steps 3
                                         --rounds 3 --out benchmarks/results/plan_accuracy_cpu.json]
 
-Each pass measures this machine as a cluster for jobs of 1, 2 and 4 local ranks
-(`observe.calibrate.measure_cluster`: GEMM rate by shape, attention, memory bandwidth, gloo
-collective latency and bandwidth), then trains every layout (`Trainer.fit`, the trainer's real
-loop) and right after each run measures the compute rates again for its rank count
-(`measure_compute`): this shared machine's speed drifts by 20 % and more over the minutes a pass
-takes, and a rate taken minutes away prices a run at another moment's speed. A layout's step
-time — the median over rounds and passes of the slowest rank — is compared with the median over
-passes of the plan's prediction for the same model, batch and layout on the passes' median
-collectives and the compute rates measured beside that pass's run (framework `depthscale` without
-communication overlap: on gloo the collectives run on the cores that compute). Prints JSON: per
-layout measured and predicted seconds and their ratio, Spearman's rank correlation, the median
-absolute error.
+Each pass measures this machine's gloo collectives for jobs of 2 and 4 local ranks
+(`observe.calibrate.measure_links`: latency and bandwidth), then trains every layout
+(`Trainer.fit`, the trainer's real loop) and right after each run measures the compute rates for
+its rank count (`measure_compute`: GEMM rate by shape, attention, memory bandwidth): this shared
+machine's speed drifts by 20 % and more over the minutes a pass takes, and a rate taken minutes
+away prices a run at another moment's speed. A layout's step time — the median over rounds and
+passes of the slowest rank — is compared with the median over passes of the plan's prediction
+for the same model, batch and layout on the passes' median collectives and the compute rates
+measured beside that pass's run (framework `depthscale` without communication overlap: on gloo
+the collectives run on the cores that compute). Prints JSON: per layout measured and predicted
+seconds and their ratio, Spearman's rank correlation, the median absolute error.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_info, run_ranks  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
-from depthscale.observe.calibrate import measure_cluster, measure_compute  # noqa: E402
+from depthscale.observe.calibrate import describe, measure_compute, measure_links  # noqa: E402
 from depthscale.plan.estimate import Workload, estimate  # noqa: E402
 from depthscale.plan.frameworks import DEPTHSCALE  # noqa: E402
 from depthscale.plan.hardware import Cluster  # noqa: E402
@@ -158,7 +157,7 @@ def _spearman(xs: list[float], ys: list[float]) -> float:
 def main() -> None:
     args = _args()
     worlds = sorted({_world(lay) for lay in LAYOUTS})
-    calibrations: dict[int, list[dict]] = {n: [] for n in worlds}
+    calibrations: dict[int, list[dict]] = {n: [] for n in worlds}  # collectives per pass
     rows = []
     with tempfile.TemporaryDirectory() as work:
         os.environ.setdefault("DEPTHSCALE_CACHE", f"{work}/cache")
@@ -171,14 +170,13 @@ def main() -> None:
         beside: dict[int, list[dict]] = {i: [] for i in range(len(LAYOUTS))}
         order = list(range(len(LAYOUTS)))
         for p in range(args.passes):  # alternate the order: drift hits every layout alike
-            for n in worlds:  # calibrate every pass: the cluster is the median over the run
-                measured = measure_cluster(n, budget_s=0.5)
-                calibrations[n].append({k: v for k, v in measured.items() if k != "measured"})
+            for n in worlds:  # every pass: the collectives are the median over the run
+                calibrations[n].append(measure_links(n))
             for i in order if p % 2 == 0 else order[::-1]:
                 world = _world(LAYOUTS[i])
                 runs[i].append(run_ranks(_worker, world, world, args, LAYOUTS[i], work))
                 beside[i].append(measure_compute(world, budget_s=0.5))
-        clusters = {n: Cluster(**_median_of(calibrations[n])) for n in worlds}
+        links = {n: _median_of(calibrations[n]) for n in worlds}
         for i, layout in enumerate(LAYOUTS):
             world = _world(layout)
             measured = statistics.median(
@@ -201,7 +199,7 @@ def main() -> None:
             )  # fmt: skip
             work_ = Workload(spec, args.seq, args.batch, "float32")
             ests = [
-                estimate(work_, _with(clusters[world], rates), lay, GLOO, world)
+                estimate(work_, _cluster(world, rates, links[world]), lay, GLOO, world)
                 for rates in beside[i]
             ]
             est = sorted(ests, key=lambda e: e.step_s)[len(ests) // 2]  # the median prediction
@@ -214,7 +212,7 @@ def main() -> None:
     report = {
         **device_info(),
         "config": vars(args),
-        "clusters": {n: dataclasses.asdict(c) for n, c in clusters.items()},
+        "collectives": links,
         "layouts": rows,
         "spearman": round(
             _spearman([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows]), 3
@@ -228,11 +226,10 @@ def main() -> None:
         Path(args.out).write_text(text + "\n")
 
 
-def _with(cluster: Cluster, rates: dict) -> Cluster:
-    """`cluster` with the compute fields of a `measure_compute` result."""
-    fields = {k: v for k, v in rates.items() if k in Cluster.__dataclass_fields__}
-    fields["gemm_curve"] = tuple(tuple(p) for p in fields["gemm_curve"])
-    return dataclasses.replace(cluster, **fields)
+def _cluster(nproc: int, rates: dict, links: dict) -> Cluster:
+    """The cluster of a `measure_compute` result and the run's median collectives."""
+    fields = describe(nproc, rates, links)
+    return Cluster(**{k: v for k, v in fields.items() if k != "measured"})
 
 
 def _median_of(values: list):

@@ -342,17 +342,22 @@ def measure_compute(nproc: int = 1, budget_s: float = 0.2) -> dict:
     }
 
 
-def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
-    """A cluster description (the fields of `plan.hardware.Cluster`) of this machine for jobs of
-    `nproc` local ranks."""
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    compute = measure_compute(nproc, budget_s)
+def measure_links(nproc: int) -> dict[str, list[tuple[int, float, float]]]:
+    """Per operation, (group size, latency s per call, payload bytes/s) for every group size of a
+    job of `nproc` local ranks (a cluster description's `collectives`); none for one rank."""
     links: dict[str, list[tuple[int, float, float]]] = {}
     if nproc > 1:
+        threads = max(1, (os.cpu_count() or 1) // nproc)
         for n, ops in _comm(nproc, threads).items():
             for op, samples in ops.items():
                 bw, latency = fit_link(samples)
                 links.setdefault(op, []).append((n, latency, bw))  # per call, payload bytes
+    return links
+
+
+def describe(nproc: int, compute: dict, links: dict[str, list[tuple[int, float, float]]]) -> dict:
+    """A cluster description (the fields of `plan.hardware.Cluster`, and what was `measured`) of
+    this machine for jobs of `nproc` local ranks, from `measure_compute` and `measure_links`."""
     _, latency, bw = links["all_reduce"][-1] if links else (1, 0.0, 1e12)
     step_latency = latency / max(1, 2 * (nproc - 1))
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -371,3 +376,8 @@ def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
         "memory_reserve": 0.0,
         "collectives": links,
     }
+
+
+def measure_cluster(nproc: int = 1, budget_s: float = 0.2) -> dict:
+    """A cluster description of this machine for jobs of `nproc` local ranks (`describe`)."""
+    return describe(nproc, measure_compute(nproc, budget_s), measure_links(nproc))
