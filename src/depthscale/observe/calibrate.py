@@ -198,8 +198,15 @@ def _spawn(
     ]
     done = False
     try:
-        for p in procs:
-            p.start()
+        # started with Ctrl-C blocked, the workers inherit the block: one interrupted while it
+        # still imports (before `_ignoring_interrupts` runs) printed a traceback. The parent
+        # takes a Ctrl-C that came meanwhile once it unblocks.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         out = [queue.get(timeout=timeout_s) for _ in range(replies)]
         done = True
         return out
