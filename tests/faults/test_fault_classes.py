@@ -73,6 +73,23 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path):
     assert_same_run(run, reference)
 
 
+@pytest.mark.slow
+def test_checkpoints_damaged_after_their_save_never_cost_the_last_good_one(tmp_path):
+    """keep = 2, saves at 4, 8, 12, 16; the bytes of step 8 and then of step 12 are flipped after
+    each was saved and verified, then the rank is killed. Retention that trusted its save-time
+    verdicts deleted step 4 at the save of 12, leaving nothing that verifies: the restart found
+    no checkpoint to resume from. Re-hashing what it keeps, it keeps 4 and the run recovers."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    one = ["--resilience.supervise", "true", "--resilience.diagnose", "false"]
+    _ok(train(reference, *one, steps=16))
+    keep = ["--checkpoint.keep", "2"]
+    proc = train(run, *one, *keep, "--faults", "corrupt@8,corrupt@12,kill@0:14", steps=16)
+    _ok(proc)
+    assert "resumed at step 4" in proc.stdout, proc.stdout[-3000:]
+    assert "no longer" in proc.stderr and "step_00000012" in proc.stderr
+    assert_same_run(run, reference)
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_slow_rank_is_restarted(tmp_path):

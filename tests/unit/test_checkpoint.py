@@ -232,6 +232,33 @@ def test_retention_counts_only_verified_checkpoints(tmp_path, capsys):
     assert not step_dir(tmp_path, 2).exists() and step_dir(tmp_path, 5).exists()
 
 
+def test_retention_rehashes_what_it_keeps_before_deleting(tmp_path, capsys):
+    """A byte flipped after a checkpoint was saved and verified: retention must not count it (the
+    verdict from save time is stale) and so must keep the older one that still verifies."""
+    run = Run(tmp_path, keep=2).save(1, 2)
+    flip_byte(step_dir(tmp_path, 2) / "__0_0.distcp")
+    capsys.readouterr()
+
+    run.save(3)
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, s) for s in (1, 2, 3)]
+    [warned] = warnings_in(capsys.readouterr().err)
+    assert str(step_dir(tmp_path, 2)) in warned and "no longer" in warned and "corrupt" in warned
+
+    flip_byte(step_dir(tmp_path, 3) / "trainer_state.json")  # the newest damaged too
+    run.save(4)
+    assert step_dir(tmp_path, 1).exists()  # 4 and 1 are the two that verify now
+    assert newest_verified(tmp_path, ARCH) == step_dir(tmp_path, 4)
+    run.save(5)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_00000002",
+        "step_00000003",
+        "step_00000004",
+        "step_00000005",
+    ]
+    good = [p for p in list_checkpoints(tmp_path) if verify(p, ARCH) is None]
+    assert good == [step_dir(tmp_path, 4), step_dir(tmp_path, 5)]
+
+
 def test_keep_one_keeps_the_newest_verified(tmp_path):
     Run(tmp_path, keep=1).save(1, 2, 3)
     assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 3)]

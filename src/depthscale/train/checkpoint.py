@@ -24,7 +24,9 @@ Reading: resuming takes the newest checkpoint that verifies ('auto'), or a named
 verify; a multi-rank run verifies on rank 0 alone and broadcasts the choice.
 
 Retention (`checkpoint.keep`) counts verified checkpoints only, runs after the new one is complete,
-and never deletes a damaged one (it is named in a warning instead, for inspection).
+re-hashes the checkpoints it keeps before it deletes an older one (a verdict from save time is not
+trusted: bytes change after they were written), and never deletes a damaged one (it is named in a
+warning instead, for inspection).
 """
 
 from __future__ import annotations
@@ -444,24 +446,50 @@ class Checkpointer:
             )
 
     def _prune(self) -> None:
-        """Keep the newest `keep` verified checkpoints. Damaged ones (another model's included) are
+        """Keep the newest `keep` checkpoints that verify *now*; delete older verified ones.
+
+        A verdict cached at save time is not trusted for this: bytes can change after they were
+        written (a flipped bit, another process, a failing disk), and a checkpoint that no longer
+        verifies must not stand in for the one about to be deleted. So before anything is deleted,
+        the ones relied on instead are re-hashed; one that fails is named, kept for inspection and
+        not counted. At least one checkpoint that verifies now always remains. The cost, reading
+        `keep` checkpoints once per save that deletes one, is paid on rank 0 inside the save
+        (the background writer for async saves). Damaged ones (another model's included) are
         neither counted nor deleted; each is named in a warning once."""
         if self.cfg.keep <= 0:
             return
-        kept: list[Path] = []
-        for path in reversed(list_checkpoints(self.root)):
-            first_look = path not in self._verdicts
-            problem = self._verdict(path)
+        newest_first = list(reversed(list_checkpoints(self.root)))
+        candidates = [path for path in newest_first if self._first_verdict(path) is None]
+        if len(candidates) <= self.cfg.keep:
+            return  # nothing would be deleted: nothing to re-check
+        relied: list[Path] = []
+        for i, path in enumerate(candidates):
+            if len(relied) == self.cfg.keep:
+                for old in candidates[i:]:
+                    shutil.rmtree(old, ignore_errors=True)
+                    del self._verdicts[old]
+                return
+            problem = verify(path, self.model)
             if problem is None:
-                kept.append(path)
-            elif first_look:
+                relied.append(path)
+            else:
+                self._verdicts[path] = problem
                 warn_from_rank0(
-                    f"leaving damaged checkpoint {path} in place, not counted toward "
-                    f"checkpoint.keep: {problem}"
+                    f"checkpoint {path} verified when it was saved but no longer does ({problem}); "
+                    "it is left in place, not counted toward checkpoint.keep, and no older "
+                    "checkpoint is deleted in its stead"
                 )
-        for old in kept[self.cfg.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
-            del self._verdicts[old]
+
+    def _first_verdict(self, path: Path) -> str | None:
+        """The cached verdict, naming a damaged checkpoint in a warning the first time it is seen."""
+        first_look = path not in self._verdicts
+        problem = self._verdict(path)
+        if problem is not None and first_look:
+            warn_from_rank0(
+                f"leaving damaged checkpoint {path} in place, not counted toward "
+                f"checkpoint.keep: {problem}"
+            )
+        return problem
 
     def load(
         self,
