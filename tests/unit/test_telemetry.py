@@ -3,8 +3,11 @@
 import gc
 import json
 
+import pytest
 from test_trainer import make_cfg
 
+from depthscale.errors import PeersFailed, TrainingError
+from depthscale.observe.watchdog import hang_path
 from depthscale.train.telemetry import MfuAlarm
 from depthscale.train.trainer import Trainer
 
@@ -71,3 +74,28 @@ def test_gc_interval_collects_on_schedule_and_nowhere_else(tmp_path):
     lines = (trainer.run_dir / "trace" / "rank00000.jsonl").read_text().splitlines()
     steps = [r["step"] for r in map(json.loads, lines) if r.get("name") == "gc"]
     assert steps == [2, 4, 6]
+
+
+@pytest.mark.parametrize(
+    "error, hang",
+    [
+        (TrainingError("loss is nan at step 1"), False),
+        (OSError(28, "No space left on device"), False),
+        (RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete"), True),
+    ],
+    ids=["nan", "disk full", "timeout"],
+)
+def test_only_a_hang_writes_a_hang_dump(tmp_path, caplog, error, hang):
+    """A rank's own error is reported as itself; a hang dump (and its log line) is written only
+    when a collective or message timed out or lost its peer, which `trace hang` reads."""
+    cfg = make_cfg(tmp_path, "--train.eval_every", "0", "--checkpoint.every", "0")
+    trainer = Trainer(cfg)
+
+    def fail() -> None:
+        raise error
+
+    trainer._train_step = fail
+    with pytest.raises(PeersFailed if hang else type(error)):
+        trainer.fit()
+    assert hang_path(trainer.run_dir, 0).is_file() == hang
+    assert ("wrote its hang dump" in caplog.text) == hang

@@ -175,8 +175,9 @@ class Telemetry:
             self.recorder.slowdown = Slowdown(from_step, factor - 1, 0, ("forward", "backward"))
 
     def on_error(self, error: BaseException) -> None:
-        """The step failed — a collective or message timed out, a peer died, or this rank's own
-        error: dump what this rank was in, for `depthscale trace hang`."""
+        """A collective or message timed out or lost its peer: dump what this rank was in, for
+        `depthscale trace hang`. Only then — the trainer calls it for those errors alone: a rank's
+        own error (bad data, a NaN, a full disk) is no hang, and its report is the error itself."""
         if self.recorder is not None:
             path = write_hang_dump(self.run_dir, self.recorder, "error", f"{error!r}")
             log.error("rank %d: wrote its hang dump to %s", self.rank, path)

@@ -348,9 +348,9 @@ class Trainer:
             ):
                 self.signals = signals
                 return self._fit(stop_at)
-        except Exception as err:  # every rank says where it was: the hang analysis reads it
-            self.telemetry.on_error(err)
-            if _peers_failed(err):
+        except Exception as err:
+            if _peers_failed(err):  # a hang seen from here: the hang analysis reads every dump
+                self.telemetry.on_error(err)
                 raise PeersFailed(
                     f"rank {self.env.rank}: waiting for its peers failed at step {self.step + 1} "
                     f"({str(err).splitlines()[0][-160:]}); every rank that could wrote its hang "
