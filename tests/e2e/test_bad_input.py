@@ -176,6 +176,45 @@ def test_bin_of_another_dtype_is_refused(tmp_path, capsys):
     assert not run_dir.exists()
 
 
+def test_binary_corpus_is_refused_before_the_run_starts(tmp_path, capsys):
+    (tmp_path / "weights.txt").write_bytes(np.random.default_rng(0).bytes(50_000))
+    run_dir = tmp_path / "run"
+    code, _, err = run_main(
+        capsys, "train", "-c", CONFIG, *TINY, "--train.run_dir", str(run_dir),
+        "--data.path", str(tmp_path / "weights.txt"), "--data.cache_dir", str(tmp_path / "c"),
+    )  # fmt: skip
+    assert_one_line_error(code, err, "weights.txt is not text: 5", "allowed: UTF-8 text")
+    assert not run_dir.exists() and not list((tmp_path / "c").rglob("*.npy"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE with SIGXFSZ ignored: Linux")
+def test_full_disk_while_tokenizing_is_one_line_and_keeps_the_cache(tmp_path):
+    """A file-size limit makes the cache's write fail with a real EFBIG (Python ignores SIGXFSZ),
+    as a full disk does with ENOSPC: one line naming the file, and the cache as it was."""
+    import resource
+
+    cache = tmp_path / "cache"
+    kept = cache / "tokens" / "earlier.npy"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"an entry of an earlier run")
+
+    def limit() -> None:  # 64 KiB: the 100 kB corpus's tokens (200 kB) do not fit
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthscale.cli", "train", "-c", CONFIG, *TINY,
+         "--data.cache_dir", str(cache), "--train.run_dir", str(tmp_path / "run")],
+        env=dict(os.environ, PYTHONWARNINGS="ignore"), preexec_fn=limit,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert_one_line_error(
+        proc.returncode, proc.stderr, "cannot write the tokenized corpus to", str(cache / "tokens"),
+        "File too large [EFBIG]", "data.cache_dir",
+    )  # fmt: skip
+    assert [p.name for p in kept.parent.iterdir()] == ["earlier.npy"]  # no half-written entry
+    assert kept.read_bytes() == b"an entry of an earlier run"
+
+
 # ------------------------------------------------------------------ generate and trace numbers
 
 

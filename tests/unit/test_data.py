@@ -100,6 +100,38 @@ def test_max_bytes_cuts_at_character_boundary(tmp_path):
     assert docs == ["aé🙂a"]  # 8 bytes: half an 'é' is dropped
 
 
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(2000))
+
+
+def test_binary_corpus_is_refused_naming_the_file_and_the_fraction(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "blob.txt").write_bytes(rng.integers(0, 256, 20_000, np.uint8).tobytes())
+    with pytest.raises(DataError, match=r"blob.txt is not text: 5\d% of its [\d,]+ characters"):
+        list(iter_documents(DataConfig(path=str(tmp_path))))
+    # a small file alone is too short to judge by itself, but it is the whole corpus
+    (tmp_path / "small.txt").write_bytes(rng.integers(0, 256, 2_000, np.uint8).tobytes())
+    with pytest.raises(DataError, match=r"data.path='.*small.txt' is not text: .*most in"):
+        list(iter_documents(DataConfig(path=str(tmp_path / "small.txt"))))
+
+
+def test_some_binary_in_a_text_corpus_warns_once_with_the_fraction(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    (tmp_path / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_bytes(rng.integers(0, 256, 3_000, np.uint8).tobytes())
+    cfg = DataConfig(path=str(tmp_path))
+    docs = list(iter_documents(cfg))
+    assert docs[0] == TEXT
+    list(iter_documents(cfg))  # read again (BPE training, then tokenizing): no second warning
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("depthscale: warning: 1."), err
+    assert "% of the corpus" in err[0] and "most in " + str(tmp_path / "b.txt") in err[0]
+    # UTF-8 text with tabs, form feeds and non-ASCII letters is text: no warning
+    (tmp_path / "b.txt").write_text("héllo\tworld\f🙂\r\n" * 500)
+    list(iter_documents(cfg))
+    assert capsys.readouterr().err == ""
+
+
 # ------------------------------------------------------------------ token stream
 
 

@@ -8,6 +8,7 @@ half-written entry that a later run would trust.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -16,9 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from depthscale.config import DataConfig
+from depthscale.errors import DataError
 
 FORMAT_VERSION = 1
 """Bump when the cached formats change, so old entries are ignored instead of misread."""
+
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+"""Errors of a write that found no room: a full disk, a quota, a file-size limit, a read-only file
+system. Only writes raise them, so they cannot come from the corpus being read in the same block."""
 
 
 def cache_root(cfg: DataConfig) -> Path:
@@ -43,3 +49,19 @@ def atomic_path(target: Path) -> Iterator[Path]:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def cache_writes(target: Path, what: str) -> Iterator[None]:
+    """A write of `what` into the cache that finds no room is the user's to fix, not a bug: one
+    DataError naming the file and where else the cache can go. The half-written entry is gone by
+    then (`atomic_path`), and nothing the cache already held is touched."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in NO_ROOM:
+            raise
+        raise DataError(
+            f"cannot write {what} to {target}: {err.strerror} [{errno.errorcode[err.errno]}]; "
+            "free space there or set data.cache_dir (or $DEPTHSCALE_CACHE) to a disk with room"
+        ) from None

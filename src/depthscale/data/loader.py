@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from depthscale.config import DataConfig
-from depthscale.data.cache import atomic_path, cache_key, cache_root
+from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
 from depthscale.data.order import WindowOrder
 from depthscale.data.sources import corpus_identity, is_pretokenized, iter_documents, read_bin
 from depthscale.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
@@ -90,7 +90,11 @@ def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
     if path.is_file():
         return np.load(path, mmap_mode="r")
     dtype = token_dtype(tokenizer.vocab_size)
-    with atomic_path(path) as tmp, tmp.open("wb") as f:
+    with (
+        cache_writes(path, "the tokenized corpus"),
+        atomic_path(path) as tmp,
+        tmp.open("wb") as f,
+    ):
         _write_npy_stream(f, dtype, encode_documents(iter_documents(cfg), tokenizer))
     return np.load(path, mmap_mode="r")
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from depthscale.config import DataConfig
+from depthscale.data.text_check import TextMeter
 from depthscale.errors import DataError
 
 __all__ = [
@@ -88,15 +89,17 @@ def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """The corpus's documents in order, at most `data.max_bytes` bytes of UTF-8 text in all."""
+    """The corpus's documents in order, at most `data.max_bytes` bytes of UTF-8 text in all; a
+    corpus that is not text is refused or warned about once read (`data/text_check.py`)."""
     if is_pretokenized(cfg):
         raise DataError(
             f"data.path={cfg.path!r} is pre-tokenized (.bin) and has no text; "
             "a tokenizer cannot be trained on it"
         )
     files = corpus_files(cfg)  # resolved now, so a bad path fails here rather than on first next()
-    docs = (doc for f in files for doc in _read(f, cfg.jsonl_field))
-    return _limit_bytes(docs, cfg.max_bytes) if cfg.max_bytes else docs
+    meter = TextMeter(cfg.path)
+    docs = (doc for f in files for doc in _read(f, cfg.jsonl_field, meter))
+    return meter.checked(_limit_bytes(docs, cfg.max_bytes) if cfg.max_bytes else docs)
 
 
 def bin_sidecar(path: Path) -> Path:
@@ -173,12 +176,13 @@ def _check_not_wider(tokens: np.ndarray, path: Path, sample: int = 4096) -> None
         )
 
 
-def _read(path: Path, field: str) -> Iterator[str]:
-    """A .jsonl file holds one document per line; any other file (.txt, stdlib .py) is one document."""
+def _read(path: Path, field: str, meter: TextMeter) -> Iterator[str]:
+    """A .jsonl file holds one document per line; any other file (.txt, stdlib .py) is one document
+    (binary bytes in a .jsonl fail as JSON, so only the others are measured as text)."""
     if path.suffix == ".jsonl":
         yield from _read_jsonl(path, field)
     else:
-        yield path.read_bytes().decode("utf-8", errors="replace")
+        yield meter.decode(path, path.read_bytes())
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:

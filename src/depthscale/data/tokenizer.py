@@ -15,7 +15,7 @@ from pathlib import Path
 import tokenizers
 
 from depthscale.config import DataConfig
-from depthscale.data.cache import atomic_path, cache_key, cache_root
+from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
 from depthscale.data.sources import corpus_identity, is_pretokenized
 from depthscale.errors import DataError
 
@@ -188,8 +188,8 @@ def build_tokenizer(cfg: DataConfig, texts_fn: Callable[[], Iterable[str]]) -> T
         if path.is_file():
             return HFTokenizer.from_file(path, name=f"bpe{cfg.bpe_vocab_size}")
         tok = train_bpe(texts_fn(), cfg.bpe_vocab_size)
-        with atomic_path(path) as tmp:
-            tok.tok.save(str(tmp))
+        with cache_writes(path, "the trained tokenizer"), atomic_path(path) as tmp:
+            tmp.write_text(tok.tok.to_str(pretty=True))  # an OSError, where save() raises Exception
         return tok
     path = Path(kind).expanduser()
     if path.is_dir():
