@@ -92,6 +92,26 @@ def test_checkpoints_damaged_after_their_save_never_cost_the_last_good_one(tmp_p
 
 @pytest.mark.dist
 @pytest.mark.slow
+def test_a_hung_group_lets_its_save_in_flight_finish_before_the_restart(tmp_path):
+    """The save of step 4 takes 4 s more in the background writers; rank 1 freezes (SIGSTOP) at
+    step 5, found hung after 1.5 s. Stopping the group then killed the writers: step 4 was lost,
+    the restart went back to step 0 (and a supervisor that counted the staged save as progress
+    could not see the loop). Now the supervisor waits for the save, and resumes from it."""
+    run = tmp_path / "run"
+    quick = ["--resilience.hang_floor_s", "1.5", "--resilience.hang_factor", "2"]
+    proc = train(run, *DP2, *quick, "--faults", "slowsave@4:4,stop@1:5")
+    _ok(proc)
+    (settle,) = events(run, "settle")
+    assert "save of step 4 in flight" in settle["text"]
+    (settled,) = events(run, "settled")
+    assert "the save finished" in settled["text"] and settled["published"] == 4
+    (restart,) = events(run, "restart")
+    assert restart["checkpoint_step"] == 4
+    assert "resumed at step 4" in proc.stdout
+
+
+@pytest.mark.dist
+@pytest.mark.slow
 def test_slow_rank_is_restarted(tmp_path):
     """A rank 3× slower than its peers for resilience.slow_steps steps: forensics, restart."""
     run, reference = tmp_path / "run", tmp_path / "reference"

@@ -103,6 +103,7 @@ def test_hang_drills_name_the_culprit(tmp_path, drill):
     proc = train(
         run, "--nproc", "4", "--parallel.dp_shard", "2", "--parallel.tp", "2",
         "--resilience.diagnose", "false", "--faults", f"{kind}@{rank}:{step}",
+        "--resilience.hang_floor_s", "1.5", "--resilience.hang_factor", "2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     (fault,) = events(run, "fault")

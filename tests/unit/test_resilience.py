@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from depthscale.config.schema import ResilienceConfig
 from depthscale.data.loader import PackedBatches
 from depthscale.errors import CheckpointError, ConfigError
 from depthscale.resilience.faults import (
@@ -23,11 +24,12 @@ from depthscale.resilience.faults import (
 )
 from depthscale.resilience.heartbeat import main_thread_blocked_in
 from depthscale.resilience.nodes import NodePool
+from depthscale.resilience.watch import Watch
 from depthscale.train.nan_guard import SKIPPED, read_skipped, record_skipped
 
 
 def test_fault_grammar_round_trips():
-    spec = "kill@1:5,stop@0:3,hang@2:4:7.5,crash@0:2,nan@1:6,badbatch@0:7,slow@3:2.5:4,enospc@8,corrupt@4,baddiag@h/n1,kill@1:9*"
+    spec = "kill@1:5,stop@0:3,hang@2:4:7.5,crash@0:2,nan@1:6,badbatch@0:7,slow@3:2.5:4,enospc@8,corrupt@4,slowsave@4:2.5,slowsave@6,baddiag@h/n1,kill@1:9*"
     faults = parse_faults(spec)
     assert [str(f) for f in faults] == spec.split(",")
     assert faults[2] == Fault("hang", 2, 4, 7.5)
@@ -38,7 +40,7 @@ def test_fault_grammar_round_trips():
 @pytest.mark.parametrize(
     "bad",
     ["boom@1:2", "kill@1", "kill@-1:2", "kill@1:0", "slow@1:0.5", "enospc@1:2", "hang@1:2:0",
-     "nan@1:2:3", "baddiag@", "kill1:2", "kill@a:b"],
+     "nan@1:2:3", "baddiag@", "kill1:2", "kill@a:b", "slowsave@2:0", "corrupt@2:1"],
 )  # fmt: skip
 def test_bad_fault_specs_are_named(bad):
     with pytest.raises(ConfigError, match="is not a fault; allowed: kill@R:S"):
@@ -139,3 +141,105 @@ def test_heartbeat_sees_the_main_thread_blocked_in_torch_distributed(filename, b
     assert (seen[0] is not None) == blocked, seen
     if blocked:
         assert seen[0].startswith("torch.distributed distributed_c10d.py:2 wait")
+
+
+class _Group:
+    """A worker group as the watch sees it: heartbeats in a dict, nothing exits."""
+
+    def __init__(self, n: int) -> None:
+        self.subprocess_handlers: dict = {}
+        self.n = n
+
+    def pids(self) -> dict[int, int]:
+        return dict.fromkeys(range(self.n), 0)
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.kv: dict[str, str] = {}
+
+    def check(self, keys) -> bool:
+        return all(k in self.kv for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key].encode()
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    def log(self, event: str, text: str, **_) -> None:
+        self.events.append((event, text))
+
+
+def _watched(published: list[int], **heartbeat) -> tuple[Watch, _Store]:
+    store = _Store()
+    r = ResilienceConfig(hang_floor_s=1.5, hang_factor=2.0, long_phase_s=300.0)
+    watch = Watch(_Group(2), store, 0, r, ["n0", "n0"], published=lambda: published[0])
+    marks = {"first_step": 1.0}
+    for rank in range(2):
+        hb = {"seq": 1, "progress": 10, "step": 5, "step_p99_s": 0.2, "marks": marks, **heartbeat}
+        store.kv[f"hb/0/{rank}"] = json.dumps(hb)
+    for rank in watch.ranks:
+        rank.exit = None
+    return watch, store
+
+
+def _beat(store: _Store) -> None:
+    for key, value in store.kv.items():
+        hb = json.loads(value)
+        store.kv[key] = json.dumps({**hb, "seq": hb["seq"] + 1})
+
+
+def test_a_background_save_in_flight_is_a_long_phase_for_the_hang_limit():
+    """Steps beside a background save run slower (its writer takes cores and disk): a group whose
+    progress stalls 2 s while a save is in flight is not hung under a 1.5 s limit."""
+    now = time.time()
+    published = [0]
+    watch, store = _watched(published, saving=4)
+    watch._read(now - 2.0)  # progress last changed 2 s ago
+    _beat(store)  # alive, no progress
+    assert watch._read_and_judge(now, _Log()) is None
+    assert watch._progress_limit([0, 1]) == (300.0, "a background save of step 4 in flight: long_phase_s")
+
+    published[0] = 4  # on disk: the rank's next beat will say so; the directory already does
+    _beat(store)
+    fault = watch._read_and_judge(now, _Log())
+    assert fault is not None and fault.kind == "hung" and "limit 1.50 s" in fault.detail
+
+
+def test_a_hung_group_waits_for_its_save_in_flight_and_no_longer():
+    published = [0]
+    watch, store = _watched(published, saving=4)
+    watch._read(time.time())
+    log = _Log()
+    threading.Timer(0.3, lambda: published.__setitem__(0, 4)).start()
+    from depthscale.resilience.watch import Fault as Found
+
+    hung = Found("hung", [1], ["n0"], "stalled", 0.0, 0.0)
+    start = time.time()
+    watch.settle_saves(hung, log)
+    assert 0.25 < time.time() - start < 30
+    assert [e for e, _ in log.events] == ["settle", "settled"]
+    assert "the save finished" in log.events[1][1]
+
+    dead = Found("dead", [1], ["n0"], "killed by SIGKILL", 0.0, 0.0)
+    published[0] = 0
+    log = _Log()
+    watch.settle_saves(dead, log)  # a dead rank's writer died with it: nothing to wait for
+    assert log.events == []
+
+
+def test_heartbeat_probes_are_read_at_every_beat_and_never_stop_it():
+    from depthscale.resilience.heartbeat import Heartbeat
+
+    beat = Heartbeat.__new__(Heartbeat)  # the record alone: no store, no thread
+    beat.fields, beat.steps, beat.seq, beat._progress_without_spans = {}, [], 0, 0
+    beat.probes = {}
+    state = {"saving": 8}
+    beat.probe("saving", lambda: state["saving"])
+    beat.probe("broken", lambda: 1 / 0)
+    assert beat.record()["saving"] == 8 and "broken" not in beat.record()
+    state["saving"] = None
+    assert beat.record()["saving"] is None

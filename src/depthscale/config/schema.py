@@ -303,13 +303,17 @@ class ResilienceConfig:
     worker ends the job)."""
     heartbeat_s: float = 0.25
     """Heartbeat period. A rank silent for max(4 heartbeats, 1.5 s) is dead or frozen."""
-    hang_floor_s: float = 1.5
+    hang_floor_s: float = 30.0
     """A group whose slowest rank made no progress (no span ended) for max(this, hang_factor ×
-    p99 step time, 2 heartbeats) is hung."""
-    hang_factor: float = 2.0
+    p99 step time, 2 heartbeats) is hung. The floor covers what a step's history cannot predict:
+    a GC pause, a slow read from shared storage, a machine that other work loads (1.5 s restarted
+    a healthy 4-rank CPU run four times). Drills that time detection lower it."""
+    hang_factor: float = 3.0
+    """The margin over the slowest step of the last 100 (the p99 over at most 100 steps)."""
     long_phase_s: float = 300.0
-    """The no-progress limit inside a checkpoint save or an evaluation, which may legitimately run
-    long without ending a span."""
+    """The no-progress limit inside a checkpoint save (while any rank's background writer is still
+    in flight, too) or an evaluation, which may legitimately run long without ending a span; also
+    how long a hung group's save in flight may take to finish before the group is stopped."""
     startup_timeout_s: float = 300.0
     """How long a (re)started group may take to its first completed step."""
     slow_steps: int = 20

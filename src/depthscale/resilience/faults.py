@@ -13,6 +13,7 @@ and the NaN guard must survive, injected where it would really happen.
 | `badbatch@R:S`    | the batch of step S makes rank R's loss NaN whenever it is computed (bad data) |
 | `slow@R:F[:S]`    | rank R's forward and backward take F× as long from step S (default 1) on    |
 | `enospc@S`        | the checkpoint save of step S fails with "No space left on device"          |
+| `slowsave@S[:SEC]`| the checkpoint save of step S takes SEC s (default 5) longer to write (slow storage) |
 | `corrupt@S`       | a byte of the checkpoint of step S is flipped once it is written            |
 | `baddiag@NODE`    | the diagnostics find node NODE slow (a node that must be excluded)          |
 
@@ -32,13 +33,13 @@ from dataclasses import dataclass
 from depthscale.errors import ConfigError
 
 RANK_STEP = ("kill", "stop", "hang", "crash", "nan", "badbatch")
-STEP_ONLY = ("enospc", "corrupt")
+STEP_ONLY = ("enospc", "corrupt", "slowsave")
 KINDS = (*RANK_STEP, "slow", *STEP_ONLY, "baddiag")
 ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 _FORMS = (
     "kill@R:S, stop@R:S, hang@R:S[:SECONDS], crash@R:S, nan@R:S, badbatch@R:S, slow@R:FACTOR[:S], "
-    "enospc@S, corrupt@S, baddiag@NODE (R a rank, S a step >= 1; a trailing * repeats a fault in "
+    "enospc@S, corrupt@S, slowsave@S[:SECONDS], baddiag@NODE (R a rank, S a step >= 1; a trailing * repeats a fault in "
     "every restart)"
 )
 
@@ -60,7 +61,7 @@ class Fault:
         if self.kind == "baddiag":
             where = self.node
         elif self.kind in STEP_ONLY:
-            where = str(self.step)
+            where = str(self.step) + (f":{self.value:g}" if self.value is not None else "")
         elif self.kind == "slow":
             where = f"{self.rank}:{self.value:g}:{self.step}"
         else:
@@ -94,8 +95,11 @@ def _parse_one(item: str) -> Fault:
                 raise ValueError
             return Fault(kind, node=where, every_attempt=star)
         if kind in STEP_ONLY:
-            (step,) = (int(p) for p in parts)
-            return _checked(Fault(kind, step=step, every_attempt=star), bad)
+            step, *rest = parts
+            value = float(rest[0]) if rest and kind == "slowsave" else None
+            if len(rest) > (kind == "slowsave") or (value is not None and not value > 0):
+                raise ValueError
+            return _checked(Fault(kind, step=int(step), value=value, every_attempt=star), bad)
         if kind == "slow":
             rank, factor, *rest = parts
             step = int(rest[0]) if rest else 1
@@ -189,6 +193,11 @@ class FaultPlan:
     def failing_save(self) -> int | None:
         """The step whose checkpoint save fails with a full disk (`enospc@S`), if any."""
         return next((f.step for f in self.faults if f.kind == "enospc"), None)
+
+    def slow_save(self) -> tuple[int, float] | None:
+        """(step, seconds): the save that takes longer to write (`slowsave@S[:SEC]`), if any."""
+        fault = next((f for f in self.faults if f.kind == "slowsave"), None)
+        return None if fault is None else (fault.step, fault.value or 5.0)
 
     def corrupts(self, step: int) -> bool:
         return self._at("corrupt", step) is not None

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from depthscale.observe import spans, startup
@@ -101,6 +102,7 @@ class Heartbeat:
             "step": 0,
         }
         self.steps: collections.deque[float] = collections.deque(maxlen=100)
+        self.probes: dict[str, Callable[[], Any]] = {}
         self.seq = 0
         self._progress_without_spans = 0
         self._stop = threading.Event()
@@ -125,6 +127,11 @@ class Heartbeat:
             self.steps.append(step_seconds)
         self.fields.update(fields)
         self._progress_without_spans += 1
+
+    def probe(self, name: str, read: Callable[[], Any]) -> None:
+        """Publish `read()` as field `name` at every beat, not only at step ends: what must be
+        seen while the main thread is busy or stuck (a background save still in flight)."""
+        self.probes[name] = read
 
     def publish_diagnostics(self, report: str) -> None:
         """Rank 0 of a restarted group: every rank's diagnostics rows, for the supervisor."""
@@ -156,9 +163,14 @@ class Heartbeat:
         waiting = bool(last and last.get("waiting")) or blocked is not None
         steps = sorted(self.steps)
         p99 = steps[min(len(steps) - 1, int(0.99 * len(steps)))] if steps else None
+        probed = {}
+        for name, read in self.probes.items():
+            with contextlib.suppress(Exception):  # a probe must never stop the beat
+                probed[name] = read()
         self.seq += 1
         return {
             **self.fields,
+            **probed,
             "seq": self.seq,
             "time": time.time(),
             "progress": progress,

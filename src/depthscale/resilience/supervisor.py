@@ -179,6 +179,7 @@ class Supervisor:
                     return 2
                 if self.peers is not None:
                     fault = self._agree(attempt, fault)
+                watch.settle_saves(fault, self)
                 t_stop = time.time()
                 watch.forensics(fault, self.dir / f"attempt{attempt}")
                 t_forensics = time.time()
@@ -300,7 +301,10 @@ class Supervisor:
         )
         remote = (lambda: self.peers.fault(attempt)) if self.peers is not None else None
         node_of = [envs[r][NODE_ENV] for r in envs]
-        return Watch(context, self.store, attempt, self.r, node_of, judge, first, remote)
+        return Watch(
+            context, self.store, attempt, self.r, node_of, judge, first, remote,
+            published=self._newest_published,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ between attempts
 

@@ -6,8 +6,9 @@ The limits, and why (each decision's inputs go to the supervisor's log):
   daemon thread that only needs the GIL for a moment; a SIGSTOPped or frozen process writes none.
 - no progress: max(`hang_floor_s`, `hang_factor` × the group's p99 step time, 2 heartbeats) —
   a healthy rank ends a span (data, forward, backward, optimizer, a message, a collective) many
-  times a step. Inside a checkpoint save or an evaluation, or after the last step, `long_phase_s`;
-  before the first step, `startup_timeout_s` (imports, data, kernel builds).
+  times a step. Inside a checkpoint save (its blocking part, or its background writer still in
+  flight on any rank: the writer competes with the steps beside it for cores and disk) or an
+  evaluation, or after the last step, `long_phase_s`; before the first step, `startup_timeout_s` (imports, data, kernel builds).
 - the culprit of a hang is the rank whose progress is oldest, preferring one that is not waiting
   for others: the ranks blocked in a collective are its victims.
 """
@@ -90,16 +91,19 @@ class Watch:
         diagnose: Callable[[dict], Fault | None] | None = None,
         base: int = 0,
         remote_fault: Callable[[], dict | None] | None = None,
+        published: Callable[[], int] = lambda: 0,
     ) -> None:
         """`nodes`: the node of each local worker; `base`: the global rank of the first (a node
         of a multi-node job). `diagnose`: judges the diagnostics rows the group publishes on a
         restart (a Fault when a node fails them); None when the group runs none.
-        `remote_fault`: another node's fault, if any (multi-node): this group then stops too."""
+        `remote_fault`: another node's fault, if any (multi-node): this group then stops too.
+        `published`: the newest step whose checkpoint is on disk."""
         self.context, self.store, self.attempt, self.r = context, store, attempt, r
         self.nodes = nodes
         self.diagnose = diagnose
         self.base = base
         self.remote_fault = remote_fault
+        self.published = published
         self.launched = time.time()
         self.ranks = [_Rank(self.launched) for _ in nodes]
         self.stopping_since: float | None = None
@@ -284,11 +288,62 @@ class Watch:
                 self.r.long_phase_s,
                 "a checkpoint save, evaluation or the run's end: long_phase_s",
             )
+        saving = self.saving_steps()
+        if saving:  # its writer takes cores and disk from the steps beside it
+            return (
+                self.r.long_phase_s,
+                f"a background save of step {max(saving)} in flight: long_phase_s",
+            )
         p99 = max((hb.get("step_p99_s") or 0.0) for hb in hbs) if hbs else 0.0
         limit = max(self.r.hang_floor_s, self.r.hang_factor * p99, 2 * self.r.heartbeat_s)
         return limit, (
             f"max(hang_floor_s {self.r.hang_floor_s:g}, {self.r.hang_factor:g} × p99 step "
             f"{p99:.3f} s, 2 heartbeats)"
+        )
+
+    def saving_steps(self) -> set[int]:
+        """Steps whose background save a running rank reports still in flight, and not yet
+        published (a rank reports its own writer; the newest directory on disk says it is done)."""
+        steps = {
+            int(s.hb["saving"])
+            for s in self.ranks
+            if s.exit is None and s.hb and s.hb.get("saving") is not None
+        }
+        return {step for step in steps if step > self.published()}
+
+    def settle_saves(self, fault: Fault, supervisor) -> None:
+        """Before a hung or slow group is stopped, let a background save in flight finish: its
+        writers run beside the stuck main thread, and killing them loses the checkpoint the restart
+        would resume from (restart after restart, each killing the next save, is a loop).
+        Bounded by long_phase_s; a dead or failed rank's writer died with it, so no wait there."""
+        if fault.kind not in ("hung", "slow"):
+            return
+        saving = self.saving_steps()
+        if not saving:
+            return
+        limit = self.r.long_phase_s
+        supervisor.log(
+            "settle",
+            f"attempt {self.attempt}: waiting up to {limit:g} s (resilience.long_phase_s) for the "
+            f"save of step {max(saving)} in flight before stopping the group",
+            steps=sorted(saving),
+        )
+        start = time.time()
+        while saving and time.time() - start < limit:
+            time.sleep(POLL_S)
+            self._poll_exits()
+            self._read(time.time())
+            saving = self.saving_steps()
+        supervisor.log(
+            "settled",
+            f"attempt {self.attempt}: "
+            + (
+                f"the save is still in flight after {limit:g} s; stopping anyway"
+                if saving
+                else f"the save finished after {time.time() - start:.2f} s"
+            ),
+            waited_s=round(time.time() - start, 3),
+            published=self.published(),
         )
 
     def _culprit(self, running: list[int]) -> int | None:

@@ -195,6 +195,9 @@ class SaveRecord:
 
 
 class Checkpointer:
+    inject_write_delay: tuple[int, float] | None = None
+    """Drills: (step, seconds): when saving this step, the writer waits this long after writing its
+    shards, before the save is published (`--faults slowsave@STEP:SECONDS`, a slow file system)."""
     inject_write_error_at: int | None = None
     """Drills: when saving this step, this rank's writer fails with ENOSPC after writing its
     shards (`--faults enospc@STEP`)."""
@@ -268,7 +271,8 @@ class Checkpointer:
         args = (record, step, state, rng, trainer_state)
         if record.is_async and self._writer_process() is not None:
             fail = self.inject_write_error_at == step
-            self._writer.submit(step, state, rng, trainer_state, fail, global_rank())
+            delay = self._delay_at(step)
+            self._writer.submit(step, state, rng, trainer_state, fail, global_rank(), delay)
             record.blocking_s = time.perf_counter() - start
         elif record.is_async:
             if dist.is_initialized() and self._group is None:
@@ -284,10 +288,24 @@ class Checkpointer:
         self.last_blocking_s = record.blocking_s
         return step_dir(self.root, step)
 
+    def _delay_at(self, step: int) -> float:
+        drill = self.inject_write_delay
+        return drill[1] if drill is not None and drill[0] == step else 0.0
+
     def _idle(self) -> bool:
         """No background writer running yet (a writer process is started by the first async save
         that is not the run's last)."""
         return self._writer is None and self._pending is None
+
+    @property
+    def saving_step(self) -> int | None:
+        """The step of a background save still being written, else None. Read by the heartbeat
+        thread: the supervisor treats a save in flight as a long phase and lets it finish before it
+        stops a group (a save killed half-way is progress lost and, repeated, a restart loop)."""
+        if self._writer is not None:
+            return self._writer.writing_step
+        pending, last = self._pending, self._last
+        return last.step if pending is not None and pending.is_alive() and last else None
 
     @property
     def writer_pid(self) -> int | None:
@@ -395,8 +413,7 @@ class Checkpointer:
         rank = global_rank()
         try:
             self._agree(_attempt(_fresh_dir, tmp)[1] if rank == 0 else None)
-            fail = self.inject_write_error_at == step
-            mine, err = _attempt(self._write_own, state, rng, tmp, fail, planner)
+            mine, err = _attempt(self._write_own, step, state, rng, tmp, planner)
             self._agree(err)
             files = _gathered(mine, self._group)
             published = None
@@ -409,10 +426,12 @@ class Checkpointer:
             raise
 
     def _write_own(
-        self, state: dict, rng: dict, tmp: Path, fail: bool, planner: SavePlanner | None
+        self, step: int, state: dict, rng: dict, tmp: Path, planner: SavePlanner | None
     ) -> dict:
         """This rank's shards and RNG state; returns their manifest entries."""
-        _dcp_save(state, tmp, self._group, fail, planner)
+        _dcp_save(state, tmp, self._group, self.inject_write_error_at == step, planner)
+        if delay_s := self._delay_at(step):
+            time.sleep(delay_s)
         torch_save_synced(rng, tmp / rng_file_name(global_rank()))
         return manifest_entries(_own_files(tmp, global_rank()))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -193,10 +194,28 @@ class SaveProcess:
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
+    @property
+    def writing_step(self) -> int | None:
+        """The step the writer is still writing, None once its outcome is waiting to be collected.
+        Safe from another thread (the heartbeat's): it only asks whether the pipe is readable."""
+        step = self._in_flight
+        if step is None:
+            return None
+        readable, _, _ = select.select([self._conn], [], [], 0)
+        return None if readable else step
+
     def submit(
-        self, step: int, state: dict, rng: dict, trainer_state: dict, fail: bool, rank: int
+        self,
+        step: int,
+        state: dict,
+        rng: dict,
+        trainer_state: dict,
+        fail: bool,
+        rank: int,
+        delay_s: float = 0.0,
     ) -> None:
-        """Copy `state` into the shared buffer and ask the writer to save it as `step`."""
+        """Copy `state` into the shared buffer and ask the writer to save it as `step`. `fail`
+        and `delay_s` are drills (`Checkpointer.inject_write_error_at`, `inject_write_delay`)."""
         if self._process.poll() is not None:
             raise self._died(f"before saving step {step}")
         planner = DefaultSavePlanner()
@@ -215,7 +234,7 @@ class SaveProcess:
                 objects[fqn] = obj
         rng_bytes = {k: v.numpy().tobytes() for k, v in rng.items()}
         try:
-            self._conn.send((layout, step, objects, rng_bytes, trainer_state, fail))
+            self._conn.send((layout, step, objects, rng_bytes, trainer_state, fail, delay_s))
         except OSError:
             raise self._died(f"while receiving step {step}") from None
         self._in_flight = step
@@ -330,7 +349,7 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
     views: dict[str, torch.Tensor] = {}
     while True:
         try:
-            new_layout, step, objects, rng_bytes, trainer_state, fail = conn.recv()
+            new_layout, step, objects, rng_bytes, trainer_state, fail, delay_s = conn.recv()
         except EOFError:  # training exited
             break
         if new_layout is not None:
@@ -341,6 +360,7 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
         state = {**views, **objects}
         rng = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng_bytes.items()}
         checkpointer.inject_write_error_at = step if fail else None
+        checkpointer.inject_write_delay = (step, delay_s) if delay_s else None
         record = SaveRecord(step, is_async=True)
         planner = StagedPlanner(layout.plan, layout.mappings)
         checkpointer._write_recorded(record, step, state, rng, trainer_state, planner)

@@ -78,7 +78,10 @@ class Trainer:
         setup.seed_everything(cfg.train.seed)
         self.run_dir = cfg.run_path
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", cfg.checkpoint, cfg.model)
+        if self.heartbeat is not None:
+            self.heartbeat.probe("saving", lambda: self.checkpointer.saving_step)
         self.checkpointer.inject_write_error_at = self.faults.failing_save()
+        self.checkpointer.inject_write_delay = self.faults.slow_save()
         # the newest checkpoint that verifies, of this model (see train/manifest.py)
         resume_from = self.checkpointer.resolve_resume()
 
@@ -159,8 +162,6 @@ class Trainer:
             path = self.checkpointer.save(
                 self.step, self.model, self.optimizer, self.trainer_state(), last=last
             )
-        if self.heartbeat is not None:
-            self.heartbeat.update(checkpoint_step=self.step)
         if self.faults.corrupts(self.step):
             self.checkpointer.wait()
             if self.env.is_main:
@@ -427,6 +428,9 @@ class Trainer:
                     logger.event(self.step, kind, fields)
                 for kind, fields in self.checkpointer.events():  # blocking time, failed saves
                     logger.event(self.step, kind, fields)
+                    if kind == "checkpoint" and self.heartbeat is not None:
+                        # progress for the supervisor once on disk, not once staged in memory
+                        self.heartbeat.update(checkpoint_step=fields["step"])
                 history.append(metrics)
                 log_now = self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps
                 if log_now or self.stop_agreed:  # the only steps that read device numbers
