@@ -8,8 +8,10 @@ import torch
 
 from depthscale.config import ModelConfig
 from depthscale.observe.metrics import (
+    MEASURED,
     MetricsLogger,
     Throughput,
+    _best_rate,
     attended_keys,
     detect_peak_flops,
     flops_per_token,
@@ -50,6 +52,44 @@ def test_detect_peak_flops_on_cpu_is_measured():
     flops, source = detect_peak_flops(torch.device("cpu"), torch.float32)
     assert flops > 0 and math.isfinite(flops)
     assert source.startswith("measured matmul peak")
+
+
+def test_a_measured_peak_is_the_fastest_of_several_timed_trials_after_a_warmup():
+    """A fake clock (binary fractions: exact sums): the warm-up (8 s) and trials slowed by a busy
+    machine do not count; exactly as many trials run as asked (a further call would raise
+    StopIteration)."""
+    now = [0.0]
+
+    def timed(durations):
+        steps = iter(durations)
+
+        def run() -> None:
+            now[0] += next(steps)
+
+        return run
+
+    run = timed([8.0, 0.5, 0.125, 0.375, 0.25, 0.75])
+    assert _best_rate(run, 1e9, trials=5, budget_s=0.0, clock=lambda: now[0]) == 8e9
+    # at least 5 trials, then more while within the budget (3 s): 7 trials
+    run = timed([8.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.0625, 0.5])
+    assert _best_rate(run, 1e9, trials=5, budget_s=3.0, clock=lambda: now[0]) == 16e9
+
+
+@pytest.mark.parametrize("source", [f"{MEASURED} (cpu, torch.float32, 1024x1024)", "spec sheet"])
+def test_mfu_never_exceeds_100_percent(source, caplog):
+    """A peak measured while the machine was busy (or a wrong spec) is raised to the rate a window
+    achieves, once logged: a warning unless the peak was measured."""
+    tp = Throughput(flops_per_token=1e6, peak_flops=1e9, window=2, peak_source=source)
+    with caplog.at_level("INFO", logger="depthscale.observe.metrics"):
+        tp.update(2000, 1.0)  # 2e9 FLOP/s: twice the peak
+        assert tp.rate()["mfu"] == 1.0 and tp.peak_flops == 2e9
+        tp.update(4000, 1.0)  # window 3e9
+        assert tp.rate()["mfu"] == 1.0 and tp.peak_flops == 3e9
+        tp.update(1500, 1.0)  # window 2.75e9: below the best, against it
+        assert tp.rate()["mfu"] == pytest.approx(2.75 / 3)
+    (record,) = caplog.records
+    assert record.levelname == ("INFO" if source.startswith(MEASURED) else "WARNING")
+    assert "above the peak 0.001" in record.getMessage() and source in record.getMessage()
 
 
 def test_throughput_window_rate_and_mfu():

@@ -36,6 +36,20 @@ def test_mfu_alarm_names_the_phase_that_grew_once():
     assert step <= 10 + 5
 
 
+def test_mfu_alarm_names_no_phase_when_none_grew_measurably():
+    """MFU fell but no phase of the step grew (here: every phase 0.0 ms, or jitter of 0.1 ms on
+    a 33 ms step): the alarm says so instead of naming "data (0.0 → 0.0 ms)"."""
+    zero = dict.fromkeys(("data", "forward", "backward", "optimizer", "waiting"), 0.0)
+    for wall_then, wall_now in [(zero, zero), (_phases(), _phases(forward_ms=10.1))]:
+        alarm = MfuAlarm(0.1, window=4)
+        fired = [alarm.update(s, 0.5, wall_then) for s in range(1, 9)]
+        fired += [alarm.update(s, 0.3, wall_now) for s in range(9, 20)]
+        (text, fields), *rest = [f for f in fired if f]
+        assert rest == [] and fields["phase"] is None
+        assert "no phase of this rank's step grew measurably (traced step " in text, text
+        assert "the phase that grew most" not in text
+
+
 def test_mfu_alarm_quiet_within_the_threshold_and_rearmed_by_a_new_best():
     alarm = MfuAlarm(0.1, window=4)
     for step in range(1, 40):  # 5 % jitter never alarms

@@ -190,7 +190,15 @@ class Telemetry:
 
 class MfuAlarm:
     """Warns when rolling MFU falls `drop` (fraction) below its best, naming the phase whose time
-    grew most since the best window (MegaScale §6.3: MFU that declines over a long run)."""
+    grew most since the best window (MegaScale §6.3: MFU that declines over a long run) — or saying
+    that none grew measurably (by more than `MEASURABLE` of the best window's step, and 0.05 ms),
+    rather than name a phase that went from 0.0 to 0.0 ms."""
+
+    MEASURABLE = 0.02
+    """A phase "grew" by more than this fraction of the best window's traced step: an MFU decline
+    worth an alarm (10 %) lengthens the step by over 11 %, so its cause clears this easily."""
+    MIN_GROWTH_NS = 50_000
+    """...and by more than this, for steps too short for a fraction to rise above timer noise."""
 
     def __init__(self, drop: float, window: int = 20) -> None:
         self.drop, self.window = drop, window
@@ -218,13 +226,29 @@ class MfuAlarm:
         if rolling >= (1 - self.drop) * best or self._alarmed:
             return None
         self._alarmed = True
-        grew = max(phases, key=lambda p: phases[p] - then[p])
+        grew = self.grown_phase(then, phases)
         text = (
             f"MFU declined: rolling {rolling:.1%} over the last {self.window} steps at step {step} "
-            f"is {1 - rolling / best:.0%} below its best {best:.1%}; the phase that grew most is "
-            f"{grew} ({then[grew] / 1e6:.1f} → {phases[grew] / 1e6:.1f} ms per step on this rank)"
+            f"is {1 - rolling / best:.0%} below its best {best:.1%}; "
         )
+        if grew is None:
+            text += (
+                f"no phase of this rank's step grew measurably (traced step "
+                f"{sum(then.values()) / 1e6:.1f} → {sum(phases.values()) / 1e6:.1f} ms)"
+            )
+        else:
+            text += (
+                f"the phase that grew most is {grew} ({then[grew] / 1e6:.1f} → "
+                f"{phases[grew] / 1e6:.1f} ms per step on this rank)"
+            )
         return text, {"mfu": rolling, "best_mfu": best, "phase": grew}
+
+    def grown_phase(self, then: dict[str, float], now: dict[str, float]) -> str | None:
+        """The phase whose mean ns per step grew most from `then` to `now`, if any grew
+        measurably."""
+        grew = max(now, key=lambda p: now[p] - then.get(p, 0.0))
+        floor = max(self.MIN_GROWTH_NS, self.MEASURABLE * sum(then.values()))
+        return grew if now[grew] - then.get(grew, 0.0) > floor else None
 
 
 def _archive_previous(run_dir: Path, rank: int) -> None:

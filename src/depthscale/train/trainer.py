@@ -133,7 +133,10 @@ class Trainer:
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         peak, self.peak_source = setup.peak_flops(cfg, self.device, self.dtype)
         self.throughput = Throughput(
-            flops_per_token(cfg.model, cfg.data.seq_len), peak, n_devices=self.env.world_size
+            flops_per_token(cfg.model, cfg.data.seq_len),
+            peak,
+            n_devices=self.env.world_size,
+            peak_source=self.peak_source,
         )
 
     # ------------------------------------------------------------------ state
