@@ -141,8 +141,8 @@ def test_the_build_says_when_it_compiles_how_long_it_took_and_why_it_failed(
 
 
 def test_the_library_name_keys_the_interpreter_torch_and_flags(monkeypatch, tmp_path):
-    """Two virtualenvs (or Pythons, or torch builds) sharing one extension cache each build and
-    keep their own library instead of rebuilding each other's."""
+    """Two virtualenvs, checkouts, Pythons or torch builds sharing one extension cache each build
+    and keep their own library instead of rebuilding each other's."""
     base = library_name(build_env(), CFLAGS, [])
     assert [name for name, _, _ in attnres_cpu.VARIANTS] == [
         library_name(build_env(), [*CFLAGS, "-fopenmp"], ["-fopenmp"]),
@@ -161,5 +161,14 @@ def test_the_library_name_keys_the_interpreter_torch_and_flags(monkeypatch, tmp_
         with monkeypatch.context() as patch:
             patch.setattr(target, attr, value)
             assert library_name(build_env(), CFLAGS, []) != base, attr
+    checkout = tmp_path / "other-checkout"  # the same sources elsewhere: ninja's commands differ
+    checkout.mkdir()
+    copies = [checkout / p.name for p in (*attnres_cpu.SOURCES, attnres_cpu.HEADER)]
+    for source, copy in zip((*attnres_cpu.SOURCES, attnres_cpu.HEADER), copies, strict=True):
+        copy.write_bytes(source.read_bytes())
+    with monkeypatch.context() as patch:
+        patch.setattr(attnres_cpu, "SOURCES", copies[:-1])
+        patch.setattr(attnres_cpu, "HEADER", copies[-1])
+        assert library_name(build_env(), CFLAGS, []) != base
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert attnres_cpu.build_directory(base) == tmp_path / base

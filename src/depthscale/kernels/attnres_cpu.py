@@ -9,10 +9,11 @@ processes load the cached library in well under a second. The ops register as
 `torch.ops.depthscale_attnres.*` (no pybind module: the build needs only the ATen headers).
 
 The cache directory is shared by every virtualenv and checkout on the machine, so the library's
-name (`library_name`) hashes everything a built library is valid for: the sources, the flags, the
-interpreter and its ABI, and torch's version, build and install directory. Two environments then
-never rebuild each other's library (ninja rebuilds when its compile commands change, and they name
-the torch headers of the environment that wrote them).
+name (`library_name`) hashes everything a built library is valid for: the sources and their
+directory, the flags, the interpreter and its ABI, and torch's version, build and install
+directory. Two checkouts or environments then never rebuild each other's library (ninja rebuilds
+when its compile commands change, and they name the sources and torch headers of the one that
+wrote them).
 
 A build runs under `build_locked`: an `fcntl.flock` on a lock file in the build directory, which the
 kernel releases when its holder exits or is killed, so a build interrupted by Ctrl-C or SIGKILL
@@ -63,14 +64,16 @@ _T = TypeVar("_T")
 
 
 def build_env() -> dict[str, str]:
-    """What a built library is valid for besides its flags: the sources; the interpreter (version,
-    ABI tag, executable: one per virtualenv); torch's version, git hash, C++ ABI and install
-    directory (the compile commands name its headers: another directory means other commands,
-    which ninja rebuilds); and the compiler."""
+    """What a built library is valid for besides its flags: the sources and where they are; the
+    interpreter (version, ABI tag, executable: one per virtualenv); torch's version, git hash, C++
+    ABI and install directory; and the compiler. The paths count because ninja's compile commands
+    name the sources and torch's headers: a checkout or virtualenv with other paths would rewrite
+    the commands, and ninja would rebuild the other's library."""
     sources = hashlib.sha1(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))).hexdigest()
     cxx = os.environ.get("CXX", "c++")
     return {
         "sources": sources,
+        "source_dir": str(SOURCES[0].parent),
         "python": sys.version,
         "abi": sys.implementation.cache_tag + getattr(sys, "abiflags", ""),
         "interpreter": sys.executable,
