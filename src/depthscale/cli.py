@@ -11,6 +11,7 @@ depthscale diagnose --nproc 4 --run runs/tiny
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import sys
@@ -95,6 +96,12 @@ def _generate(args: argparse.Namespace) -> int:
         *tokenizer.encode(args.prompt),
     ]  # training puts EOS before every document
     limit = model.cfg.max_seq_len
+    if args.max_new_tokens >= limit:
+        raise ConfigError(
+            f"--max-new-tokens {args.max_new_tokens} exceeds the model's context of {limit} "
+            f"tokens (model.max_seq_len), which also holds the prompt ({len(ids)} tokens); "
+            f"allowed: at most {limit - len(ids)}"
+        )
     if len(ids) + args.max_new_tokens > limit:
         raise ConfigError(
             f"the prompt is {len(ids)} tokens and --max-new-tokens is {args.max_new_tokens}: "
@@ -119,6 +126,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from depthscale.interop.run_dir import hf_to_run, run_to_hf
 
+    _check_output("--out", Path(args.out), directory=True)
     if args.direction == "hf-to-ds":
         out = hf_to_run(Path(args.hf), Path(args.out))
     else:
@@ -128,6 +136,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
+    if args.out:
+        _check_output("--out", Path(args.out))
     if args.what == "schedule":
         return _trace_schedule(args)
     if args.what in ("timeline", "stragglers", "hang"):
@@ -182,6 +192,9 @@ def _diagnose(args: argparse.Namespace) -> int:
     from depthscale.resilience.report import format_table
 
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    _check_output("--run", Path(args.run), directory=True)
+    if ckpt_dir is not None:
+        _check_output("--checkpoint-dir", ckpt_dir, directory=True)
     report = diagnose(
         args.nproc,
         Path(args.run),
@@ -361,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"depthscale: {kind}: {err}", INPUT, 2)
     except FileNotFoundError as err:
         return _fail(f"depthscale: error: {err}", INPUT, 2)
+    except OSError as err:
+        if err.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        return _fail(f"depthscale: error: {_os_error(err)}", INPUT, 2)
     except KeyboardInterrupt:
         return _fail("depthscale: interrupted", INPUT, 130)
     except Exception as err:
@@ -408,6 +425,7 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
         out = Path(args.calibrate)
         if not out.parent.is_dir():
             raise ConfigError(f"--calibrate {out}: directory {out.parent} does not exist")
+        _check_output("--calibrate", out)
         out.write_text(json.dumps(measure_cluster(args.nproc), indent=1) + "\n")
         print(f"wrote {out}: use --cluster {out}")
         return 0
@@ -442,6 +460,50 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(str(err)) from None
     print(to_json(report) if args.json else format_table(report))
     return 0
+
+
+_ENVIRONMENT_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EROFS,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+    errno.ENAMETOOLONG,
+}
+"""Errors of the machine, not of depthscale: a path that cannot be made or written, a full disk.
+Their report is one line naming the file, as for any other bad input."""
+
+
+def _os_error(err: OSError) -> str:
+    where = f"{err.filename}: " if err.filename else ""
+    no_room = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    full = " (a full disk, a quota or a file-size limit)" if no_room else ""
+    return f"{where}{err.strerror} [{errno.errorcode.get(err.errno, err.errno)}]{full}"
+
+
+def _check_output(flag: str, path: Path, directory: bool = False) -> None:
+    """An output path that cannot be created is refused before any work, naming the flag: a
+    regular file on its way, an unwritable parent, a directory where a file goes."""
+    from depthscale.config.validation import check_dir_creatable
+
+    if directory:
+        check_dir_creatable(flag, path)
+        return
+    if path.is_dir():
+        raise ConfigError(f"{flag} {str(path)!r} is a directory; allowed: a file path")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor.parent != ancestor:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(
+            f"{flag} {str(path)!r} cannot be created because {str(ancestor)!r} is a file; "
+            "allowed: a path whose parents are directories"
+        )
+    check_dir_creatable(flag, path.parent)
 
 
 def _rank() -> int:

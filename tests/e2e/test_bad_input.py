@@ -9,6 +9,7 @@ boundary (several workers, signals, a hang) run the console entry point in a sub
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -152,6 +153,27 @@ def test_bad_config_files(tmp_path, capsys):
     bad.write_text("[model\ndim = 3\n")
     code, _, err = run_main(capsys, "train", "-c", str(bad))
     assert_one_line_error(code, err, "is not valid TOML")
+    bad.write_bytes(bytes(range(128, 256)))
+    code, _, err = run_main(capsys, "train", "-c", str(bad))
+    assert_one_line_error(code, err, "bad.toml' is not text", "allowed: a UTF-8 .toml file")
+    code, _, err = run_main(capsys, "train", "-c", str(Path(CONFIG).parent))
+    assert_one_line_error(code, err, "configs' is a directory; allowed: a .toml file", "tiny.toml")
+    code, _, err = run_main(capsys, "train", "-c", "/dev/null")
+    assert_one_line_error(code, err, "'/dev/null' is not a regular file")
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EISDIR])
+def test_what_the_machine_refuses_is_one_line_naming_the_file(monkeypatch, capsys, code):
+    """A write the file system refuses anywhere (a full disk under metrics.jsonl, a path the user
+    cannot write) is the user's to fix: one line naming the file, exit 2."""
+    import depthscale.cli
+
+    def refuse(args):
+        raise OSError(code, os.strerror(code), "/runs/x/metrics.jsonl")
+
+    monkeypatch.setattr(depthscale.cli, "_trace", refuse)
+    code_, _, err = run_main(capsys, "trace", "schedule")
+    assert_one_line_error(code_, err, "/runs/x/metrics.jsonl: " + os.strerror(code))
 
 
 # ------------------------------------------------------------------------------ data
@@ -237,6 +259,7 @@ GENERATE_CASES = [
     (["--max-new-tokens", "0"], "--max-new-tokens: '0' is not allowed; allowed: an integer >= 1"),
     (["--seed", "-3"], "--seed: '-3' is not allowed"),
     (["--prompt", "x" * 5000], "the prompt is 5001 tokens"),
+    (["--max-new-tokens", "5000"], "--max-new-tokens 5000 exceeds the model's context of 4096"),
 ]
 
 
@@ -280,6 +303,120 @@ def assert_clear_error(code: int, err: str, *fragments: str) -> None:
     assert len(lines) == 1, err
     for fragment in fragments:
         assert fragment in err, (fragment, err)
+
+
+# ------------------------------------------------- damaged files that are not checkpoints
+
+
+def _write(name: str, data: bytes):
+    def damage(root: Path) -> None:
+        (root / name).write_bytes(data)
+
+    return damage
+
+
+BINARY = bytes(range(256)) * 4
+RUN_DAMAGE = {
+    "tokenizer meta not JSON": (_write("tokenizer/tokenizer_meta.json", b"{not"), "tokenizer_meta"),
+    "tokenizer meta binary": (_write("tokenizer/tokenizer_meta.json", BINARY), "tokenizer_meta"),
+    "tokenizer meta no kind": (_write("tokenizer/tokenizer_meta.json", b"[1]"), "tokenizer_meta"),
+    "config.toml binary": (_write("config.toml", BINARY), "config.toml' is not text"),
+}
+RUN_COMMANDS = {
+    "generate": ["generate", "--run", "{run}", "--prompt", "def", "--max-new-tokens", "2"],
+    "trace depth": ["trace", "depth", "--run", "{run}", "--out", "{tmp}/depth.png"],
+    "ds-to-hf": ["convert", "ds-to-hf", "--run", "{run}", "--out", "{tmp}/hf"],
+    "train": ["train", "-c", "{run}/config.toml", "--train.steps", "3"],
+}
+
+
+@pytest.mark.parametrize("command", list(RUN_COMMANDS))
+@pytest.mark.parametrize("kind", list(RUN_DAMAGE))
+def test_damaged_run_files_are_named(small_run, tmp_path, capsys, kind, command):
+    run = tmp_path / "copy"
+    _copy_tree(small_run, run)
+    damage, fragment = RUN_DAMAGE[kind]
+    damage(run)
+    before = tree_digest(run)
+    argv = [a.format(run=run, tmp=tmp_path) for a in RUN_COMMANDS[command]]
+    code, _, err = run_main(capsys, *argv)
+    assert_one_line_error(code, err, str(run), fragment)
+    assert tree_digest(run) == before and not (tmp_path / "hf").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_export(small_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "export"
+    assert main(["convert", "ds-to-hf", "--run", str(small_run), "--out", str(out)]) == 0
+    return out
+
+
+def _edit_config(**changes):
+    def damage(hf: Path) -> None:
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps(config | changes))
+
+    return damage
+
+
+def _as_bin(data: bytes):
+    def damage(hf: Path) -> None:
+        (hf / "model.safetensors").unlink()
+        (hf / "pytorch_model.bin").write_bytes(data)
+
+    return damage
+
+
+HF_DAMAGE = {
+    "config.json not JSON": (_write("config.json", b"{not json"), "config.json is not valid JSON"),
+    "config.json binary": (_write("config.json", BINARY), "config.json is not valid JSON"),
+    "config.json a list": (_write("config.json", b"[1, 2]"), "config.json holds a JSON list"),
+    "hidden_size a string": (_edit_config(hidden_size="big"), "hidden_size='big' is not allowed"),
+    "negative layers": (_edit_config(num_hidden_layers=-1), "num_hidden_layers=-1 is not allowed"),
+    "eps a string": (_edit_config(rms_norm_eps="x"), "rms_norm_eps='x' is not allowed"),
+    "safetensors garbage": (_write("model.safetensors", BINARY), "not a readable safetensors"),
+    "safetensors text": (_write("model.safetensors", b"hello\n"), "not a readable safetensors"),
+    "index not JSON": (_write("model.safetensors.index.json", b"{"), "index.json is not valid"),
+    "index no map": (_write("model.safetensors.index.json", b"{}"), "has no weight_map"),
+    ".bin garbage": (_as_bin(BINARY), "pytorch_model.bin is not a readable PyTorch"),
+    ".bin text": (_as_bin(b"hi\n"), "pytorch_model.bin is not a readable PyTorch"),
+}
+
+
+@pytest.mark.parametrize("kind", list(HF_DAMAGE))
+def test_damaged_hugging_face_files_are_named(hf_export, tmp_path, capsys, kind):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_export, hf)
+    damage, fragment = HF_DAMAGE[kind]
+    damage(hf)
+    out = tmp_path / "out"
+    code, _, err = run_main(capsys, "convert", "hf-to-ds", "--hf", str(hf), "--out", str(out))
+    assert_one_line_error(code, err, str(hf), fragment)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+OUTPUTS = [
+    (["trace", "depth", "--run", "{run}", "--out", "{file}/x.png"], "'{file}' is a file"),
+    (["trace", "schedule", "--out", "{tmp}"], "--out '{tmp}' is a directory"),
+    (["trace", "timeline", "--run", "{run}", "--out", "{file}/x.json"], "'{file}' is a file"),
+    (["trace", "stragglers", "--run", "{run}", "--out", "{file}/s.png"], "'{file}' is a file"),
+    (["convert", "ds-to-hf", "--run", "{run}", "--out", "{file}/hf"], "'{file}' is a file"),
+    (["diagnose", "--nproc", "1", "--run", "{file}/run"], "'{file}' is a file"),
+    (["plan", "--calibrate", "{tmp}"], "--calibrate '{tmp}' is a directory"),
+]
+
+
+@pytest.mark.parametrize("argv, message", OUTPUTS, ids=[" ".join(a[:2]) for a, _ in OUTPUTS])
+def test_output_paths_that_cannot_be_created(small_run, tmp_path, capsys, argv, message):
+    file = tmp_path / "file"
+    file.write_text("mine\n")
+    fill = {"run": small_run, "file": file, "tmp": tmp_path}
+    before = tree_digest(small_run)
+    code, _, err = run_main(capsys, *[a.format(**fill) for a in argv])
+    assert_one_line_error(code, err, message.format(**fill))
+    assert file.read_text() == "mine\n" and tree_digest(small_run) == before
 
 
 def test_trace_schedule_that_cannot_exist(tmp_path, capsys):

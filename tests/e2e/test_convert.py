@@ -145,8 +145,8 @@ def test_import_into_a_non_empty_directory_is_refused(tmp_path, capsys):
     [
         (LINEAR, 100, 300, 2, "has token ids up to 299, but the model's vocab_size is 100"),
         ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, 300, 0, 2, "rope_type='yarn'"),
-        # refused by the run's config check, after the tokenizer was written
-        (LINEAR, 320, 300, 3, "model.n_kv_heads=3 must divide model.n_heads=4"),
+        # refused from config.json, in its own names, before a weight is read
+        (LINEAR, 320, 300, 3, "config.json: HF config num_key_value_heads=3 does not divide"),
     ],
 )
 def test_failed_import_leaves_nothing_behind(

@@ -166,16 +166,32 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a TOML config file (or the defaults), apply `--section.key value` overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+    data = _read_toml(Path(path)) if path is not None else {}
     cfg = from_dict(data)
     for key, value in parse_overrides(overrides or []):
         set_value(cfg, key, value, from_string=True)
     return cfg.validate()
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file's tables; anything else at `path` is named for what it is."""
+    name = repr(str(path))
+    if path.is_dir():
+        inside = ", ".join(sorted(p.name for p in path.glob("*.toml"))[:5])
+        raise ConfigError(
+            f"config file {name} is a directory; allowed: a .toml file"
+            + (f" (it holds {inside})" if inside else "")
+        )
+    if not path.exists():
+        raise ConfigError(f"config file {name} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {name} is not a regular file; allowed: a .toml file")
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config file {name} is not text ({err.reason} at byte {err.start}); "
+            "allowed: a UTF-8 .toml file"
+        ) from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {name} is not valid TOML: {err}") from err

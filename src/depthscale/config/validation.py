@@ -289,12 +289,12 @@ def _check_fields(cfg: Config) -> None:
             f"train.run_dir={t.run_dir!r} is not a valid path template ({err!r}); "
             "allowed: a path, optionally containing {name} (replaced by train.name)"
         ) from None
-    _check_dir_creatable("train.run_dir", run_path)
+    check_dir_creatable("train.run_dir", run_path)
     if d.cache_dir:
-        _check_dir_creatable("data.cache_dir", Path(d.cache_dir).expanduser())
+        check_dir_creatable("data.cache_dir", Path(d.cache_dir).expanduser())
 
 
-def _check_dir_creatable(key: str, path: Path) -> None:
+def check_dir_creatable(key: str, path: Path) -> None:
     """The directory exists or can be made: nothing on its way is a regular file, and the nearest
     existing ancestor is writable. Checked up front so a run fails before any work, not at its
     first write."""

@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 META_FILE = "tokenizer_meta.json"
+_META_FORM = 'allowed: {"kind": "byte"} or {"kind": "hf"} beside a tokenizer.json'
 BPE_BOS, BPE_EOS = "<|bos|>", "<|eos|>"
 EOS_NAMES = (
     BPE_EOS,
@@ -204,7 +205,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     directory = Path(directory)
     meta_file, json_file = directory / META_FILE, directory / "tokenizer.json"
     if meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
+        meta = _read_meta(meta_file)
     elif json_file.is_file():
         meta = {"kind": "hf"}
     else:
@@ -214,6 +215,17 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if meta["kind"] == "hf":
         return HFTokenizer.from_file(json_file, name=meta.get("name"))
     raise DataError(f"{meta_file}: unknown tokenizer kind {meta['kind']!r}; allowed: 'byte', 'hf'")
+
+
+def _read_meta(meta_file: Path) -> dict:
+    """What `_write_meta` wrote; a damaged file is named rather than read as a traceback."""
+    try:
+        meta = json.loads(meta_file.read_bytes())
+    except ValueError as err:  # also UnicodeDecodeError: bytes that are not text
+        raise DataError(f"{meta_file}: not valid JSON ({err}); {_META_FORM}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("kind"), str):
+        raise DataError(f"{meta_file}: no tokenizer kind in it; {_META_FORM}")
+    return meta
 
 
 def _find_token(tok: tokenizers.Tokenizer, names: Sequence[str]) -> int | None:

@@ -12,12 +12,14 @@ silently computes something else.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -151,6 +153,48 @@ def _rope_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+_HF_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
+_HF_POSITIVE_FLOATS = ("rms_norm_eps", "initializer_range")
+
+
+def _check_hf_numbers(hf_config: Mapping[str, Any]) -> None:
+    """Sizes are integers >= 1 and eps/init are finite numbers > 0, named by their HF key: a
+    config.json that says otherwise would build a model that fails somewhere deep inside."""
+    for key in (*_HF_SIZES, "num_key_value_heads", "head_dim"):
+        value = hf_config.get(key)
+        if value is None and key not in _HF_SIZES:
+            continue
+        value = _hf_value(hf_config, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"HF config {key}={value!r} is not allowed; allowed: an integer >= 1")
+    for key in _HF_POSITIVE_FLOATS:
+        value = _hf_value(hf_config, key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value > 0):
+            raise ConfigError(f"HF config {key}={value!r} is not allowed; allowed: a number > 0")
+
+
+def _check_hf_heads(dim: int, n_heads: int, n_kv_heads: int) -> None:
+    """The head layout a Llama attention can have (transformers fails on the rest, later)."""
+    if dim % n_heads or (dim // n_heads) % 2:
+        raise ConfigError(
+            f"HF config hidden_size={dim} / num_attention_heads={n_heads} is not an even "
+            "integer; allowed: an even head size (RoPE rotates pairs)"
+        )
+    if n_heads % n_kv_heads:
+        raise ConfigError(
+            f"HF config num_key_value_heads={n_kv_heads} does not divide "
+            f"num_attention_heads={n_heads}"
+        )
+
+
 def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     """The depthscale `ModelConfig` of an HF Llama `config.json` dict.
 
@@ -166,6 +210,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
     model_type = hf_config.get("model_type")
     if model_type != "llama":
         raise ConfigError(f"HF config model_type={model_type!r} is not supported; allowed: 'llama'")
+    _check_hf_numbers(hf_config)
     rope = _rope_fields(hf_config)
     for key in ("attention_bias", "mlp_bias"):
         if hf_config.get(key):
@@ -175,6 +220,8 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
             f"HF config hidden_act={get('hidden_act')!r} is not supported; allowed: 'silu'"
         )
     dim, n_heads = get("hidden_size"), get("num_attention_heads")
+    n_kv_heads = hf_config.get("num_key_value_heads") or n_heads
+    _check_hf_heads(dim, n_heads, n_kv_heads)
     head_dim = hf_config.get("head_dim")
     if head_dim is not None and head_dim * n_heads != dim:
         raise ConfigError(
@@ -186,7 +233,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         dim=dim,
         n_layers=get("num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=hf_config.get("num_key_value_heads") or n_heads,
+        n_kv_heads=n_kv_heads,
         ffn_dim=get("intermediate_size"),
         norm_eps=float(get("rms_norm_eps")),
         max_seq_len=get("max_position_embeddings"),
@@ -308,9 +355,41 @@ def state_dict_to_hf(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Te
 # Checkpoint directories
 
 
+def _read_json(file: Path, what: str) -> dict[str, Any]:
+    """A JSON object from `file`; anything else there is named with what it should have been."""
+    try:
+        data = json.loads(file.read_bytes())
+    except ValueError as err:  # also UnicodeDecodeError: bytes that are not text
+        raise CheckpointError(f"{file} is not valid JSON ({err}); allowed: {what}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{file} holds a JSON {type(data).__name__}, not an object; allowed: {what}"
+        )
+    return data
+
+
 def _read_index(path: Path, index_name: str) -> list[Path]:
-    weight_map = json.loads((path / index_name).read_text())["weight_map"]
+    what = 'a shard index {"weight_map": {"tensor name": "shard file", ...}}'
+    weight_map = _read_json(path / index_name, what).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path / index_name} has no weight_map; allowed: {what}")
     return [path / shard for shard in sorted(set(weight_map.values()))]
+
+
+def _load_file(file: Path) -> dict[str, Tensor]:
+    """One weights file, named when it is not what its name says (truncated, another format)."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such file; allowed: a weights file (safetensors, .bin)")
+    if file.suffix == ".safetensors":
+        try:
+            return load_file(file)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({err})") from None
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # unpickling arbitrary bytes fails in many ways (no code runs)
+        reason = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:120]}"
+        raise CheckpointError(f"{file} is not a readable PyTorch weights file ({reason})") from None
 
 
 def _load_weights(path: Path) -> dict[str, Tensor]:
@@ -325,7 +404,7 @@ def _load_weights(path: Path) -> dict[str, Tensor]:
     if files:
         sd: dict[str, Tensor] = {}
         for file in files:
-            sd.update(load_file(file))
+            sd.update(_load_file(file))
         return sd
     if (path / "pytorch_model.bin.index.json").is_file():
         files = _read_index(path, "pytorch_model.bin.index.json")
@@ -338,7 +417,7 @@ def _load_weights(path: Path) -> dict[str, Tensor]:
         )
     sd = {}
     for file in files:
-        sd.update(torch.load(file, map_location="cpu", weights_only=True))
+        sd.update(_load_file(file))
     return sd
 
 
@@ -352,7 +431,10 @@ def load_hf_checkpoint(path: str | Path) -> Transformer:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} is not a Hugging Face model directory: no config.json")
-    cfg = config_from_hf(json.loads(config_file.read_text()))
+    try:
+        cfg = config_from_hf(_read_json(config_file, "a Hugging Face Llama config"))
+    except ConfigError as err:
+        raise ConfigError(f"{config_file}: {err}") from None
     model = Transformer(cfg)
     sd = state_dict_from_hf(_load_weights(path), tie_embeddings=cfg.tie_embeddings)
     expected = set(model.state_dict())
