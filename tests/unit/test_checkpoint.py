@@ -1,7 +1,9 @@
 """Checkpoint integrity: every kind of damage is named and skipped, retention counts only verified
 checkpoints, and entries that are not ours are ignored. Real files, one process, tiny models."""
 
+import errno
 import json
+import os
 import re
 import shutil
 
@@ -305,6 +307,40 @@ def test_failed_dcp_save_is_reported_and_prunes_nothing(tmp_path, monkeypatch, c
     Run(tmp_path, keep=1).save(2)
     [warning] = warnings_in(capsys.readouterr().err)
     assert "checkpoint of step 2 was not saved (rank 0: OSError: no space left" in warning
+    assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 1)]
+
+
+def _torch_save_on_a_full_disk(*_args) -> None:
+    """What torch.save raises when the disk fills under it: the OSError, then its zip writer's
+    cleanup fails with the RuntimeError that surfaces (the OSError only its context)."""
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904 (as torch: context, not cause)
+
+
+def _zip_writer_short_write(*_args) -> None:
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+@pytest.mark.parametrize("fails", [_torch_save_on_a_full_disk, _zip_writer_short_write])
+def test_a_full_disk_inside_torch_save_is_a_failed_save_naming_the_disk(
+    tmp_path, monkeypatch, capsys, fails
+):
+    """It stopped the run with "[enforce fail at inline_container.cc:672] unexpected pos"; it is a
+    storage failure: reported with the file system's free space, and training goes on."""
+    run = Run(tmp_path, keep=0).save(1)
+    monkeypatch.setattr(ckpt, "torch_save_synced", fails)
+    capsys.readouterr()
+    run.save(2)
+    [warned] = warnings_in(capsys.readouterr().err)
+    assert "checkpoint of step 2 was not saved (rank 0: " in warned
+    if fails is _torch_save_on_a_full_disk:
+        assert "OSError: [Errno 28] No space left on device" in warned
+    else:
+        assert "a write failed (torch: [enforce fail" in warned
+    assert f"the file system holding {tmp_path} has " in warned and " free of " in warned
+    assert [kind for kind, _ in run.ckpt.events()] == ["checkpoint", "checkpoint_failed"]
     assert list_checkpoints(tmp_path) == [step_dir(tmp_path, 1)]
 
 

@@ -82,6 +82,8 @@ from depthscale.train.restore import (
     restore,
 )
 from depthscale.train.save_process import SaveProcess, can_start
+from depthscale.train.storage import describe as describe_storage_failure
+from depthscale.train.storage import is_storage_failure
 
 if TYPE_CHECKING:
     from depthscale.model.transformer import Transformer
@@ -156,22 +158,26 @@ def _gathered(mine: dict, group: dist.ProcessGroup | None) -> dict:
 
 
 def _storage_error(err: BaseException) -> bool:
-    """Whether a save failed on storage (a full disk, a quota, a file-size limit: an OSError),
-    as opposed to a bug, which should still stop the run."""
+    """Whether a save failed on storage (a full disk, a quota, a file-size limit: an OSError, or
+    torch's zip writer falling short), as opposed to a bug, which should still stop the run."""
     while isinstance(err, CheckpointError) and err.__cause__ is not None:
         err = err.__cause__
     if isinstance(err, CheckpointException):
         return bool(err.failures) and all(
-            isinstance(exc, OSError) for exc, _ in err.failures.values()
+            is_storage_failure(exc) for exc, _ in err.failures.values()
         )
-    return isinstance(err, OSError)
+    return is_storage_failure(err)
 
 
-def _root_cause(err: BaseException) -> str:
-    """'rank R: OSError: ...' from DCP's collective error or this rank's own."""
+def _root_cause(err: BaseException, where: Path) -> str:
+    """'rank R: OSError: ...' from DCP's collective error or this rank's own; a storage failure
+    also says how full the file system holding `where` is."""
     inner = err.__cause__ if isinstance(err, CheckpointError) and err.__cause__ else err
     rank, exc = failed_rank(inner)
-    return f"rank {global_rank() if rank is None else rank}: {type(exc).__name__}: {exc}"
+    who = f"rank {global_rank() if rank is None else rank}"
+    if is_storage_failure(exc):
+        return f"{who}: {describe_storage_failure(exc, where)}"
+    return f"{who}: {type(exc).__name__}: {exc}"
 
 
 class _SaveFailed(Exception):
@@ -388,10 +394,10 @@ class Checkpointer:
             raise err
         self._error = err  # raised by wait() on the training thread
 
-    def _agree(self, err: BaseException | None) -> None:
+    def _agree(self, err: BaseException | None, where: Path) -> None:
         """Every rank learns whether any rank failed the stage just done, and all raise the same
         _SaveFailed if one did: no rank then waits in a collective for a peer that gave up."""
-        mine = None if err is None else (_root_cause(err), _storage_error(err))
+        mine = None if err is None else (_root_cause(err, where), _storage_error(err))
         everyone = [mine]
         if dist.is_initialized():
             everyone = [None] * dist.get_world_size(self._group)
@@ -412,14 +418,14 @@ class Checkpointer:
         tmp = tmp_dir_of(final)
         rank = global_rank()
         try:
-            self._agree(_attempt(_fresh_dir, tmp)[1] if rank == 0 else None)
+            self._agree(_attempt(_fresh_dir, tmp)[1] if rank == 0 else None, self.root)
             mine, err = _attempt(self._write_own, step, state, rng, tmp, planner)
-            self._agree(err)
+            self._agree(err, self.root)
             files = _gathered(mine, self._group)
             published = None
             if rank == 0:
                 published = _attempt(self._publish, step, trainer_state, files, tmp, final)[1]
-            self._agree(published)
+            self._agree(published, self.root)
         except _SaveFailed:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
