@@ -148,6 +148,20 @@ def test_ring_attention_transfers_are_arrows(tmp_path):
     assert trace["otherData"]["unmatched"] == 0
 
 
+def test_a_start_with_nothing_to_do_keeps_the_trace(tmp_path):
+    """A finished run started again trains nothing: its trace (spans, hang folder) stays where it
+    was, nothing is archived, and the timeline is still the run's."""
+    run, _ = train(tmp_path, "--train.steps", "2", "--train.batch_size", "2")
+    before = {p.name: p.read_bytes() for p in (run / "trace").glob("rank*.jsonl")}
+    _, again = train(tmp_path, "--train.steps", "2", "--train.batch_size", "2")
+    assert "nothing to do" in again.stdout + again.stderr
+    assert {p.name: p.read_bytes() for p in (run / "trace").glob("rank*.jsonl")} == before
+    assert not (run / "trace" / "archive").exists()
+    trace, out = _timeline(run, tmp_path)
+    steps = {e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert steps == {1, 2} and "step 2 of every rank" in out
+
+
 TWO = ["--nproc", "2", "--train.batch_size", "4"]
 HANG_DRILLS = {
     # (layout, the rank that stops, the span it stops before, who waits, in what)
@@ -176,7 +190,10 @@ def _hang_drill(tmp_path: Path, kind: str) -> None:
     assert proc.returncode != 0
     assert "depthscale trace hang --run" in proc.stderr + proc.stdout
     assert not (run / "trace" / "hang" / f"rank{culprit:05d}.json").exists()
-    report = depthscale("trace", "hang", "--run", str(run), cwd=tmp_path).stdout
+    source, report = depthscale("trace", "hang", "--run", str(run), cwd=tmp_path).stdout.split(
+        "\n", 1
+    )
+    assert source.startswith("hang dumps of the latest attempt, written ")
     assert report.startswith(f"culprit: rank {culprit} (") and "wrote no hang dump" in report
     assert f"rank {waiter} (" in report and waits_in in report
 

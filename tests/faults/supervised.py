@@ -37,6 +37,20 @@ def train(
     )  # fmt: skip
 
 
+def trace_hang(run: Path) -> str:
+    """`depthscale trace hang --run RUN`'s report (it must succeed)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthscale.cli", "trace", "hang", "--run", str(run)],
+        cwd=run.parent,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def losses(run: Path) -> dict[int, float]:
     """step → training loss; a step logged again after a restart or rollback keeps its last value
     (the one the finished run is built on)."""

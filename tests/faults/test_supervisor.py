@@ -17,6 +17,7 @@ from supervised import (
     events,
     node_events,
     restart_seconds,
+    trace_hang,
     train,
     train_nodes,
 )
@@ -65,6 +66,11 @@ def test_sigkill_is_reported_and_the_run_recovers_bitwise(tmp_path, references):
     assert fault["fault"]["kind"] == "dead" and fault["fault"]["ranks"] == [1]
     assert "killed by SIGKILL" in fault["text"] and "on node" in fault["text"]
     assert detection_s(fault) <= 2 * HEARTBEAT_S + 0.5, fault
+    # the restart archived the attempt's trace; the hang report still reads it and names the death
+    report = trace_hang(run)
+    assert "rank 1 (pp0 dp1 cp0 tp0) on node " in report, report
+    assert "died: killed by SIGKILL" in report and "supervisor attempt 0" in report, report
+    assert "show no hang" not in report, report
 
 
 def test_sigstop_is_detected_and_the_culprit_named(tmp_path, references):

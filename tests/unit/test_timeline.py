@@ -221,3 +221,22 @@ def test_ranks_sharing_a_host_take_its_measured_offset(tmp_path):
     ranks = read_rank_files(tmp_path)
     offsets = align_clocks(ranks, [])  # the ping-pong intervals alone
     assert offsets[3] == offsets[2] and abs(offsets[2] + 40 * MS) <= MS
+
+
+def test_a_trace_without_spans_falls_back_to_the_newest_archived_attempt(tmp_path, capsys):
+    """RUN/trace as a start that trained nothing left it before starts kept their hands off (meta
+    lines only, the real trace archived): the timeline is the archived attempt's, and says so."""
+    _run(tmp_path, {1: 20}, steps=2)
+    trace = tmp_path / "trace"
+    archived = trace / "archive" / "20261128-035050"
+    archived.mkdir(parents=True)
+    for path in sorted(trace.glob("rank*.jsonl")):
+        path.rename(archived / path.name)
+        path.write_text(json.dumps({"kind": "meta", "rank": int(path.stem[4:]), "world": 4}) + "\n")
+    assert run_report("timeline", tmp_path, None) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        f"reading an earlier attempt, archived when the run was started again: {archived}"
+    )
+    assert f"wrote {archived / 'timeline.json'}: 4 ranks" in out
+    assert "pipeline stage 1: idle/compute" in out  # the archived spans, merged

@@ -12,6 +12,11 @@ The rule is MegaScale's (§5.2), made precise as a wait-for graph:
   and that wait for nobody — silent (no dump: a stopped process, a dead host) or busy in their own
   code (their dump shows where). An edge cycle with no way out is a genuine deadlock.
 
+A rank that died is often waited for by nobody: a vanished gloo peer makes the others' next
+collective fail at once, before any of them waits in it. Its silence is then explained from the
+supervisor's records, its peers' errors and where its trace ends (`observe/deaths.py`), filled in
+by the caller (`observe/report.py`), which also picks the attempt to read (`observe/attempts.py`).
+
 Where a dump carries torch's Flight Recorder state (`observe/flight_recorder.py`: gloo and NCCL in
 torch 2.13), a blocked collective is taken from it — also one FSDP issued inside torch, which no
 span sees — and a member of its group is waited for when it never enqueued that collective (its
@@ -24,6 +29,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from depthscale.observe.deaths import what_it_did
 from depthscale.observe.stragglers import where
 
 COMM_CATS = ("pp", "cp", "p2p", "collective")
@@ -48,6 +54,12 @@ class HangReport:
     deadlock: list[int] = field(default_factory=list)
     """Ranks on a wait cycle nobody outside can break (empty when there is a culprit)."""
     problems: list[str] = field(default_factory=list)
+    nodes: dict[int, str] = field(default_factory=dict)
+    """Rank → the node the supervisor launched it on (empty unless supervised)."""
+    fates: dict[int, str] = field(default_factory=dict)
+    """Silent rank → why it wrote no dump, where evidence says (`observe/deaths.py`)."""
+    ends: dict[int, str] = field(default_factory=dict)
+    """Silent rank → where its trace file ends."""
 
     def waiting_on(self, culprit: int) -> dict[int, dict | None]:
         """The ranks that wait directly for `culprit`, with the operation each waits in."""
@@ -55,8 +67,21 @@ class HangReport:
 
 
 def load_dumps(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict], int, list[str]]:
-    """(dumps by rank, meta by rank, world size, problems reading them)."""
+    """(dumps by rank, meta by rank, world size, problems reading them) of RUN/trace; a ValueError
+    when there is no dump."""
     trace = Path(run_dir) / "trace"
+    dumps, metas, world, problems = read_dumps(trace)
+    if not dumps:
+        raise ValueError(
+            f"{trace / 'hang'} holds no hang dumps: ranks write them when a step stalls for "
+            "logging.hang_dump_s or a collective times out (parallel.timeout_s)"
+        )
+    return dumps, metas, world, problems
+
+
+def read_dumps(trace: Path) -> tuple[dict[int, dict], dict[int, dict], int, list[str]]:
+    """`load_dumps` of one trace folder (RUN/trace or an archived attempt's), which may hold no
+    dump: a rank that died writes none, and its peers may have been stopped before they could."""
     metas, problems = {}, []
     for path in sorted(trace.glob("rank*.jsonl")):
         with open(path, encoding="utf-8") as f:
@@ -77,13 +102,9 @@ def load_dumps(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict], int, li
             problems.append(f"{path}: not a hang dump; read as if the rank wrote none")
             continue
         dumps[dump["rank"]] = dump
-    if not dumps:
-        raise ValueError(
-            f"{trace / 'hang'} holds no hang dumps: ranks write them when a step stalls for "
-            "logging.hang_dump_s or a collective times out (parallel.timeout_s)"
-        )
     world = max(
-        [m.get("world", 0) for m in metas.values()] + [d.get("world", 0) for d in dumps.values()]
+        [m.get("world", 0) for m in metas.values()] + [d.get("world", 0) for d in dumps.values()],
+        default=0,
     )
     return dumps, metas, world, problems
 
@@ -279,43 +300,88 @@ def _training_stack(stacks: str) -> list[str]:
 
 def format_report(report: HangReport, dumps: dict[int, dict] | None = None) -> str:
     dumps = dumps or {}
-    lines = []
-    if report.deadlock:
-        lines.append(
-            "deadlock: ranks " + ", ".join(map(str, report.deadlock)) + " wait in a cycle:"
-        )
-        lines += [
+    lines = _deadlock_lines(report)
+    for culprit in report.culprits:
+        lines += _culprit_lines(report, culprit, dumps)
+    lines += _behind_lines(report)
+    if not report.culprits and not report.deadlock:
+        lines += _lost_lines(report, dumps)
+    if not lines:
+        lines.append("no rank is blocked on another: the dumps show no hang")
+    lines += [f"note: {p}" for p in report.problems]
+    return "\n".join(lines)
+
+
+def _who(report: HangReport, rank: int) -> str:
+    node = f" on node {report.nodes[rank]}" if rank in report.nodes else ""
+    return f"rank {rank} ({where(report.coords.get(rank, {}))}){node}"
+
+
+def _state(report: HangReport, rank: int) -> str:
+    if rank in report.fates:
+        return report.fates[rank]
+    if rank in report.silent:
+        return "wrote no hang dump: it is stopped, dead or unreachable"
+    return "is not blocked in any communication: it is stuck in its own work"
+
+
+def _deadlock_lines(report: HangReport) -> list[str]:
+    if not report.deadlock:
+        return []
+    return [
+        "deadlock: ranks " + ", ".join(map(str, report.deadlock)) + " wait in a cycle:",
+        *(
             f"  rank {r} ({where(report.coords[r])}) waits in {_describe(report.waiters[r].op)}"
             for r in report.deadlock
-        ]
-    for culprit in report.culprits:
-        state = (
-            "wrote no hang dump: it is stopped, dead or unreachable"
-            if culprit in report.silent
-            else "is not blocked in any communication: it is stuck in its own work"
+        ),
+    ]
+
+
+def _culprit_lines(report: HangReport, culprit: int, dumps: dict[int, dict]) -> list[str]:
+    lines = [f"culprit: {_who(report, culprit)} {_state(report, culprit)}"]
+    if culprit in report.ends:
+        lines.append(f"  {report.ends[culprit]}")
+    dump = dumps.get(culprit)
+    if dump is not None:
+        inner = (dump.get("in_flight") or [{}])[-1]
+        lines.append(
+            f"  its innermost open span: {inner.get('name', 'none')} (step {dump.get('step')})"
         )
-        lines.append(f"culprit: rank {culprit} ({where(report.coords[culprit])}) {state}")
-        dump = dumps.get(culprit)
-        if dump is not None:
-            inner = (dump.get("in_flight") or [{}])[-1]
-            lines.append(
-                f"  its innermost open span: {inner.get('name', 'none')} (step {dump.get('step')})"
-            )
-            lines += ["  " + ln for ln in _training_stack(dump.get("stacks", ""))[:7]]
-        for rank, op in sorted(report.waiting_on(culprit).items()):
-            lines.append(f"  rank {rank} ({where(report.coords[rank])}) waits in {_describe(op)}")
+        lines += ["  " + ln for ln in _training_stack(dump.get("stacks", ""))[:7]]
+    for rank, op in sorted(report.waiting_on(culprit).items()):
+        lines.append(f"  rank {rank} ({where(report.coords[rank])}) waits in {_describe(op)}")
+    return lines
+
+
+def _behind_lines(report: HangReport) -> list[str]:
+    """The waiters that wait for a culprit only through another waiter."""
+    if not report.culprits:
+        return []
     direct = {r for c in report.culprits for r in report.waiting_on(c)}
     behind = sorted(r for r in report.waiters if r not in direct and r not in report.deadlock)
-    if report.culprits and behind:
-        lines.append("waiting behind them:")
-    for rank in behind if report.culprits else []:
+    lines = ["waiting behind them:"] if behind else []
+    for rank in behind:
         w = report.waiters[rank]
         peers = ", ".join(map(str, sorted(w.waits_for))) or "nobody"
         lines.append(
             f"  rank {rank} ({where(report.coords[rank])}) waits in {_describe(w.op)} "
             f"(for rank {peers})"
         )
-    if not lines:
-        lines.append("no rank is blocked on another: the dumps show no hang")
-    lines += [f"note: {p}" for p in report.problems]
-    return "\n".join(lines)
+    return lines
+
+
+def _lost_lines(report: HangReport, dumps: dict[int, dict]) -> list[str]:
+    """Silent ranks nobody was seen waiting for, named when evidence explains their silence or
+    their peers failed (a peer that died makes the others' next collective fail at once, before
+    any of them waits in it); then what each rank with a dump was doing."""
+    failed = any(d.get("error") for d in dumps.values())
+    lost = sorted(report.fates) or (report.silent if failed else [])
+    if not lost:
+        return []
+    lines = []
+    for rank in lost:
+        lines.append(f"culprit: {_who(report, rank)} {_state(report, rank)}")
+        lines += [f"  {report.ends[rank]}"] if rank in report.ends else []
+    for rank, dump in sorted(dumps.items()):
+        lines.append(f"  rank {rank} ({where(report.coords.get(rank, {}))}) {what_it_did(dump)}")
+    return lines

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from depthscale.errors import DepthscaleError
+
+if TYPE_CHECKING:
+    from depthscale.observe.attempts import Launch
 
 
 def run_report(what: str, run: Path, out: Path | None, step: int | None = None) -> int:
@@ -22,8 +26,9 @@ def _timeline(run: Path, out: Path | None, step: int | None) -> int:
     from depthscale.observe.timeline import read_rank_files, write_timeline
     from depthscale.observe.timeline_plot import last_common_step, plot_step
 
-    ranks = read_rank_files(run)
-    path, s = write_timeline(run, out, ranks)
+    folder = _timeline_folder(run)
+    ranks = read_rank_files(run, folder)
+    path, s = write_timeline(run, out or folder / "timeline.json", ranks)
     arrows = ", ".join(f"{n} {cat}" for cat, n in sorted(s.flows.items())) or "none"
     print(f"wrote {path}: {s.ranks} ranks, message arrows: {arrows}; open it in ui.perfetto.dev")
     last = last_common_step(ranks)
@@ -50,6 +55,22 @@ def _timeline(run: Path, out: Path | None, step: int | None) -> int:
     if s.dropped:
         print(f"warning: {s.dropped} events were dropped by the ranks' writers (queue full)")
     return 0
+
+
+def _timeline_folder(run: Path) -> Path:
+    """RUN/trace, unless it holds no span (a start that stopped before its first step, or one
+    that trained nothing, written by a version that still archived then): the newest archived
+    attempt that does. Says which when the run has archived attempts."""
+    from depthscale.observe.attempts import describe, has_spans, trace_folders
+
+    folders = trace_folders(run)
+    folder = next((f for f in folders if has_spans(f)), folders[0])
+    if len(folders) > 1:
+        print(
+            f"reading {describe(run, folder)}: {folder} ({len(folders) - 1} archived attempt(s) "
+            f"under {folders[0] / 'archive'})"
+        )
+    return folder
 
 
 def _stragglers(run: Path, out: Path | None) -> int:
@@ -80,13 +101,53 @@ def _stragglers(run: Path, out: Path | None) -> int:
 
 
 def _hang(run: Path, out: Path | None) -> int:
-    from depthscale.observe.hang import analyze, format_report, load_dumps
+    from depthscale.observe.deaths import fates, trace_end
+    from depthscale.observe.hang import analyze, format_report, read_dumps
 
-    dumps, metas, world, problems = load_dumps(run)
+    folder, launch = _failed_attempt(run)
+    dumps, metas, world, problems = read_dumps(folder)
     report = analyze(dumps, world, metas)
     report.problems += problems
-    text = format_report(report, dumps)
+    report.nodes = dict(launch.node_of) if launch is not None else {}
+    report.fates = fates(report.silent, dumps, launch)
+    report.ends = {r: end for r in report.silent if (end := trace_end(folder, r)) is not None}
+    text = _source_line(run, folder, launch) + "\n" + format_report(report, dumps)
     print(text)
     if out is not None:
         out.write_text(text + "\n")
     return 0
+
+
+def _failed_attempt(run: Path) -> tuple[Path, Launch | None]:
+    """(trace folder, its supervised launch or None) of the newest attempt with hang dumps or a
+    rank the supervisor found dead or hung; a ValueError when no attempt has either."""
+    from depthscale.observe.attempts import has_dumps, supervised_launch, trace_folders, trace_pids
+
+    folders = trace_folders(run)
+    for folder in folders:
+        pids = trace_pids(folder)
+        launch = supervised_launch(run, pids) if pids else None
+        failed = launch is not None and any(
+            f.get("kind") in ("dead", "hung") for f in launch.faults
+        )
+        if has_dumps(folder) or failed:
+            return folder, launch
+    archived = f" nor in the {len(folders) - 1} archived attempt(s)" if len(folders) > 1 else ""
+    raise ValueError(
+        f"{folders[0] / 'hang'} holds no hang dumps{archived}, and no supervisor recorded a dead "
+        "or hung rank: ranks write them when a step stalls for logging.hang_dump_s or a "
+        "collective times out (parallel.timeout_s)"
+    )
+
+
+def _source_line(run: Path, folder: Path, launch: Launch | None) -> str:
+    """Which attempt the report reads, and when its dumps were written."""
+    from depthscale.observe.attempts import describe, written_at
+
+    which = describe(run, folder) + (f" ({launch.describe()})" if launch is not None else "")
+    dumps = sorted((folder / "hang").glob("rank*.json"))
+    if not dumps:
+        return (
+            f"{which}: no rank wrote a hang dump; read from the supervisor's records and {folder}"
+        )
+    return f"hang dumps of {which}, written {written_at(dumps)}: {folder / 'hang'}"

@@ -132,9 +132,10 @@ def trace_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / "trace" / f"rank{rank:05d}.jsonl"
 
 
-def trace_files(run_dir: Path) -> list[Path]:
-    """The run's per-rank trace files; a ValueError naming the folder when there are none."""
-    trace = Path(run_dir) / "trace"
+def trace_files(run_dir: Path, folder: Path | None = None) -> list[Path]:
+    """The run's per-rank trace files (in `folder`: an archived attempt's, default RUN/trace); a
+    ValueError naming the folder when there are none."""
+    trace = Path(folder) if folder is not None else Path(run_dir) / "trace"
     files = sorted(trace.glob("rank*.jsonl"))
     if not files:
         raise ValueError(

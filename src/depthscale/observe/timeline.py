@@ -59,9 +59,10 @@ class Summary:
     dropped: int = 0
 
 
-def read_rank_files(run_dir: Path) -> dict[int, RankTrace]:
+def read_rank_files(run_dir: Path, folder: Path | None = None) -> dict[int, RankTrace]:
+    """Every rank's trace of the run (of an archived attempt: `folder`, see observe/attempts)."""
     ranks = {}
-    for path in trace_files(run_dir):
+    for path in trace_files(run_dir, folder):
         trace = _read(path)
         ranks[trace.rank] = trace
     return ranks

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import socket
-import time
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import torch
 
 from depthscale.config import Config
 from depthscale.observe import spans
+from depthscale.observe.attempts import ARCHIVE, archive_name
 from depthscale.observe.spans import BUSY_PHASES, Slowdown, SpanRecorder, trace_path
 from depthscale.observe.stragglers import StragglerDetector
 from depthscale.observe.watchdog import Watchdog, write_hang_dump
@@ -40,10 +40,20 @@ class Telemetry:
 
     Built once the run directory exists (every rank together: it measures clock offsets); records
     only inside `recording()`, which `Trainer.fit` enters, so that a Trainer driven step by step
-    (tests) or two in one process never record into each other's files."""
+    (tests) or two in one process never record into each other's files.
+
+    `idle`: the run is already trained to `train.steps` (every rank knows it from the checkpoint).
+    Such a start records nothing and moves nothing: archiving the trace and writing new rank files
+    would replace the last real run's timeline and hang dumps with empty ones."""
 
     def __init__(
-        self, cfg: Config, run_dir: Path, env: DistEnv, dims: ParallelDims, device: torch.device
+        self,
+        cfg: Config,
+        run_dir: Path,
+        env: DistEnv,
+        dims: ParallelDims,
+        device: torch.device,
+        idle: bool = False,
     ) -> None:
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, env.rank, env.world_size
         self.coords = [dims.coordinates(r) for r in range(env.world_size)]
@@ -54,7 +64,7 @@ class Telemetry:
         self._busy = dict.fromkeys(BUSY_PHASES, 0)
         self.mfu = MfuAlarm(cfg.logging.mfu_alarm)
         self.gc_interval = cfg.train.gc_interval
-        if not cfg.logging.trace:
+        if not cfg.logging.trace or idle:
             return
         _archive_previous(run_dir, self.rank)
         sizes = {
@@ -253,16 +263,18 @@ class MfuAlarm:
 
 def _archive_previous(run_dir: Path, rank: int) -> None:
     """A resumed run keeps the previous invocation's traces: rank 0 moves them to
-    trace/archive/<time>/ before anyone writes; the others wait for rank 0 alone (no barrier)."""
+    trace/archive/<time>/ before anyone writes; the others wait for rank 0 alone (no barrier).
+    `trace hang` and `trace timeline` look there when RUN/trace has no dumps or spans
+    (`observe/attempts.py`)."""
     trace = Path(run_dir) / "trace"
 
     def archive() -> None:
         if rank != 0 or not trace.is_dir():
             return
-        old = [p for p in trace.iterdir() if p.name != "archive"]
+        old = [p for p in trace.iterdir() if p.name != ARCHIVE]
         if old:
-            dest = trace / "archive" / time.strftime("%Y%m%d-%H%M%S")
-            dest.mkdir(parents=True, exist_ok=True)
+            dest = trace / ARCHIVE / archive_name(trace)
+            dest.mkdir(parents=True)
             for p in old:
                 shutil.move(str(p), dest / p.name)
 

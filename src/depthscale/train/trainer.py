@@ -121,7 +121,14 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
             self.data.tokenizer.save(self.run_dir / "tokenizer")
-        self.telemetry = Telemetry(cfg, self.run_dir, self.env, self.layout.dims, self.device)
+        self.telemetry = Telemetry(
+            cfg,
+            self.run_dir,
+            self.env,
+            self.layout.dims,
+            self.device,
+            idle=self.step >= cfg.train.steps,  # `fit` will have nothing to do
+        )
         self.pending = PendingMetrics(self.env.world_size)
         self.vote = HostVote(self.env.world_size, self.env.rank)
         self.busy_rows: list[list[float]] | None = None
