@@ -136,9 +136,9 @@ class Supervisor:
                 signal.signal(s, handler)
 
     def _catch_stop_signals(self) -> dict[int, Any]:
-        """SIGINT / SIGTERM only set a flag: the watch forwards SIGTERM to the workers (they save
-        and exit) and returns. Installed again after every launch: torch's process context
-        installs its own handlers, which would raise out of the watch loop."""
+        """SIGINT / SIGTERM only set a flag: the watch forwards the same signal to the workers
+        (they save and exit) and returns. Installed again after every launch: torch's process
+        context installs its own handlers, which would raise out of the watch loop."""
         return {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _on_signal(self, signum: int, frame: object) -> None:

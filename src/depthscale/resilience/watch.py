@@ -145,12 +145,13 @@ class Watch:
                 self.ranks[rank].exit = handler.proc.poll()
 
     def _stop_gracefully(self, signum: int, now: float) -> bool:
-        """Forward the stop to the workers (they save and exit); True once all have exited."""
+        """Forward the stop to the workers (they save and exit), as the signal that came: their
+        stop message names it. True once all have exited."""
         if self.stopping_since is None:
             self.stopping_since = now
             for s, pid in zip(self.ranks, self.context.pids().values()):
                 if s.exit is None:
-                    _signal(pid, signal.SIGTERM)
+                    _signal(pid, signum)
         if all(s.exit is not None for s in self.ranks):
             return True
         if now - self.stopping_since > 60:

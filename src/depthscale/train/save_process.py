@@ -49,6 +49,7 @@ from depthscale.config import CheckpointConfig, ModelConfig
 from depthscale.errors import CheckpointError
 
 _ALIGN = 64
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _NICE = 10
 _started = 0
 
@@ -168,17 +169,24 @@ class SaveProcess:
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])  # however depthscale was found
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "depthscale.train.save_process",
-                str(conn.fileno()),
-                str(fds.fileno()),
-            ],
-            pass_fds=(conn.fileno(), fds.fileno()),
-            env=env,
-        )
+        # Started with the stop signals blocked, the writer inherits the block until it ignores
+        # them (`_ignore_stop_signals`): one that arrived while it still imported torch printed a
+        # KeyboardInterrupt traceback. This process takes one that came meanwhile as it unblocks.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "depthscale.train.save_process",
+                    str(conn.fileno()),
+                    str(fds.fileno()),
+                ],
+                pass_fds=(conn.fileno(), fds.fileno()),
+                env=env,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         conn.close()
         fds.close()
         self._conn.send(spec)
@@ -316,6 +324,16 @@ class StagedPlanner(DefaultSavePlanner):
         return self.state_dict[index.fqn]
 
 
+def _ignore_stop_signals() -> None:
+    """The writer leaves stopping to its rank: Ctrl-C or `pkill -INT` reaching it mid-save raised
+    KeyboardInterrupt inside torch.save, whose zip writer then failed the save with "unexpected
+    pos" while the rank was stopping cleanly and waiting for that very save. The writer ends when
+    its rank closes the pipe, or with it (PR_SET_PDEATHSIG)."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
 def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -379,4 +397,5 @@ def _picklable(err: BaseException | None) -> BaseException | None:
 
 
 if __name__ == "__main__":
+    _ignore_stop_signals()
     _serve(Connection(int(sys.argv[1])), socket.socket(fileno=int(sys.argv[2])))
