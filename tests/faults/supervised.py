@@ -70,7 +70,14 @@ def final_parameters(run: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_run(run: Path, reference: Path) -> None:
-    """Losses from every step and the final parameters equal the reference's, bit for bit."""
+    """Losses from every step and the final parameters equal the reference's, bit for bit; and
+    metrics.jsonl holds each step once, in order (a restart supersedes what it trains again)."""
+    logged = [
+        record["step"]
+        for record in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if record.get("split") == "train"
+    ]
+    assert logged == sorted(set(logged)), logged
     got, want = losses(run), losses(reference)
     assert got == want, {s: (got.get(s), want.get(s)) for s in want if got.get(s) != want.get(s)}
     a, b = final_parameters(run), final_parameters(reference)

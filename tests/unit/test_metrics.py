@@ -9,13 +9,13 @@ import torch
 from depthscale.config import ModelConfig
 from depthscale.observe.metrics import (
     MEASURED,
-    MetricsLogger,
     Throughput,
     _best_rate,
     attended_keys,
     detect_peak_flops,
     flops_per_token,
 )
+from depthscale.observe.metrics_log import METRICS, SUPERSEDED, MetricsLogger
 
 
 def small() -> ModelConfig:
@@ -102,6 +102,50 @@ def test_throughput_window_rate_and_mfu():
     assert rate["tflops"] == pytest.approx(800 * 1e6 / 1e12)
     assert rate["mfu"] == pytest.approx(800 * 1e6 / 1e9)
     assert Throughput(1e6, 0.0).rate() == {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": None}
+
+
+def _tb_scalars(run_dir, tag):
+    """(step, value) of a TensorBoard tag as TensorBoard shows it (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_a_resumed_run_supersedes_the_records_it_trains_again(tmp_path):
+    """Trained to step 5, resumed from the checkpoint of step 3: steps 4-5 are trained again, so
+    their first records move to metrics.superseded.jsonl, and TensorBoard purges them."""
+    with MetricsLogger(tmp_path, tensorboard=True, start_step=0) as logger:
+        for step in range(1, 6):
+            logger.log(step, {"loss": 10.0 - step})
+        logger.event(3, "checkpoint", {"step": 3, "blocking_s": 0.1})
+    with (tmp_path / METRICS).open("a") as fh:
+        fh.write('{"step": 6, "split": "tra')  # torn by the crash
+    with MetricsLogger(tmp_path, tensorboard=True, start_step=3) as logger:
+        for step in range(4, 7):
+            logger.log(step, {"loss": 100.0 - step})
+    records = [json.loads(line) for line in (tmp_path / METRICS).read_text().splitlines()]
+    steps = [r["step"] for r in records if r["split"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # each step once, in order
+    assert [r["loss"] for r in records if r["split"] == "train"][3:] == [96.0, 95.0, 94.0]
+    assert [r["split"] for r in records].count("checkpoint") == 1
+    superseded = (tmp_path / SUPERSEDED).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in superseded[:2]] == [4, 5]
+    assert superseded[2].startswith('{"step": 6, "split": "tra')
+    assert _tb_scalars(tmp_path, "train/loss") == [
+        (1, 9.0), (2, 8.0), (3, 7.0), (4, 96.0), (5, 95.0), (6, 94.0)
+    ]  # fmt: skip
+
+
+def test_a_rollback_supersedes_from_its_checkpoint(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False, start_step=0) as logger:
+        for step in range(1, 5):
+            logger.log(step, {"loss": 1.0})
+        logger.supersede(2)
+        logger.log(3, {"loss": 2.0})
+    steps = [json.loads(line)["step"] for line in (tmp_path / METRICS).read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
 def test_metrics_logger_writes_json_lines_and_tensorboard(tmp_path):

@@ -1,4 +1,5 @@
-"""Training metrics: model FLOPs per token, peak FLOP/s, throughput/MFU, and the metrics log.
+"""Training metrics: model FLOPs per token, peak FLOP/s, throughput and MFU (the log they go to is
+metrics_log.py).
 
 MFU = achieved model FLOP/s / peak FLOP/s, where model FLOPs count only what the model needs
 (no recomputation), so MFU is comparable across activation-checkpointing and kernel choices. It is
@@ -8,15 +9,11 @@ never above 100 %: a rate above the peak proves the peak too low, and `Throughpu
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
 
 import torch
 
@@ -25,7 +22,6 @@ from depthscale.config import ModelConfig
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "MetricsLogger",
     "Throughput",
     "attended_keys",
     "detect_peak_flops",
@@ -251,86 +247,3 @@ class Throughput:
             )
             self._raised = True
         self.peak_flops = flops
-
-
-# --------------------------------------------------------------------------------------------
-# Metrics log
-
-
-class MetricsLogger:
-    """Appends one JSON object per `log` call to run_dir/metrics.jsonl, and mirrors the scalars to
-    TensorBoard under run_dir/tb when enabled. Meant for one process (rank 0).
-
-    Each line is {"step", "split", "time", **metrics} and is flushed at once, so a crash loses at most
-    the line being written; non-finite values and None are written as null (strict JSON).
-    TensorBoard tags are "{split}/{name}".
-    """
-
-    RESERVED = ("step", "split", "time")
-
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._writer: Any = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # imported lazily: slow, optional
-
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tb"))
-
-    def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
-        """Write one record of `metrics` at `step` under `prefix` (e.g. train, val)."""
-        if self._file is None:
-            raise RuntimeError("MetricsLogger.log called after close()")
-        clash = [k for k in metrics if k in self.RESERVED]
-        if clash:
-            raise ValueError(f"metric names {clash} are reserved in metrics.jsonl")
-        values = {k: _scalar(v) for k, v in metrics.items()}
-        record = {"step": step, "split": prefix, "time": time.time()}
-        record |= {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        if self._writer is not None:
-            for key, value in values.items():
-                if value is not None:
-                    self._writer.add_scalar(f"{prefix}/{key}", value, step)
-            self._writer.flush()
-
-    def event(self, step: int, kind: str, fields: dict[str, Any]) -> None:
-        """One structured event (a straggler, an alarm) as its own metrics.jsonl line, with
-        `split` = kind; not sent to TensorBoard."""
-        if self._file is None:
-            raise RuntimeError("MetricsLogger.event called after close()")
-        record = {"step": step, "split": kind, "time": time.time(), **fields}
-        self._file.write(json.dumps(record, default=str) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-def _scalar(value: Any) -> float | int | None:
-    """A Python number from a float, int, bool or one-element tensor; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        value = value.item()
-    if isinstance(value, bool | int):
-        return int(value)
-    return float(value)

@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from depthscale.config import Config
-from depthscale.observe.metrics import MetricsLogger
+from depthscale.observe.metrics_log import MetricsLogger
 
 
-def metrics_logger(run_dir: Path, cfg: Config, is_main: bool):
-    """Rank 0 writes metrics; the others get a logger that drops them."""
+def metrics_logger(run_dir: Path, cfg: Config, is_main: bool, start_step: int):
+    """Rank 0 writes metrics, superseding those of steps after `start_step` (the run trains them
+    again); the others get a logger that drops them."""
     if is_main:
-        return MetricsLogger(run_dir, cfg.logging.tensorboard)
+        return MetricsLogger(run_dir, cfg.logging.tensorboard, start_step)
     return contextlib.nullcontext(_NullLogger())
 
 
@@ -23,6 +24,9 @@ class _NullLogger:
         pass
 
     def event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def supersede(self, step: int) -> None:
         pass
 
 

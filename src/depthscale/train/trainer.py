@@ -397,7 +397,7 @@ class Trainer:
         )
         bar = console.progress(cfg, self.step)
         saved_at = None
-        with console.metrics_logger(self.run_dir, cfg, self.env.is_main) as logger:
+        with console.metrics_logger(self.run_dir, cfg, self.env.is_main, self.step) as logger:
             self.throughput.reset()
             while self.step < cfg.train.steps:
                 if stop_at is not None and self.step >= stop_at:
@@ -412,6 +412,7 @@ class Trainer:
                     self.telemetry.abandon_step()
                     self.pending.resolve()  # the steps before it, numbered before rolling back
                     self._roll_back(bad)
+                    logger.supersede(self.step)  # the steps after it are trained again
                     continue
                 if not history:  # which AttnRes kernels the first step ran, once
                     _print_kernel_paths()
