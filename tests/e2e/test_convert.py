@@ -1,13 +1,14 @@
 """`depthscale convert` as a user runs it: an imported model trains, saves and resumes; bad input
 fails with one line and exit code 2, leaving what was already on disk as it was."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from depthscale.cli import main
-from depthscale.data.tokenizer import train_bpe
+from depthscale.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,6 +129,26 @@ def test_export_into_a_non_empty_directory_is_refused(tmp_path, run_dir, capsys)
     (out / "tokenizer.json").unlink()  # an empty directory is fine
     assert main(["convert", "ds-to-hf", "--run", str(run_dir), "--out", str(out)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(listing(out))
+
+
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_export_writes_the_tokenizer_transformers_loads(tmp_path, run_dir, kind):
+    """ds-to-hf writes the run's tokenizer where AutoTokenizer finds it (the byte tokenizer as
+    the byte-level BPE that encodes as it does), and BOS/EOS in config and generation config."""
+    if kind == "byte":
+        shutil.rmtree(run_dir / "tokenizer")
+        ByteTokenizer().save(run_dir / "tokenizer")
+    ours = load_tokenizer(run_dir / "tokenizer")
+    out = tmp_path / "export"
+    assert main(["convert", "ds-to-hf", "--run", str(run_dir), "--out", str(out)]) == 0
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f7(x):\n    return x * 7 + 49  # héllo 🙂\r\n\t\x00"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert theirs.decode(ours.encode(text)) == text
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.bos_token_id, config.eos_token_id) == (ours.bos_id, ours.eos_id)
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == ours.eos_id
 
 
 def test_import_into_a_non_empty_directory_is_refused(tmp_path, capsys):

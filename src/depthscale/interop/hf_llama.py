@@ -265,7 +265,7 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
 
     Writes RoPE both in 5.x form (`rope_parameters`) and 4.x form (`rope_theta`, `rope_scaling`)
     so either transformers version reads it. Token ids are null: the model does not know its
-    tokenizer.
+    tokenizer (`save_hf_checkpoint` fills them in from the one it is given).
     """
     _check_exportable(cfg)
     if cfg.vocab_size <= 0:
@@ -451,13 +451,20 @@ def load_hf_checkpoint(path: str | Path) -> Transformer:
     return model
 
 
-def save_hf_checkpoint(model: Transformer, path: str | Path) -> None:
-    """Write `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads."""
+def save_hf_checkpoint(
+    model: Transformer, path: str | Path, token_ids: Mapping[str, int] | None = None
+) -> None:
+    """Write `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads;
+    with `token_ids` ({"bos_token_id": ..., "eos_token_id": ...}, from the exported tokenizer)
+    also in config.json and a generation_config.json, so `generate()` stops at EOS."""
     path = Path(path)
     dtype = model.tok_embeddings.weight.dtype
-    config = hf_config_from(model.cfg, dtype)
+    config = hf_config_from(model.cfg, dtype) | dict(token_ids or {})
     tensors = state_dict_to_hf(model.state_dict(), model.cfg)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if token_ids:
+        generation = {**token_ids, "_from_model_config": True}
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

@@ -113,13 +113,15 @@ def hf_to_run(hf_dir: Path, out: Path) -> Path:
 
 def run_to_hf(run: Path, out: Path, checkpoint: str | None = None) -> Path:
     """Export a run's model (standard residual only) as a Hugging Face Llama directory `out` (new
-    or empty), with the run's tokenizer.json when it has one."""
+    or empty), with the run's tokenizer in the files `AutoTokenizer` reads and its BOS/EOS ids in
+    config.json and generation_config.json (`interop/hf_tokenizer.py`)."""
     from depthscale.interop.hf_llama import save_hf_checkpoint
+    from depthscale.interop.hf_tokenizer import save_hf_tokenizer
 
     with _staged_output(out) as tmp:
-        model, _ = load_run(run, checkpoint)
-        save_hf_checkpoint(model, tmp)
-        tokenizer_json = run / "tokenizer" / "tokenizer.json"
-        if tokenizer_json.is_file():
-            shutil.copy(tokenizer_json, tmp / "tokenizer.json")
+        model, tokenizer = load_run(run, checkpoint)
+        token_ids = None
+        if tokenizer is not None:
+            token_ids = save_hf_tokenizer(tokenizer, tmp, model.cfg.max_seq_len)
+        save_hf_checkpoint(model, tmp, token_ids)
     return out
