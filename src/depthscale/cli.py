@@ -30,48 +30,26 @@ from depthscale.parallel.launcher import (
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from depthscale.config import load_config
-    from depthscale.parallel.launcher import launch
-    from depthscale.parallel.parallelize import check_layout
-    from depthscale.resilience.faults import check_ranks, parse_faults
+    cfg = _checked_config(args, overrides)  # bad input fails here, before any process starts
+    if args.print_config:
+        from depthscale.config import to_toml
 
-    cfg = load_config(args.config, overrides)  # bad input fails here, before any process starts
-    check_ranks(parse_faults(cfg.resilience.faults), cfg.world_size)
+        print(to_toml(cfg), end="")
+        return 0
     p = cfg.parallel
+    passthrough = [*(["-c", args.config] if args.config else []), *overrides]
     if (p.nproc > 1 or p.nnodes > 1) and not is_worker():
-        if cfg.world_size != p.nproc * p.nnodes:
-            launched = (
-                f"--nproc is {p.nproc}"
-                if p.nnodes == 1
-                else f"--nproc × parallel.nnodes is {p.nproc} × {p.nnodes}"
-            )
-            raise ConfigError(
-                f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} "
-                f"processes, but {launched}; allowed: equal numbers"
-            )
-        if p.nnodes > 1 and cfg.resilience.supervise == "false":
-            raise ConfigError(
-                "parallel.nnodes > 1 runs one supervisor per node; with "
-                "resilience.supervise=false start the workers with torchrun instead "
-                "(docs/fault-tolerance.md, Multi-node)"
-            )
-        check_layout(cfg)  # every rule a worker would enforce, checked once here
-        passthrough = ["-c", args.config] if args.config else []
         if cfg.resilience.supervise != "false":
             from depthscale.resilience.supervisor import supervise
 
-            return supervise(cfg, [*passthrough, *overrides])
-        return launch(cfg.parallel.nproc, [*passthrough, *overrides])
+            return supervise(cfg, passthrough)
+        from depthscale.parallel.launcher import launch
+
+        return launch(cfg.parallel.nproc, passthrough)
     if cfg.resilience.supervise == "true" and not is_worker():
         from depthscale.resilience.supervisor import supervise
 
-        passthrough = ["-c", args.config] if args.config else []
-        return supervise(cfg, [*passthrough, *overrides])
-    if cfg.world_size > 1 and not is_worker():
-        raise ConfigError(
-            f"parallel layout needs {cfg.world_size} processes; add --nproc {cfg.world_size} "
-            "(or start the workers with torchrun)"
-        )
+        return supervise(cfg, passthrough)
     from depthscale.parallel.mesh import destroy_distributed
     from depthscale.train.trainer import Trainer
 
@@ -80,6 +58,49 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     # Only on success: a collective in an error path would wait for a peer that already left.
     destroy_distributed()
     return 128 + trainer.stopped_by if trainer.stopped_by is not None else 0
+
+
+def _checked_config(args: argparse.Namespace, overrides: list[str]):
+    """The config, with every rule the launch and the workers would enforce checked in this
+    process: `train` refuses before any work, and `--print-config` prints only what would run."""
+    from depthscale.config import load_config
+    from depthscale.resilience.faults import check_ranks, parse_faults
+
+    cfg = load_config(args.config, overrides)
+    check_ranks(parse_faults(cfg.resilience.faults), cfg.world_size)
+    p = cfg.parallel
+    if (p.nproc > 1 or p.nnodes > 1) and not is_worker():
+        _check_launch(cfg)
+    elif cfg.world_size > 1 and not is_worker():
+        raise ConfigError(
+            f"parallel layout needs {cfg.world_size} processes; add --nproc {cfg.world_size} "
+            "(or start the workers with torchrun)"
+        )
+    return cfg
+
+
+def _check_launch(cfg) -> None:
+    """The processes launched match the layout, and every rule a worker would enforce holds."""
+    from depthscale.parallel.parallelize import check_layout
+
+    p = cfg.parallel
+    if cfg.world_size != p.nproc * p.nnodes:
+        launched = (
+            f"--nproc is {p.nproc}"
+            if p.nnodes == 1
+            else f"--nproc × parallel.nnodes is {p.nproc} × {p.nnodes}"
+        )
+        raise ConfigError(
+            f"parallel layout pp×dp_replicate×dp_shard×cp×tp = {cfg.world_size} "
+            f"processes, but {launched}; allowed: equal numbers"
+        )
+    if p.nnodes > 1 and cfg.resilience.supervise == "false":
+        raise ConfigError(
+            "parallel.nnodes > 1 runs one supervisor per node; with "
+            "resilience.supervise=false start the workers with torchrun instead "
+            "(docs/fault-tolerance.md, Multi-node)"
+        )
+    check_layout(cfg)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -212,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="depthscale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"depthscale {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
@@ -219,10 +241,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a model from a TOML config",
         description="Train a model. Any config field can be overridden as --section.key VALUE "
         "(e.g. --model.dim 256 --optim.name lamb --train.steps 500).",
-        epilog="sections: model, data, train, optim, parallel, checkpoint, logging; see configs/*.toml "
-        "and src/depthscale/config/schema.py for every key, its type and default.",
+        epilog=_config_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("-c", "--config", help="TOML config file (defaults apply to missing keys)")
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (file, then overrides) as TOML and exit",
+    )
     train.add_argument(
         "--nproc", type=_positive_int, help="local worker processes (same as --parallel.nproc)"
     )
@@ -288,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ranks; name the bad nodes (exit 1) or say all are healthy (exit 0)",
         description="Run every diagnostic check on N local ranks, compare each rank with the "
         "median and with the baseline of the run's first healthy diagnosis, and name the nodes "
-        "that fail (see docs/diagnose.md). Results: RUN/diagnostics/<time>.json.",
+        "that fail (each check and how a node is judged: docs/fault-tolerance.md, section "
+        "'Diagnostics'). Results: RUN/diagnostics/<time>.json.",
     )
     diag.add_argument("--nproc", type=_positive_int, required=True, help="local ranks")
     diag.add_argument("--run", required=True, help="run directory (results go to RUN/diagnostics/)")
@@ -360,6 +388,38 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--checkpoint", help="ds-to-hf: a step_* directory (default: the newest)")
     conv.add_argument("--out", required=True, help="output directory")
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml), the one pip and bug reports see."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("depthscale")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def _config_keys() -> str:
+    """Every config section and key with its default, for `train --help`: what can be set in a
+    config file or as --section.key VALUE, without opening schema.py."""
+    import textwrap
+
+    from depthscale.config import Config, to_dict
+    from depthscale.config.loading import toml_value
+
+    lines = textwrap.wrap(
+        "config keys (in a TOML file, or --section.key VALUE) and their defaults; "
+        "--print-config prints the resolved config; configs/*.toml are examples and "
+        "src/depthscale/config/schema.py says what each key means:",
+        100,
+    )
+    for section, values in to_dict(Config()).items():
+        items = " ".join(f"{k}={toml_value(v)}" for k, v in values.items())
+        lines += textwrap.wrap(
+            f"[{section}] {items}", 100, initial_indent="  ", subsequent_indent="      "
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,11 +496,13 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
     from depthscale.plan.spec import ModelSpec
 
     cfg = load_config(args.config, rest)
-    if cfg.model.vocab_size <= 0:
-        raise ConfigError(
-            "model.vocab_size is 0 (training takes it from the tokenizer); plan needs it: set it "
-            "in the config or pass --model.vocab_size N"
-        )
+    if cfg.model.vocab_size <= 0:  # as training resolves it: from the tokenizer the config names
+        from depthscale.data.tokenizer import planned_vocab_size
+
+        vocab, note = planned_vocab_size(cfg.data)
+        cfg.resolve_vocab_size(vocab)
+        if note:
+            print(f"depthscale: note: {note}", file=sys.stderr, flush=True)
     name = Path(args.config).stem if args.config else "defaults"
     request = PlanRequest(
         spec=ModelSpec.from_config(cfg.model, name=name),
@@ -458,8 +520,42 @@ def _plan(args: argparse.Namespace, rest: list[str]) -> int:
         report = run(request)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if args.framework == "depthscale":
+        report["launch"] = _launch_command(args, rest, cfg, report)
     print(to_json(report) if args.json else format_table(report))
     return 0
+
+
+def _launch_command(
+    args: argparse.Namespace, rest: list[str], cfg, report: dict
+) -> dict[str, str | int] | None:
+    """The `depthscale train` command line that runs the first layout that fits, on nodes of the
+    cluster's size (the same command on every node, each with its own node_rank)."""
+    import shlex
+
+    from depthscale.plan.hardware import cluster
+    from depthscale.plan.layout import Layout, train_flags
+
+    row = next((r for r in report["layouts"] if r["ok"]), None)
+    if row is None:
+        return None
+    per_node = cluster(args.cluster).gpus_per_node
+    per_node = args.gpus if args.gpus <= per_node else math.gcd(args.gpus, per_node)
+    nodes = args.gpus // per_node
+    cmd = ["depthscale", "train", *(["-c", args.config] if args.config else []), *rest]
+    for key, value, ours in (
+        ("data.seq_len", args.seq, cfg.data.seq_len),
+        ("train.batch_size", args.batch, cfg.train.batch_size),
+        ("train.dtype", args.dtype, cfg.train.dtype),
+    ):
+        if value is not None and value != ours:
+            cmd += [f"--{key}", str(value)]
+    cmd += ["--nproc", str(per_node)]
+    if nodes > 1:
+        cmd += ["--parallel.nnodes", str(nodes), "--parallel.node_rank", "RANK"]
+        cmd += ["--parallel.master_addr", "HOST", "--parallel.master_port", "29500"]
+    cmd += train_flags(Layout(**row["layout"]), cfg)
+    return {"layout": row["label"], "nodes": nodes, "command": shlex.join(cmd)}
 
 
 _ENVIRONMENT_ERRNOS = {

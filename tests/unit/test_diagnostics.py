@@ -142,3 +142,16 @@ def test_a_hung_run_names_the_ranks_furthest_behind(tmp_path):
     (tmp_path / "progress" / "rank3.json").write_text(json.dumps({"check": "all_to_all"}))
     (failure,) = _silent(tmp_path, 4, envs, 30.0)
     assert failure.rank == 2 and "last seen at: all_reduce" in failure.detail
+
+
+def test_table_headers_carry_their_units():
+    header = format_table(flag_outliers(rows(), None)).splitlines()[0].split("  ")
+    header = [h.strip() for h in header if h.strip()]
+    assert header == [
+        "rank",
+        "node",
+        "all_reduce bus MB/s",
+        "memcpy MB/s",
+        "ckpt_write MB/s",
+        "free_disk GiB",
+    ]

@@ -165,16 +165,28 @@ def test_cli_bad_input_is_one_line(args, words, capsys):
     assert re.search(words, out.err), out.err
 
 
-def test_cli_needs_a_vocabulary(capsys):
-    assert main(["plan", "--gpus", "8"]) == 2
-    assert "model.vocab_size" in capsys.readouterr().err
+def test_cli_takes_the_vocabulary_from_the_tokenizer(capsys):
+    """model.vocab_size 0 (the default) is resolved as training resolves it; a tokenizer that is
+    not there is refused as training refuses it."""
+    assert main(["plan", "--gpus", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["vocab"] == 320  # 258 bytes, to 64s
+    assert main(["plan", "--gpus", "8", "--data.tokenizer", "/no/tokenizer.json"]) == 2
+    assert "data.tokenizer='/no/tokenizer.json': no such file" in capsys.readouterr().err
 
 
 def test_plan_imports_no_torch():
+    """Planning is arithmetic: neither the planner nor the command (which reads the config's
+    tokenizer for its vocabulary) pays for torch's import."""
     import subprocess
 
     code = "import sys, depthscale.plan.report; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+    code = (
+        "import sys; from depthscale.cli import main; "
+        "assert main(['plan', '--gpus', '8', '--top', '1']) == 0; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 def test_cache_is_what_makes_an_interleaved_70b_layout_fit():

@@ -130,15 +130,18 @@ def to_toml(cfg: Config) -> str:
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, str):
-                text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            else:
-                text = repr(value)
-            lines.append(f"{key} = {text}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def toml_value(value: Any) -> str:
+    """One config value as TOML writes it (bool, escaped string, number)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

@@ -184,8 +184,7 @@ def build_tokenizer(cfg: DataConfig, texts_fn: Callable[[], Iterable[str]]) -> T
                 f"data.tokenizer='bpe' cannot be trained on pre-tokenized "
                 f"data.path={cfg.path!r}; give the tokenizer.json the .bin was made with"
             )
-        key = cache_key("bpe", corpus_identity(cfg), cfg.bpe_vocab_size)
-        path = cache_root(cfg) / "tokenizers" / f"bpe{cfg.bpe_vocab_size}-{key}.json"
+        path = _bpe_cache_path(cfg)
         if path.is_file():
             return HFTokenizer.from_file(path, name=f"bpe{cfg.bpe_vocab_size}")
         tok = train_bpe(texts_fn(), cfg.bpe_vocab_size)
@@ -198,6 +197,30 @@ def build_tokenizer(cfg: DataConfig, texts_fn: Callable[[], Iterable[str]]) -> T
     if not path.is_file():
         raise DataError(f"data.tokenizer={kind!r}: no such file; allowed: {KINDS}")
     return HFTokenizer.from_file(path)
+
+
+def planned_vocab_size(cfg: DataConfig) -> tuple[int, str | None]:
+    """The vocabulary a run of `cfg` will have, found without tokenizing or training anything
+    (`depthscale plan`), and a note when it is only a bound: a 'bpe' tokenizer not trained yet
+    has at most data.bpe_vocab_size tokens (the trainer stops there), which is what is planned."""
+    if cfg.tokenizer == "bpe":
+        try:
+            path = None if is_pretokenized(cfg) else _bpe_cache_path(cfg)
+        except DataError:  # the corpus is not on this machine: planning needs no corpus
+            path = None
+        if path is not None and path.is_file():
+            return HFTokenizer.from_file(path).vocab_size, None
+        return cfg.bpe_vocab_size, (
+            f"data.tokenizer='bpe' is not trained yet; planned with data.bpe_vocab_size="
+            f"{cfg.bpe_vocab_size}, the most it will have"
+        )
+    return build_tokenizer(cfg, lambda: ()).vocab_size, None  # 'byte' or a file: nothing trained
+
+
+def _bpe_cache_path(cfg: DataConfig) -> Path:
+    """Where the BPE tokenizer trained on this corpus with this vocabulary size is cached."""
+    key = cache_key("bpe", corpus_identity(cfg), cfg.bpe_vocab_size)
+    return cache_root(cfg) / "tokenizers" / f"bpe{cfg.bpe_vocab_size}-{key}.json"
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:

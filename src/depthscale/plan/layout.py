@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from depthscale.plan.activations import RECOMPUTE_MODES
+
+if TYPE_CHECKING:
+    from depthscale.config import Config
 
 
 @dataclass(frozen=True)
@@ -101,3 +105,41 @@ def parse_layout(text: str) -> Layout:
                 raise ValueError(f"--layout: {key}={raw!r} must be an integer >= 1")
             values[key] = int(raw)
     return Layout(**values)
+
+
+_PARALLEL_SIZES = {
+    "tp": "tp",
+    "pp": "pp",
+    "pp_virtual": "v",
+    "cp": "cp",
+    "dp_shard": "dp_shard",
+    "dp_replicate": "dp_replicate",
+}
+"""parallel.<key> → the Layout field it takes its size from."""
+
+
+def train_flags(lay: Layout, cfg: Config) -> list[str]:
+    """The `depthscale train` overrides that turn `cfg` into this layout: each parallel size,
+    micro-batch and memory setting that differs from the config's own, so a config that already
+    sets one (say parallel.tp = 2) is overridden where the layout differs, and nothing else is."""
+    p, t = cfg.parallel, cfg.train
+    wanted = {f"parallel.{k}": getattr(lay, f) for k, f in _PARALLEL_SIZES.items()}
+    wanted |= {
+        "train.micro_batch_size": lay.micro_batch,
+        "train.recompute": lay.recompute,
+        "train.offload_params": lay.offload,
+    }
+    if lay.zero3:
+        wanted["parallel.fsdp_reshard_after_forward"] = True
+    have = {f"parallel.{k}": getattr(p, k) for k in _PARALLEL_SIZES}
+    have |= {
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.recompute": t.recompute,
+        "train.offload_params": t.offload_params,
+        "parallel.fsdp_reshard_after_forward": p.fsdp_reshard_after_forward,
+    }
+    flags: list[str] = []
+    for key, value in wanted.items():
+        if have[key] != value:
+            flags += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags

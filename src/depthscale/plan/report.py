@@ -166,6 +166,15 @@ def format_table(report: dict) -> str:
         lines += [f"  {n:6d} × {reason}" for reason, n in counts[:8]]
         if len(counts) > 8:
             lines.append(f"  ... {len(counts) - 8} more reasons (--json lists them)")
+    launch = report.get("launch")
+    if launch:
+        where = (
+            f"on each of the {launch['nodes']} nodes (RANK 0..{launch['nodes'] - 1}, HOST: node "
+            "0's address)"
+            if launch["nodes"] > 1
+            else "on one node"
+        )
+        lines += ["", f"train {launch['layout']} {where}:", f"  {launch['command']}"]
     return "\n".join(lines)
 
 

@@ -201,12 +201,14 @@ def baseline_values(report: Report) -> dict[str, float]:
 
 
 def format_table(report: Report) -> str:
-    """One line per rank (MB/s; `!` marks a flagged value, `x` a failed check), the exchanges,
-    then the verdict."""
+    """One line per rank under headers that carry their unit (`!` marks a flagged value, `x` a
+    failed check), the exchanges, then the verdict. Collectives are bus bandwidth (nccl-tests'
+    convention), the local checks bytes copied or written per second."""
     flagged = {(f.rank, f.check) for f in report.failures}
     checks = [c for c in (*COLLECTIVES, *LOCAL) if any(c in r["checks"] for r in report.rows)]
     has_disk = any("free_disk" in r["checks"] for r in report.rows)
-    header = ["rank", "node", *checks, *(["free GiB"] if has_disk else [])]
+    units = [f"{c} {'bus MB/s' if c in COLLECTIVES else 'MB/s'}" for c in checks]
+    header = ["rank", "node", *units, *(["free_disk GiB"] if has_disk else [])]
     lines = [header]
     for row in sorted(report.rows, key=lambda r: r["rank"]):
         cells = [str(row["rank"]), row["node"]]
