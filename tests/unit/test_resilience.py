@@ -201,7 +201,10 @@ def test_a_background_save_in_flight_is_a_long_phase_for_the_hang_limit():
     watch._read(now - 2.0)  # progress last changed 2 s ago
     _beat(store)  # alive, no progress
     assert watch._read_and_judge(now, _Log()) is None
-    assert watch._progress_limit([0, 1]) == (300.0, "a background save of step 4 in flight: long_phase_s")
+    assert watch._progress_limit([0, 1]) == (
+        300.0,
+        "a background save of step 4 in flight: long_phase_s",
+    )
 
     published[0] = 4  # on disk: the rank's next beat will say so; the directory already does
     _beat(store)
@@ -243,3 +246,28 @@ def test_heartbeat_probes_are_read_at_every_beat_and_never_stop_it():
     assert beat.record()["saving"] == 8 and "broken" not in beat.record()
     state["saving"] = None
     assert beat.record()["saving"] is None
+
+
+def test_a_later_start_keeps_the_stacks_an_earlier_fault_dumped(tmp_path):
+    """Attempts are numbered from 0 in every invocation: a later start's worker (one with nothing
+    to do, even) opened RUN/supervisor/attempt0/stacks/rank0.txt for writing and emptied it."""
+    import os
+    import subprocess
+
+    from depthscale.resilience.heartbeat import STACKS_ENV
+
+    dump = (
+        "import os, signal, time\n"
+        "from depthscale.resilience.heartbeat import _dump_stacks_on_sigusr1\n"
+        "_dump_stacks_on_sigusr1()\n"
+        "if os.environ.get('DUMP'):\n"
+        "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "    time.sleep(0.2)\n"
+    )
+    env = dict(os.environ, **{STACKS_ENV: str(tmp_path), "RANK": "0"})
+    for extra in ({"DUMP": "1"}, {}):
+        proc = subprocess.run([sys.executable, "-c", dump], env={**env, **extra}, timeout=120)
+        assert proc.returncode == 0
+    text = (tmp_path / "rank0.txt").read_text()
+    assert text.count("--- rank 0, pid ") == 2
+    assert "most recent call first" in text.split("--- rank 0, pid ")[1]

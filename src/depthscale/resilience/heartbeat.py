@@ -241,5 +241,10 @@ def _dump_stacks_on_sigusr1() -> None:
         return
     os.makedirs(directory, exist_ok=True)
     rank = os.environ.get("RANK", "0")
-    fh = open(os.path.join(directory, f"rank{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
+    # appended, each process under a header: attempts are numbered from 0 in every invocation, so
+    # a later start (one with nothing to do, even) truncated the stacks an earlier fault left here
+    fh = open(os.path.join(directory, f"rank{rank}.txt"), "a")  # noqa: SIM115 (lives with the process)
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+    fh.write(f"--- rank {rank}, pid {os.getpid()}, started {started}\n")
+    fh.flush()
     faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True, chain=False)
