@@ -344,6 +344,24 @@ def test_damaged_run_files_are_named(small_run, tmp_path, capsys, kind, command)
     assert tree_digest(run) == before and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("what", ["timeline", "stragglers", "hang"])
+def test_a_trace_file_that_is_not_text_is_named(small_run, tmp_path, capsys, what):
+    """A rank's trace file of binary bytes: timeline and stragglers name it and its line; hang
+    notes it and reads the dumps without its meta line."""
+    run = tmp_path / "copy"
+    _copy_tree(small_run, run)
+    trace = run / "trace" / "rank00000.jsonl"
+    trace.write_bytes(BINARY)
+    (run / "trace" / "hang").mkdir()
+    (run / "trace" / "hang" / "rank00000.json").write_text('{"rank": 0}')
+    code, out, err = run_main(capsys, "trace", what, "--run", str(run))
+    if what == "hang":
+        assert code == 0 and "Traceback" not in err
+        assert f"note: {trace}: no meta line" in out
+    else:
+        assert_one_line_error(code, err, f"{trace}:1 is not a JSON record")
+
+
 @pytest.fixture(scope="module")
 def hf_export(small_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "export"

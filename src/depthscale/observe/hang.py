@@ -84,12 +84,12 @@ def read_dumps(trace: Path) -> tuple[dict[int, dict], dict[int, dict], int, list
     dump: a rank that died writes none, and its peers may have been stopped before they could."""
     metas, problems = {}, []
     for path in sorted(trace.glob("rank*.jsonl")):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             first = f.readline()
         try:
             meta = json.loads(first)
             metas[meta["rank"]] = meta
-        except (json.JSONDecodeError, KeyError):
+        except (json.JSONDecodeError, KeyError, TypeError):  # not JSON, or not a meta record
             problems.append(f"{path}: no meta line")
     dumps = {}
     for path in sorted((trace / "hang").glob("rank*.json")):

@@ -148,8 +148,8 @@ def trace_files(run_dir: Path, folder: Path | None = None) -> list[Path]:
 def read_trace_file(path: Path) -> tuple[dict, list[tuple[int, dict]]]:
     """(the meta record, [(line number, record), ...]) of one rank's file. A cut last line (the
     writer of a killed run) is left out; any other damage is a ValueError naming file and line."""
-    lines = Path(path).read_text().splitlines()
-    records = []
+    lines = Path(path).read_bytes().decode("utf-8", errors="replace").splitlines()  # bytes
+    records = []  # that are not text fail below as JSON, named by file and line
     for n, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
