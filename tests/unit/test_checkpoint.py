@@ -15,7 +15,7 @@ from depthscale.config import CheckpointConfig, Config, ModelConfig, to_toml
 from depthscale.errors import CheckpointError
 from depthscale.interop.run_dir import load_run
 from depthscale.model.transformer import Transformer
-from depthscale.train import checkpoint as ckpt
+from depthscale.train import checkpoint_write
 from depthscale.train.checkpoint import Checkpointer, load_model, save_model
 from depthscale.train.manifest import list_checkpoints, newest_verified, verified, verify
 
@@ -273,7 +273,7 @@ def test_resave_replaces_a_verified_step_only_when_complete(tmp_path, monkeypatc
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "write_manifest", crash)
+    monkeypatch.setattr(checkpoint_write, "write_manifest", crash)
     failed = Run(tmp_path).save(2)
     with pytest.raises(CheckpointError, match="step 2.* could not be saved .*disk full"):
         failed.ckpt.wait(final=True)
@@ -303,7 +303,7 @@ def test_failed_dcp_save_is_reported_and_prunes_nothing(tmp_path, monkeypatch, c
     def fail(*args, **kwargs):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(ckpt.dcp, "save", fail)
+    monkeypatch.setattr(checkpoint_write.dcp, "save", fail)
     Run(tmp_path, keep=1).save(2)
     [warning] = warnings_in(capsys.readouterr().err)
     assert "checkpoint of step 2 was not saved (rank 0: OSError: no space left" in warning
@@ -330,7 +330,7 @@ def test_a_full_disk_inside_torch_save_is_a_failed_save_naming_the_disk(
     """It stopped the run with "[enforce fail at inline_container.cc:672] unexpected pos"; it is a
     storage failure: reported with the file system's free space, and training goes on."""
     run = Run(tmp_path, keep=0).save(1)
-    monkeypatch.setattr(ckpt, "torch_save_synced", fails)
+    monkeypatch.setattr(checkpoint_write, "torch_save_synced", fails)
     capsys.readouterr()
     run.save(2)
     [warned] = warnings_in(capsys.readouterr().err)
@@ -348,7 +348,7 @@ def test_a_failed_save_that_is_not_storage_is_still_an_error(tmp_path, monkeypat
     def fail(*args, **kwargs):
         raise ValueError("a bug")
 
-    monkeypatch.setattr(ckpt.dcp, "save", fail)
+    monkeypatch.setattr(checkpoint_write.dcp, "save", fail)
     with pytest.raises(CheckpointError, match="cannot save checkpoint: rank 0: ValueError: a bug"):
         Run(tmp_path).save(1)
     assert list(tmp_path.iterdir()) == []

@@ -12,9 +12,9 @@ asynchronous save, and hands it every later one:
 - planning: DCP's local plan is made here, from the live state, where DTensors know their global
   shape and offsets; the writer plays it back over the staged shards (`StagedPlanner`), so it never
   needs a device mesh.
-- writing: the writer runs `Checkpointer._write` — DCP, fsync, hashes, manifest, publish, with
-  every rank learning whether any failed — over a gloo group of the writer processes, joined
-  through the training run's own store under a fresh key prefix.
+- writing: the writer runs `CheckpointWriter.write` (checkpoint_write.py) — DCP, fsync, hashes,
+  manifest, publish, with every rank learning whether any failed — over a gloo group of the writer
+  processes, joined through the training run's own store under a fresh key prefix.
 
 The writer runs at a lower priority (nice 10), so where training keeps every core busy it writes
 in the gaps. It dies with its parent (PR_SET_PDEATHSIG): a killed rank leaves no writer behind.
@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from depthscale.config import CheckpointConfig, ModelConfig
 from depthscale.errors import CheckpointError
+from depthscale.train.checkpoint_write import CheckpointWriter, SaveRecord
 
 _ALIGN = 64
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -266,13 +267,13 @@ class SaveProcess:
         self._views = _views(buffer, slots)
         return _Layout(size, slots, plan, mappings)
 
-    def poll(self) -> tuple[Any, BaseException | None] | None:
+    def poll(self) -> tuple[SaveRecord, BaseException | None] | None:
         """The finished save's (SaveRecord, error), or None while it is still being written."""
         if self._in_flight is None or not self._conn.poll():
             return None
         return self._receive()
 
-    def result(self) -> tuple[Any, BaseException | None]:
+    def result(self) -> tuple[SaveRecord, BaseException | None]:
         """Wait for the save in flight; a writer that died is an error naming its exit."""
         while not self._conn.poll(0.2):
             if self._process.poll() is not None and not self._conn.poll():
@@ -280,7 +281,7 @@ class SaveProcess:
                 raise self._died(f"while saving step {step}")
         return self._receive()
 
-    def _receive(self) -> tuple[Any, BaseException | None]:
+    def _receive(self) -> tuple[SaveRecord, BaseException | None]:
         step, self._in_flight = self._in_flight, None
         try:
             return self._conn.recv()
@@ -349,8 +350,6 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
     os.nice(_NICE)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: a failed save (EFBIG)
     torch.set_num_threads(1)
-    from depthscale.train.checkpoint import Checkpointer, SaveRecord
-
     if spec.peers is not None:
         peers = spec.peers
         timeout = timedelta(seconds=peers.timeout_s)
@@ -362,7 +361,7 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
             world_size=peers.world,
             timeout=timeout,
         )
-    checkpointer = Checkpointer(spec.root, spec.cfg, spec.model)
+    writer = CheckpointWriter(spec.root, spec.cfg, spec.model)
     layout: _Layout | None = None
     views: dict[str, torch.Tensor] = {}
     while True:
@@ -377,13 +376,13 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
         assert layout is not None, "the first request carries the layout"
         state = {**views, **objects}
         rng = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8) for k, v in rng_bytes.items()}
-        checkpointer.inject_write_error_at = step if fail else None
-        checkpointer.inject_write_delay = (step, delay_s) if delay_s else None
         record = SaveRecord(step, is_async=True)
         planner = StagedPlanner(layout.plan, layout.mappings)
-        checkpointer._write_recorded(record, step, state, rng, trainer_state, planner)
-        error, checkpointer._error = checkpointer._error, None
-        checkpointer._done.clear()
+        error = None
+        try:
+            writer.write(record, state, rng, trainer_state, planner, fail, delay_s)
+        except BaseException as err:  # a bug in the save: training raises it at its next wait
+            error = err
         conn.send((record, _picklable(error)))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -3,7 +3,7 @@
 A full disk does not always arrive as an OSError: `torch.save` writes through its zip writer,
 which reports a short write as `RuntimeError: [enforce fail at inline_container.cc] unexpected
 pos 704 vs 598`, with no errno. A checkpoint save that met it stopped the run with that line,
-where a full disk should be reported and training go on (`checkpoint.py`). So the zip writer's
+where a full disk should be reported and training go on (`checkpoint_write.py`). So the zip writer's
 failures count as storage failures too, and every storage failure is described with what the
 file system holding the path says about its free space: that is what a person needs to act.
 """
