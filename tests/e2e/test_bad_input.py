@@ -166,12 +166,12 @@ def test_bad_config_files(tmp_path, capsys):
 def test_what_the_machine_refuses_is_one_line_naming_the_file(monkeypatch, capsys, code):
     """A write the file system refuses anywhere (a full disk under metrics.jsonl, a path the user
     cannot write) is the user's to fix: one line naming the file, exit 2."""
-    import depthscale.cli
+    import depthscale.cli.trace
 
     def refuse(args):
         raise OSError(code, os.strerror(code), "/runs/x/metrics.jsonl")
 
-    monkeypatch.setattr(depthscale.cli, "_trace", refuse)
+    monkeypatch.setattr(depthscale.cli.trace, "run", refuse)
     code_, _, err = run_main(capsys, "trace", "schedule")
     assert_one_line_error(code_, err, "/runs/x/metrics.jsonl: " + os.strerror(code))
 
