@@ -3,6 +3,7 @@ read back what it logged, and compare a recovered run with an uninterrupted one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -109,12 +110,22 @@ def mentions(text: str, pattern: str) -> bool:
 def train_nodes(run: Path, nnodes: int, *args: str, steps: int = 12, timeout: float = 600):
     """A multi-node job on one host: one supervisor per simulated node (DEPTHSCALE_NODE_ID),
     node 0's hosting the store on a free port. Returns each node's completed process."""
+    done = []
+    for proc in start_nodes(run, nnodes, *args, steps=steps):
+        out, err = proc.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def start_nodes(run: Path, nnodes: int, *args: str, steps: int = 12) -> list[subprocess.Popen]:
+    """`train_nodes` without waiting: each node's supervisor, in a process group of its own (as
+    on a machine of its own: `kill_node` ends one whole)."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [
+    return [
         subprocess.Popen(
             [
                 sys.executable,
@@ -141,14 +152,20 @@ def train_nodes(run: Path, nnodes: int, *args: str, steps: int = 12, timeout: fl
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )  # fmt: skip
         for k in range(nnodes)
     ]
-    done = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return done
+
+
+def kill_node(supervisor: subprocess.Popen, run: Path, node: int, sig: int = 9) -> None:
+    """A node losing power: SIGKILL to its supervisor's process group and, at once, to each of
+    its workers' (the supervisor starts them in sessions of their own; a worker's checkpoint
+    writer is in its group). SIGSTOP: a frozen node, its kernel still answering."""
+    workers = node_events(run, node, "launch")[-1]["pids"].values()
+    for group in [supervisor.pid, *map(int, workers)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, sig)
 
 
 def node_events(run: Path, node: int, kind: str) -> list[dict]:

@@ -316,6 +316,11 @@ class ResilienceConfig:
     how long a hung group's save in flight may take to finish before the group is stopped."""
     startup_timeout_s: float = 300.0
     """How long a (re)started group may take to its first completed step."""
+    node_lost_s: float = 5.0
+    """Multi-node: a node whose supervisor has not beaten in node 0's store for this long, or node
+    0's store unanswered for this long, is gone, and the others give up (exit 75). A supervisor
+    beats from a thread of its own every heartbeat_s; this allows a loaded host and a few TCP
+    retransmissions. A node 0 whose process ended is found at once (its store closes)."""
     slow_steps: int = 20
     """Restart (after diagnostics) when the straggler detector has flagged the same rank for this
     many consecutive steps; 0 = only report slow ranks."""

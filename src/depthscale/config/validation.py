@@ -64,6 +64,7 @@ def validate(cfg: Config) -> Config:
         "resilience.hang_factor",
         "resilience.long_phase_s",
         "resilience.startup_timeout_s",
+        "resilience.node_lost_s",
         "resilience.local_nodes",
     )
     _check_resilience(cfg)

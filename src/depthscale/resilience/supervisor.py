@@ -28,10 +28,12 @@ Exit codes: 0 done; 2 bad input; 75 gave up (restart limits; `RUN/supervisor/rep
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -44,6 +46,7 @@ from depthscale.errors import TrainingError
 from depthscale.parallel.launcher import (
     ERROR_DIR_ENV,
     INPUT,
+    PEER_LOST,
     quiet_elastic_logs,
     read_worker_errors,
     root_cause,
@@ -58,7 +61,7 @@ from depthscale.resilience.heartbeat import (
     node_id,
 )
 from depthscale.resilience.nodes import NodePool
-from depthscale.resilience.peers import Peers, PeersLost
+from depthscale.resilience.peers import Lost, Peers, PeersLost, Pulse
 from depthscale.resilience.watch import Fault, Watch
 
 SUSPECT_NODES = ("dead", "hung", "slow", "bad_node")
@@ -81,36 +84,77 @@ class Supervisor:
         self.dir = self.run_dir / "supervisor"
         self.faults = parse_faults(self.r.faults)
         self.peers: Peers | None = None
+        self.watch: Watch | None = None
+        """The attempt's watch, while its group may run."""
         if self.nnodes == 1:
             self.addr = "127.0.0.1"
             self.store = dist.TCPStore(self.addr, 0, is_master=True, wait_for_workers=False)
             self.nodes = NodePool(self.dir, node_id(), self.r.local_nodes, self.r.spare_nodes)
         else:  # node 0 hosts the store; every node's supervisor and workers are its clients
             self.addr, self.dir = p.master_addr, self.dir / f"node{self.node_rank}"
-            try:
-                self.store = dist.TCPStore(
-                    p.master_addr,
-                    p.master_port,
-                    is_master=self.node_rank == 0,
-                    wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=self.r.startup_timeout_s),
-                )
-            except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
-                where = f"{p.master_addr}:{p.master_port}"
-                role = "host the rendezvous store on" if self.node_rank == 0 else "reach node 0 at"
-                raise TrainingError(
-                    f"node {self.node_rank}: cannot {role} {where} within "
-                    f"resilience.startup_timeout_s={self.r.startup_timeout_s:g} s "
-                    f"({str(err).splitlines()[0]}); check parallel.master_addr / master_port "
-                    "and that node 0's supervisor runs"
-                ) from None
-            self.peers = Peers(self.store, self.nnodes, self.node_rank, self.r.startup_timeout_s)
+            self.store, self.peers = self._join_nodes()
             self.nodes = NodePool(self.dir, node_id(), 1, 0)
+        self.attempt = 0
         self.stop_signal: int | None = None
         self.diagnose_next = False
         """Whether the next group runs the diagnostics before training (after a fault that may be
         a node's)."""
         self.diagnostic_runs = 0
+
+    def _join_nodes(self):
+        """Node 0's store (hosted here on node 0) and this node's place among the supervisors,
+        beating in that store from now on (`peers.Pulse`)."""
+        import torch.distributed as dist
+
+        p = self.cfg.parallel
+        where = f"{p.master_addr}:{p.master_port}"
+        try:
+            store = dist.TCPStore(
+                p.master_addr,
+                p.master_port,
+                is_master=self.node_rank == 0,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.r.startup_timeout_s),
+            )
+            pulse = Pulse(
+                p.master_addr,
+                store.port,
+                self.nnodes,
+                self.node_rank,
+                self.r.heartbeat_s,
+                self.r.node_lost_s,
+            )
+        except (RuntimeError, OSError) as err:  # DistNetworkError is a RuntimeError
+            role = "host the rendezvous store on" if self.node_rank == 0 else "reach node 0 at"
+            raise TrainingError(
+                f"node {self.node_rank}: cannot {role} {where} within "
+                f"resilience.startup_timeout_s={self.r.startup_timeout_s:g} s "
+                f"({str(err).splitlines()[0]}); check parallel.master_addr / master_port "
+                "and that node 0's supervisor runs"
+            ) from None
+        # past the connection, a call that node 0 leaves unanswered this long means it is gone
+        store.set_timeout(datetime.timedelta(seconds=self.r.node_lost_s))
+        me = {"node": node_id(), "host": socket.gethostname()}
+        pulse.abandon = self._abandon
+        return store, Peers(store, self.nnodes, self.node_rank, self.r.startup_timeout_s, pulse, me)
+
+    def _abandon(self, lost: Lost) -> None:
+        """On the pulse's thread: node 0 is gone while the main thread waits inside a call to
+        its store that never returns (torch gives those calls no timeout; a frozen or vanished
+        host answers nothing). Stop this node's workers, report, and exit 75 from here."""
+        if self.watch is not None:
+            with contextlib.suppress(Exception):
+                self.watch.stop_group()
+        fault = self._lost_fault(PeersLost(self.peers.describe(lost), lost))
+        self.log(
+            "fault",
+            f"attempt {self.attempt}: {fault.describe()}",
+            fault=asdict(fault),
+            attempt=self.attempt,
+        )
+        code = self._give_up_lost(fault, self.attempt)
+        sys.stdout.flush()
+        os._exit(code)  # the main thread cannot be woken from inside torch's call
 
     # ------------------------------------------------------------------ logging
 
@@ -126,14 +170,17 @@ class Supervisor:
 
     def run(self) -> int:
         previous = self._catch_stop_signals()
+        code = 1
         try:
-            return self._loop()
-        except (PeersLost, TimeoutError) as lost:  # multi-node coordination is gone
-            self.log("lost", str(lost))
-            return 1
+            code = self._loop()
+        except (PeersLost, TimeoutError) as lost:  # another node is gone, between two attempts
+            code = self._gave_up_waiting(lost)
         finally:
+            if self.peers is not None:  # node 0 keeps the store up for the others' last word
+                self.peers.close(f"exit {code}", wait=code in (0, GAVE_UP))
             for s, handler in previous.items():
                 signal.signal(s, handler)
+        return code
 
     def _catch_stop_signals(self) -> dict[int, Any]:
         """SIGINT / SIGTERM only set a flag: the watch forwards the same signal to the workers
@@ -148,6 +195,7 @@ class Supervisor:
         attempt, restarts, stalled, best = 0, 0, 0, 0
         pending_breakdown: dict[str, float] | None = None
         while True:
+            self.attempt = attempt
             nodes = self.nodes.active()
             if nodes is None:
                 return self._give_up(
@@ -158,7 +206,7 @@ class Supervisor:
             if self.peers is not None:
                 self.peers.ready(attempt)
             with tempfile.TemporaryDirectory(prefix="depthscale-errors-") as errors:
-                watch = self._launch(attempt, nodes, Path(errors))
+                watch = self.watch = self._launch(attempt, nodes, Path(errors))
                 try:
                     fault = watch.run(pending_breakdown, self)
                 except BaseException:  # a supervisor bug must not leave the workers running
@@ -166,8 +214,6 @@ class Supervisor:
                     raise
                 pending_breakdown = None
                 if fault is None:  # every worker finished
-                    if self.peers is not None:
-                        self.peers.finish()
                     return 0
                 if fault.kind == "stopped":
                     return 128 + (self.stop_signal or signal.SIGTERM)
@@ -178,7 +224,7 @@ class Supervisor:
                     print(cause.message, file=sys.stderr, flush=True)
                     return 2
                 if self.peers is not None:
-                    fault = self._agree(attempt, fault)
+                    fault = self._agree(attempt, fault, cause)
                 watch.settle_saves(fault, self)
                 t_stop = time.time()
                 watch.forensics(fault, self.dir / f"attempt{attempt}")
@@ -193,6 +239,8 @@ class Supervisor:
                 fault=asdict(fault),
                 attempt=attempt,
             )
+            if fault.kind == "lost":  # the job cannot go on without that node: requeue it
+                return self._give_up_lost(fault, attempt)
             if fault.kind == "bad_node":
                 for node in fault.nodes:
                     self.nodes.exclude(node, {"attempt": attempt, **fault.evidence})
@@ -299,7 +347,7 @@ class Supervisor:
             nodes=nodes,
             pids=context.pids(),
         )
-        remote = (lambda: self.peers.fault(attempt)) if self.peers is not None else None
+        remote = (lambda: self._remote(attempt)) if self.peers is not None else None
         node_of = [envs[r][NODE_ENV] for r in envs]
         return Watch(
             context, self.store, attempt, self.r, node_of, judge, first, remote,
@@ -349,16 +397,47 @@ class Supervisor:
 
         return judge
 
-    def _agree(self, attempt: int, fault: Fault) -> Fault:
-        """Multi-node: one fault per attempt, the first any node saw. A worker that only lost its
-        peers exits with an error a moment after the real fault elsewhere: wait briefly for it."""
+    def _remote(self, attempt: int) -> Fault | dict | None:
+        """Multi-node, watched with this node's group: another node gone (a Fault), or the fault
+        another node reported (its record)."""
+        try:
+            self.peers.raise_if_lost()
+            return self.peers.fault(attempt)
+        except PeersLost as lost:
+            return self._lost_fault(lost)
+
+    def _lost_fault(self, lost: PeersLost) -> Fault:
+        """A lost node as this attempt's fault: its ranks, its name, how it was found."""
+        found = lost.lost
+        if found is None:  # only the coordination failed: node 0 hosts it
+            now = time.time()
+            return Fault("lost", [], ["node 0"], str(lost), now, now, {"node_rank": 0})
+        ranks = list(range(found.node * self.nproc, (found.node + 1) * self.nproc))
+        node_id = (self.peers.names.get(found.node) or {}).get("node") or f"node {found.node}"
+        return Fault(
+            "lost", ranks, [node_id], found.how, found.since, found.detected_at,
+            {"node_rank": found.node, "node": self.peers.name(found.node), **found.evidence},
+        )  # fmt: skip
+
+    def _agree(self, attempt: int, fault: Fault, cause=None) -> Fault:
+        """Multi-node: one fault per attempt, the first any node saw (a lost node is one too). A
+        worker that only lost its peers exits with an error a moment after the real fault
+        elsewhere: wait for it briefly — up to resilience.node_lost_s when its error says a peer
+        is gone, for a node gone whole reports nothing: the pulse finds it within that limit."""
         if fault.kind == "peer":
             return fault
-        if fault.kind == "error":
-            deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline and self.peers.fault(attempt) is None:
-                time.sleep(0.05)
-        won = self.peers.report_fault(attempt, asdict(fault))
+        try:
+            if fault.kind == "error":
+                lost_peer = cause is not None and cause.kind == PEER_LOST
+                self._wait_for_a_cause(attempt, self.r.node_lost_s + 0.5 if lost_peer else 1.0)
+        except PeersLost as lost:
+            fault = self._lost_fault(lost)
+        if fault.kind == "lost" and fault.evidence.get("node_rank") == 0:
+            return fault  # node 0's store is gone with it: nobody to agree with
+        try:
+            won = self.peers.report_fault(attempt, asdict(fault))
+        except PeersLost as lost:
+            return self._lost_fault(lost)
         if won["node_rank"] == self.node_rank:
             return fault
         return Fault(
@@ -371,6 +450,13 @@ class Supervisor:
             {"remote": won},
         )
 
+    def _wait_for_a_cause(self, attempt: int, seconds: float) -> None:
+        """Until another node reports a fault or the pulse finds a node gone (PeersLost)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and self.peers.fault(attempt) is None:
+            self.peers.raise_if_lost()
+            time.sleep(0.05)
+
     def _newest_published(self) -> int:
         """The newest step whose checkpoint directory was published (renamed into place when
         complete; the workers verify it before resuming). The heartbeats say the same a moment
@@ -381,12 +467,42 @@ class Supervisor:
                 steps.append(int(path.name[5:]))
         return max(steps)
 
-    def _give_up(self, why: str, attempt: int) -> int:
+    def _give_up_lost(self, fault: Fault, attempt: int) -> int:
+        """Another node is gone: no restart can bring its ranks back (no spare across nodes), so
+        every surviving node gives up; node 0 tells the others, whose pulse may not see it."""
+        why = (
+            f"{fault.evidence.get('node', fault.nodes[0])} is gone ({fault.detail}); the job "
+            "cannot go on without it: "
+            "requeue it (without that node if it stays down; the run resumes from its newest "
+            "verified checkpoint)"
+        )
+        if self.peers.leader:
+            with contextlib.suppress(PeersLost, TimeoutError):
+                self.peers.decide(attempt, {"give_up": why})
+        lost = {"node_id": fault.nodes[0], "ranks": fault.ranks, **fault.evidence}
+        return self._give_up(why, attempt, lost_node=lost)
+
+    def _gave_up_waiting(self, lost: PeersLost | TimeoutError) -> int:
+        """Another node was found gone, or never came, while this node waited for it between two
+        attempts (no group of this node runs then): the same give-up as during one."""
+        if isinstance(lost, PeersLost) and lost.lost is not None:
+            fault = self._lost_fault(lost)
+            self.log(
+                "fault",
+                f"attempt {self.attempt}: {fault.describe()}",
+                fault=asdict(fault),
+                attempt=self.attempt,
+            )
+            return self._give_up_lost(fault, self.attempt)
+        return self._give_up(f"{lost}; requeue the job", self.attempt)
+
+    def _give_up(self, why: str, attempt: int, **more: Any) -> int:
         report = {
             "gave_up": why,
             "attempts": attempt + 1,
             "excluded_nodes": self.nodes.excluded,
             "log": str(self.dir / "log.jsonl"),
+            **more,
         }
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "report.json").write_text(json.dumps(report, indent=1, default=str))

@@ -41,7 +41,8 @@ ENDING = ("finishing", "exiting")
 class Fault:
     kind: str
     """dead, hung, slow, error, bad_node (failed the diagnostics), peer (another node's fault,
-    multi-node), or stopped (a stop signal to the supervisor, not a fault)."""
+    multi-node), lost (another node gone whole, multi-node), or stopped (a stop signal to the
+    supervisor, not a fault)."""
     ranks: list[int]
     nodes: list[str]
     detail: str
@@ -51,7 +52,10 @@ class Fault:
     evidence: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        if len(self.nodes) == len(self.ranks):
+        if self.kind == "lost":  # a node gone whole: named as its supervisor's peers know it
+            ranks = ", ".join(map(str, self.ranks)) or "unknown"
+            who = f"{self.evidence.get('node') or ', '.join(self.nodes)} (ranks {ranks})"
+        elif len(self.nodes) == len(self.ranks):
             who = ", ".join(
                 f"rank {r}{_where(self.evidence.get('coords', {}).get(str(r)))} on node {n}"
                 for r, n in zip(self.ranks, self.nodes)
@@ -90,13 +94,14 @@ class Watch:
         nodes: list[str],
         diagnose: Callable[[dict], Fault | None] | None = None,
         base: int = 0,
-        remote_fault: Callable[[], dict | None] | None = None,
+        remote_fault: Callable[[], dict | Fault | None] | None = None,
         published: Callable[[], int] = lambda: 0,
     ) -> None:
         """`nodes`: the node of each local worker; `base`: the global rank of the first (a node
         of a multi-node job). `diagnose`: judges the diagnostics rows the group publishes on a
         restart (a Fault when a node fails them); None when the group runs none.
-        `remote_fault`: another node's fault, if any (multi-node): this group then stops too.
+        `remote_fault`: another node's fault, if any (multi-node): this group then stops too;
+        a Fault when another node is gone.
         `published`: the newest step whose checkpoint is on disk."""
         self.context, self.store, self.attempt, self.r = context, store, attempt, r
         self.nodes = nodes
@@ -182,10 +187,11 @@ class Watch:
         )
 
     def _remote(self, now: float) -> Fault | None:
-        """Another node's supervisor found a fault: this node's part of the group stops too."""
+        """Another node's supervisor found a fault: this node's part of the group stops too. Or
+        another node is gone (a Fault already: `peers.Pulse` found it)."""
         other = self.remote_fault() if self.remote_fault is not None else None
-        if other is None:
-            return None
+        if other is None or isinstance(other, Fault):
+            return other
         return Fault(
             "peer",
             other.get("ranks", []),
@@ -219,8 +225,8 @@ class Watch:
                 if s.hb is None and not self.store.check([key]):
                     continue
                 hb = json.loads(self.store.get(key))
-            except Exception:
-                continue
+            except Exception:  # the store failed a call: the rest would wait out its timeout too
+                return
             if s.hb is None or hb.get("seq") != s.hb.get("seq"):
                 s.seen_at = now
             self.checkpoint_step = max(self.checkpoint_step, int(hb.get("checkpoint_step") or 0))
