@@ -1,18 +1,23 @@
 """A node gone whole — it lost power: its supervisor and its workers SIGKILLed at once — in a job of
 two nodes on one host. The other node says at once which node is gone and why it cannot go on,
 writes its report and exits 75 for the scheduler to requeue the job (it waited out the 300 s
-start-up limit before, and exited 1)."""
+start-up limit before, and exited 1). Under plain torchrun (no supervisor) the surviving rank's
+error is one line naming the rank it lost (was the hang-dump line and gloo's paragraph, or, with a
+save in flight, its checkpoint writer's traceback with torch's C++ stacks, after minutes)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from supervised import kill_node, node_events, start_nodes
+from supervised import CONFIG, TINY, kill_node, node_events, start_nodes
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -74,3 +79,86 @@ def test_a_node_gone_whole_is_named_at_once_and_the_other_gives_up(tmp_path, vic
 
 def _logs(run: Path) -> bool:
     return all((run / "supervisor" / f"node{k}" / "log.jsonl").exists() for k in (0, 1))
+
+
+# ------------------------------------------------------------------ plain torchrun
+
+
+def _plain_workers(run: Path, *args: str) -> list[subprocess.Popen]:
+    """Two ranks started as torchrun starts its workers (its environment; rank 0 hosts the store,
+    as without torchrun's agent), each a node of its own, unsupervised."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        env = dict(
+            os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", RANK=str(rank),
+            WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+        )  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "depthscale.train",
+                    "-c",
+                    CONFIG,
+                    *TINY,
+                    "--train.steps",
+                    "100000",
+                    "--train.run_dir",
+                    str(run),
+                    "--parallel.dp_shard",
+                    "2",
+                    "--resilience.supervise",
+                    "false",
+                    *args,
+                ],
+                cwd=run.parent,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )  # fmt: skip
+        )
+    return procs
+
+
+def _step(run: Path) -> int:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return max((json.loads(line).get("step", 0) for line in lines if line.endswith("}")), default=0)
+
+
+@pytest.mark.parametrize(
+    "victim, at, faults",
+    [
+        (1, 6, "none"),
+        # rank 1 waits for its checkpoint writer (the save of step 4, 6 s longer) when rank 0,
+        # which hosts the store, goes: the writer printed its traceback and torch's C++ stacks
+        (0, 8, "slowsave@4:6"),
+    ],
+)
+def test_plain_torchrun_a_lost_peer_is_one_line(tmp_path, victim, at, faults):
+    run = tmp_path / "run"
+    more = ["--faults", faults] if faults != "none" else []
+    procs = _plain_workers(run, *more)
+    survivor = procs[1 - victim]
+    try:
+        _wait_for(lambda: _step(run) >= at, 600, procs)
+        os.killpg(procs[victim].pid, signal.SIGKILL)  # the rank and its checkpoint writer
+        killed = time.monotonic()
+        out, err = survivor.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        _end(procs)
+    assert survivor.returncode == 1, err[-3000:]
+    assert len(err.splitlines()) == 1, err[-6000:]
+    assert f"rank {1 - victim} lost its peer rank {victim} (node {victim}, host " in err, err
+    assert "Traceback" not in err and took < BOUND_S, (took, err)

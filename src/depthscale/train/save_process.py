@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from depthscale.config import CheckpointConfig, ModelConfig
-from depthscale.errors import CheckpointError
+from depthscale.errors import CheckpointError, PeersFailed
 from depthscale.train.checkpoint_write import CheckpointWriter, SaveRecord
 
 _ALIGN = 64
@@ -170,6 +170,9 @@ class SaveProcess:
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])  # however depthscale was found
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        # its failures reach this rank as exceptions, printed once in the rank's one line; torch's
+        # C++ warnings about the same dead sockets (a stack each) would be printed beside it
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         # Started with the stop signals blocked, the writer inherits the block until it ignores
         # them (`_ignore_stop_signals`): one that arrived while it still imported torch printed a
         # KeyboardInterrupt traceback. This process takes one that came meanwhile as it unblocks.
@@ -342,17 +345,23 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _serve(conn: Connection, fds: socket.socket) -> None:
-    """The writer process: join the writers' group, then save each request until the pipe
-    closes."""
-    spec: _Spec = conn.recv()
-    _die_with_parent(spec.parent)
-    os.nice(_NICE)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: a failed save (EFBIG)
-    torch.set_num_threads(1)
-    if spec.peers is not None:
-        peers = spec.peers
-        timeout = timedelta(seconds=peers.timeout_s)
+def _join(peers: _Peers | None) -> PeersFailed | None:
+    """Join the writers' gloo group through the run's store; why not, when a peer is gone. The
+    store is tried first with a plain connection: refused, its host is gone, and torch's own
+    client would retry for the whole timeout (parallel.timeout_s), printing a C++ stack per try,
+    while this rank waits for its save."""
+    if peers is None:
+        return None
+    where = f"{peers.host}:{peers.port}"
+    try:
+        socket.create_connection((peers.host, peers.port), timeout=min(peers.timeout_s, 30)).close()
+    except OSError as err:
+        return PeersFailed(
+            f"its checkpoint writer cannot reach the rendezvous store at {where} "
+            f"({err.strerror or err})"
+        )
+    timeout = timedelta(seconds=peers.timeout_s)
+    try:
         client = dist.TCPStore(peers.host, peers.port, is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo",
@@ -361,6 +370,37 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
             world_size=peers.world,
             timeout=timeout,
         )
+    except Exception as err:  # noqa: BLE001 — every way of failing here leaves no group to write with
+        return PeersFailed(
+            f"the checkpoint writers could not form their group through the store at {where} "
+            f"({str(err).splitlines()[0][:200]}): a peer's writer or the store is gone"
+        )
+    return None
+
+
+def _refuse(conn: Connection, cannot: PeersFailed) -> None:
+    """Answer each save request with why the writer cannot save, until training closes the pipe:
+    the rank reports it in its one line (a traceback here would be printed beside it)."""
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        conn.send((SaveRecord(request[1], is_async=True, error=str(cannot)), cannot))
+
+
+def _serve(conn: Connection, fds: socket.socket) -> None:
+    """The writer process: join the writers' group, then save each request until the pipe
+    closes."""
+    spec: _Spec = conn.recv()
+    _die_with_parent(spec.parent)
+    os.nice(_NICE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: a failed save (EFBIG)
+    torch.set_num_threads(1)
+    cannot = _join(spec.peers)
+    if cannot is not None:
+        _refuse(conn, cannot)
+        return
     writer = CheckpointWriter(spec.root, spec.cfg, spec.model)
     layout: _Layout | None = None
     views: dict[str, torch.Tensor] = {}

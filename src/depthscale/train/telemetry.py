@@ -184,13 +184,15 @@ class Telemetry:
             factor, from_step = slow
             self.recorder.slowdown = Slowdown(from_step, factor - 1, 0, ("forward", "backward"))
 
-    def on_error(self, error: BaseException) -> None:
+    def on_error(self, error: BaseException, say: bool = True) -> None:
         """A collective or message timed out or lost its peer: dump what this rank was in, for
         `depthscale trace hang`. Only then — the trainer calls it for those errors alone: a rank's
-        own error (bad data, a NaN, a full disk) is no hang, and its report is the error itself."""
+        own error (bad data, a NaN, a full disk) is no hang, and its report is the error itself.
+        `say`: log where the dump went (not when the error's one line already points there)."""
         if self.recorder is not None:
             path = write_hang_dump(self.run_dir, self.recorder, "error", f"{error!r}")
-            log.error("rank %d: wrote its hang dump to %s", self.rank, path)
+            if say:
+                log.error("rank %d: wrote its hang dump to %s", self.rank, path)
 
     def close(self) -> None:
         """Flush and close the trace file (also done when the Telemetry is collected)."""

@@ -44,6 +44,8 @@ from depthscale.train.nan_guard import (
     skip_if_not_finite,
 )
 from depthscale.train.optim import build_optimizer
+from depthscale.train.peer_loss import describe as describe_lost_peer
+from depthscale.train.peer_loss import is_peer_loss
 from depthscale.train.schedule import lr_at, set_lr
 from depthscale.train.step_metrics import HostVote, PendingMetrics
 from depthscale.train.stop import StopSignals
@@ -360,6 +362,8 @@ class Trainer:
                 self.signals = signals
                 return self._fit(stop_at)
         except Exception as err:
+            if is_peer_loss(err):  # another process is gone: one line naming it
+                raise PeersFailed(self._lost_peer(err)) from err
             if _peers_failed(err):  # a hang seen from here: the hang analysis reads every dump
                 self.telemetry.on_error(err)
                 raise PeersFailed(
@@ -372,6 +376,16 @@ class Trainer:
         finally:
             self.signals = None
             self.batches.close()
+
+    def _lost_peer(self, err: BaseException) -> str:
+        """The peer this rank lost, in one line: under plain torchrun every surviving rank
+        prints its own (gloo's error says only an address and a paragraph of advice). Its hang
+        dump is still written, silently, for `depthscale trace hang`."""
+        self.telemetry.on_error(err, say=False)
+        recorder = self.telemetry.recorder
+        in_flight = recorder.in_flight() if recorder is not None else []
+        line = describe_lost_peer(err, self.env.rank, self.step + 1, in_flight, self.run_dir)
+        return f"{line} (`depthscale trace hang --run {self.run_dir}`: every rank's view)"
 
     def _timeout_name(self) -> str:
         """The process-group timeouts in force: until the first step completes, the world group
