@@ -16,8 +16,8 @@ def run(args: argparse.Namespace) -> int:
 
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     check_output("--run", Path(args.run), directory=True)
-    if ckpt_dir is not None:
-        check_output("--checkpoint-dir", ckpt_dir, directory=True)
+    # --checkpoint-dir is not checked here: whether every rank can write there is one of the
+    # checks (ckpt_write), which names the ranks and nodes that cannot
     report = diagnose(
         args.nproc,
         Path(args.run),
