@@ -30,6 +30,7 @@ from depthscale.parallel.pipeline.depth_cache import DepthCache
 from depthscale.parallel.pipeline.p2p_plan import SENDS, Post, rank_program, upstream
 from depthscale.parallel.pipeline.schedules import interleaved_1f1b
 from depthscale.parallel.pipeline.stage import split_layers
+from drill_repeats import DRILL_REPEATS
 
 TIMEOUT_S = float(os.environ.get("DEPTHSCALE_E2E_TIMEOUT_S", "900"))
 SMALL = [
@@ -204,7 +205,7 @@ def test_hang_drill_names_the_stopped_rank(tmp_path, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("repeat", range(10))
+@pytest.mark.parametrize("repeat", range(DRILL_REPEATS))
 @pytest.mark.parametrize("kind", list(HANG_DRILLS))
 def test_hang_drills_repeated(tmp_path, kind, repeat):
     _hang_drill(tmp_path, kind)
@@ -260,7 +261,7 @@ def test_a_slow_data_loader_is_blamed_on_its_data_phase_only(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drill", range(10))
+@pytest.mark.parametrize("drill", range(DRILL_REPEATS))
 def test_straggler_drills_repeated(tmp_path, drill):
     _straggler_drill(tmp_path, drill % 4, SLOWED, "compute")
 

@@ -22,6 +22,8 @@ from supervised import (
     train_nodes,
 )
 
+from drill_repeats import DRILL_REPEATS
+
 pytestmark = pytest.mark.dist
 
 DP2 = ["--nproc", "2", "--parallel.dp_shard", "2", "--resilience.diagnose", "false"]
@@ -97,7 +99,7 @@ def test_sigkill_in_every_layout(tmp_path, references, layout, rank):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drill", range(10))
+@pytest.mark.parametrize("drill", range(max(2, DRILL_REPEATS)))  # stop and hang
 def test_hang_drills_name_the_culprit(tmp_path, drill):
     """SIGSTOP (the heartbeat stops) or a sleep inside the step (the heartbeat goes on, progress
     stops), at a random rank and step of a 2×2 layout: detected within max(3 heartbeats,
