@@ -24,6 +24,7 @@ import pytest
 
 from depthscale.cli import main
 from depthscale.data.sources import write_bin
+from training_output import wait_for_step
 
 CONFIG = str(Path("configs/tiny.toml").resolve())
 TINY = [
@@ -542,7 +543,7 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path):
         "--train.steps", "100000", "--checkpoint.every", "0", "--train.run_dir", str(run),
     ]  # fmt: skip
     proc = _start(args, tmp_path)
-    _wait_for_step(proc, 2)
+    wait_for_step(proc, 2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -561,7 +562,7 @@ def test_ctrl_c_saves_where_it_stopped_and_resume_continues(tmp_path):
         "--train.run_dir", str(run),
     ]  # fmt: skip
     proc = _start(args, tmp_path)
-    _wait_for_step(proc, 1)
+    wait_for_step(proc, 1)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 128 + signal.SIGINT, err
@@ -588,20 +589,6 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 600) -> None:
-    """Read stdout until the line for `step` (logging every step) has been printed."""
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(f"step {step:>6}/"):
-            return
-    proc.kill()
-    raise AssertionError(f"training never reached step {step}: {proc.stderr.read()}")
 
 
 # ------------------------------------------------------------------- damaged checkpoints

@@ -16,6 +16,7 @@ import pytest
 from supervised import CONFIG, TINY
 
 from depthscale.train.manifest import newest_verified
+from training_output import wait_for_step
 
 pytestmark = pytest.mark.dist
 
@@ -38,19 +39,6 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _wait_for_step(proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(f"step {step:>6}/"):
-            return
-    proc.kill()
-    raise AssertionError(f"training never reached step {step}: {proc.stderr.read()}")
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="walks /proc for the process tree")
 def test_ctrl_c_then_sigint_to_every_process_during_a_save_stops_cleanly(tmp_path):
     """The first SIGINT goes to the supervisor alone (a terminal's Ctrl-C: the workers have
@@ -70,7 +58,7 @@ def test_ctrl_c_then_sigint_to_every_process_during_a_save_stops_cleanly(tmp_pat
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    _wait_for_step(proc, 6)  # the save of step 5 is being written, 4 s longer than it takes
+    wait_for_step(proc, 6)  # the save of step 5 is being written, 4 s longer than it takes
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(0.3)
     for pid in [proc.pid, *_descendants(proc.pid)]:
