@@ -51,6 +51,10 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(threads),
     )
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks, on demand
     import torch
 
     torch.set_num_threads(threads)

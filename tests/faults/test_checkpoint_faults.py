@@ -395,6 +395,21 @@ def test_restore_reads_once_per_replica_group_on_two_ranks(dist_pool, tmp_path, 
         assert results[1][True].shard_bytes == 0
 
 
+def _groups_held_after_restore(root: str, layout: dict) -> int:
+    from torch.distributed import distributed_c10d
+
+    _restore_counted(root, layout, layout)
+    return len(distributed_c10d._world.pg_names)
+
+
+def test_restore_leaves_every_rank_holding_as_many_groups(dist_pool, tmp_path):
+    """torch names a group made by its members alone after the number of groups each holds: a
+    restore that gave only the readers a group made every later such group (a mesh of another
+    layout) hang, its members waiting under different names."""
+    held = dist_pool(2).run(_groups_held_after_restore, str(tmp_path), {"dp_replicate": 2})
+    assert held[0] == held[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, per_rank",

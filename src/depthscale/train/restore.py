@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from depthscale.errors import CheckpointError
 from depthscale.parallel.mesh import flat
+from depthscale.parallel.startup import own_group
 from depthscale.train.manifest import TRAINER_STATE, global_rank, rng_file_name
 
 SHARD_SUFFIX = ".distcp"
@@ -209,10 +210,12 @@ def replicas_of(mesh: DeviceMesh | None, name: str) -> Replicas | None:
         return None
     group = flat(mesh, name).get_group()
     src = dist.get_global_rank(group, 0)
-    # every rank takes part (non-members get no group): a group made by its members alone would
-    # advance only their count of groups, and later groups would pair up wrongly (a hang)
+    # every rank makes exactly one group (`own_group`: a non-reader makes one of itself). torch
+    # names a group by its ranks and how many groups this rank holds; with `dist.new_group` only
+    # the readers would hold one more, and every group made after a restore (a mesh of another
+    # layout, say) would get a different name on readers and the rest: a hang
     first = tuple(0 if n in dims else slice(None) for n in names)
-    readers = dist.new_group(mesh.mesh[first].flatten().tolist())
+    readers = own_group([mesh.mesh[first].flatten().tolist()], "restore_readers")
     if global_rank() != src:
         readers = None
     return Replicas(group, src, readers)
