@@ -14,7 +14,10 @@ documented in docs/observability.md.
 Costs on the hot path (~5 µs a span on CPU): three clock reads, one small object and an append
 to a bounded buffer; the record's JSON encoding and the file writes happen on a background thread, and when that thread falls behind
 events are dropped and counted, never waited for. Nothing here synchronises a device: on CUDA a
-compute span's duration comes from a pair of CUDA events that the writer thread resolves.
+compute span's duration comes from a pair of CUDA events that the writer thread resolves — after
+making the rank's GPU its current device: CUDA's current device is per thread, 0 in a new one, and
+an event synchronised from a thread that never chose one opened a context on GPU 0 (~0.5 GB) for
+every rank of the node.
 
 "Busy" time (`take_busy`) is what the straggler detector compares across ranks: the time a rank
 itself worked in a phase, waits for peers excluded. On CPU that is the thread's CPU time
@@ -205,7 +208,9 @@ class SpanRecorder:
     `flush_s` seconds, not per event: a thread woken 30 times a step preempts the compute threads
     (two cores running two intra-op threads) and cost 4.7 % of a CPU step in
     `benchmarks/timeline_overhead.py`. `queue_size` bounds what it may fall behind by; beyond it
-    events are dropped (`dropped` counts them). A killed process loses its last `flush_s`."""
+    events are dropped (`dropped` counts them). A killed process loses its last `flush_s`.
+    On CUDA the writer runs on GPU `device_index` (default: the creating thread's current device,
+    which start-up set to the rank's own)."""
 
     def __init__(
         self,
@@ -213,6 +218,7 @@ class SpanRecorder:
         meta: dict[str, Any],
         *,
         device_type: str = "cpu",
+        device_index: int | None = None,
         queue_size: int = 1 << 16,
         recent: int = 200,
         flush_s: float = 0.25,
@@ -224,6 +230,12 @@ class SpanRecorder:
         self.slowdown = Slowdown.from_env(self.rank)
         self.hang_at = _hang_point(self.rank)
         self.cuda = device_type == "cuda"
+        if self.cuda and device_index is None:
+            import torch
+
+            device_index = torch.cuda.current_device()
+        self.device_index = device_index
+        """The rank's GPU: the writer thread makes it current before it touches an event."""
         self.step = 0
         self.dropped = 0
         self.progress = 0
@@ -351,6 +363,10 @@ class SpanRecorder:
     # ------------------------------------------------------------------ writer
 
     def _drain(self) -> None:
+        if self.device_index is not None:
+            import torch
+
+            torch.cuda.set_device(self.device_index)
         stop = False
         while not stop:
             stop = self._closing.wait(self._flush_s)
