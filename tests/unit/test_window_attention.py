@@ -2,8 +2,9 @@
 gradients (fp32 bound of the softmax chain, tests/tolerances.py), for windows shorter and longer
 than a block, of two keys, sequences that do not divide into blocks (a tail), several body blocks
 whose key runs overlap, GQA, inputs laid out as the model makes them ([B, T, H, d] transposed),
-and each path: the project's banded CPU kernel (fp32), torch's fused flash kernel per tile (bf16,
-or where the kernel does not build) and the SDPA path other devices take."""
+and each CPU path: the project's banded CPU kernel (fp32), torch's fused flash kernel per tile
+(bf16, or where the kernel does not build) and the SDPA blocks other devices take. The CUDA paths:
+tests/unit/test_attention_dispatch.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from depthscale import kernels
-from depthscale.model import attention_tiles
 from depthscale.model import window_attention as wa
 from depthscale.model.layers import attention_mask, sdpa_attention
 from tolerances import check, fp32_sum_bound, scaled_err
@@ -50,8 +50,8 @@ def test_window_attention_matches_the_dense_mask(
 ):
     if path == "band":  # built (or skipped where no C++ toolchain exists, as the depth reads)
         request.getfixturevalue("cpu_ops")
-    if path == "sdpa":  # the path of devices without a fused tile kernel (CUDA)
-        monkeypatch.setattr(attention_tiles, "fused", lambda device: False)
+    if path == "sdpa":  # the path of devices without a fused window kernel
+        monkeypatch.setattr(wa, "path", lambda q: "sdpa_blocks")
     taken = []
     for name in ("_band_forward", "_tiles_forward"):
         fn = getattr(wa, name)

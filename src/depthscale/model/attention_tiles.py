@@ -1,31 +1,56 @@
 """One tile of ring attention — local query rows × a run of held keys — forward and backward, on a
-fused attention kernel where one exists.
+fused attention kernel where one exists (`attention_dispatch.tile_path` chooses).
 
 A tile's result is merged by log-sum-exp, and its backward recomputes probabilities from the
 *global* LSE and output (FlashAttention-2's backward, split over K/V blocks): so the kernel must
-return the LSE and take it back. On CPU, torch's flash kernel (`_scaled_dot_product_flash_attention
-_for_cpu` and its backward) does both, tiles its work internally (no [Tq, Tk] score matrix), takes
-GQA as is (H query heads over Hkv key heads) and a causal flag; masks that are not top-left causal
-(window edges, zigzag tiles) go in as an additive fp32 bias built once per plan. Elsewhere (CUDA
-today: its fused ops' LSE layout is padded and has not been checked against a GPU here) the
-reference below runs, which materialises fp32 scores per tile (bounded by the plan's `kv_tile`).
+return the LSE and take it back.
 
-Shapes: q [B, H, Tq, d], k/v [B, Hkv, Tk, d], all fp32; out [B, H, Tq, d], lse [B, H, Tq]; the
-backward returns dq [B, H, Tq, d] and dk/dv [B, Hkv, Tk, d] (summed over each KV head's queries).
+* CPU: torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its backward), fp32
+  tiles; it tiles its work internally, takes GQA as is and a causal flag, and an additive fp32 bias
+  for masks that are not top-left causal (window edges, padding).
+* CUDA, bf16/fp16: SDPA's flash op (`_scaled_dot_product_flash_attention` and its backward: GQA as
+  is, LSE [B, H, Tq] fp32) for unmasked and causal tiles; SDPA's memory-efficient op with an additive
+  bias for the rest. That kernel has no GQA, so each KV head's G query heads are stacked along the
+  rows ([B, Hkv, G·Tq, d]: dK/dV come out summed over them, K/V are not copied per query head) and
+  the bias repeated G times; its bias rows must be 16-byte aligned and its LSE rows are padded to a
+  multiple of 32, both handled here.
+* Anything else: the reference below (fp32 scores materialised per tile, bounded by the plan's
+  `kv_tile`) — also the truth the tests compare with.
+
+Causal alignment: a causal tile is "row i sees keys 0..i" (top-left) with Tq ≤ Tk. Keys past Tq are
+then seen by no row, so they are dropped before a kernel runs (their dK/dV are zero): every kernel
+gets a square causal tile, where top-left and bottom-right alignment (FlashAttention-2's convention
+for Tq ≠ Tk) agree.
+
+Shapes: q [B, H, Tq, d], k/v [B, Hkv, Tk, d]; out [B, H, Tq, d], lse [B, H, Tq] fp32; the backward
+returns dq [B, H, Tq, d] and dk/dv [B, Hkv, Tk, d] (summed over each KV head's queries), in the
+kernel's dtype (the ring accumulates them in fp32).
 """
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from depthscale.model import attention_dispatch as dispatch
+
+aten = torch.ops.aten
+BIAS_ALIGN = 16
+"""The efficient kernel reads bias rows in 128-bit vectors: its row stride must be a multiple of
+8 half-precision elements (SDPA pads user masks the same way); 16 keeps fp32 aligned too."""
+LSE_ROWS = 32
+"""The efficient kernel's LSE has its query dim padded to a multiple of 32."""
 
 
 class TileMask(NamedTuple):
     """Which (row, key) pairs of a tile are visible: all (`causal` False, `bias` None), top-left
     causal (row i sees keys 0..i), or the pairs where `bias` [Tq, Tk] is 0 (−inf elsewhere);
-    `dense` is the boolean form for the reference path (None: all visible)."""
+    `dense` is the boolean form (None: all visible, or given by the fields above)."""
 
     causal: bool
     bias: Tensor | None
@@ -39,16 +64,47 @@ def additive_bias(visible: Tensor, dtype: torch.dtype = torch.float32) -> Tensor
 
 
 def fused(device: torch.device) -> bool:
-    """Whether tiles on `device` run a fused kernel (else the reference)."""
-    return device.type == "cpu"
+    """Whether masks for tiles on `device` are built in the fused kernels' form (the causal flag,
+    an additive bias) rather than as a boolean mask: where fused tile kernels exist. Every path
+    takes that form (the reference rebuilds the boolean mask from it)."""
+    return device.type in ("cpu", "cuda")
+
+
+def mask_kind(mask: TileMask) -> dispatch.MaskKind:
+    if mask.causal:
+        return "causal"
+    return "none" if mask.bias is None and mask.dense is None else "masked"
+
+
+def path(q: Tensor, mask: TileMask) -> dispatch.TilePath:
+    """The kernel this tile runs on (see `attention_dispatch.tile_path`)."""
+    caps = dispatch.capabilities(q.device)
+    return dispatch.tile_path(q.device.type, q.dtype, mask_kind(mask), q.shape[-1], caps)
+
+
+def visible(mask: TileMask, Tq: int, Tk: int, device: torch.device) -> Tensor | None:
+    """The boolean [Tq, Tk] form of any mask (None: every pair visible)."""
+    if mask.dense is not None:
+        return mask.dense
+    if mask.causal:
+        return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril()
+    return None if mask.bias is None else mask.bias == 0
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask, scale: float) -> tuple[Tensor, Tensor]:
-    if fused(q.device):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    kernel = path(q, mask)
+    if kernel == "reference":
+        return reference_forward(
+            *_upcast(q, k, v), visible(mask, q.shape[2], k.shape[2], q.device), scale
+        )
+    k, v = _square(mask, q, k), _square(mask, q, v)
+    if kernel == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, mask.causal, attn_mask=mask.bias, scale=scale
         )
-    return reference_forward(q, k, v, mask.dense, scale)
+    if kernel == "cuda_flash":
+        return cuda_flash_forward(q, k, v, mask.causal, scale)
+    return cuda_efficient_forward(q, k, v, _efficient_mask(mask, q), scale)
 
 
 def backward(
@@ -62,11 +118,164 @@ def backward(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of the tile from the global `out` and `lse` of its rows (and their `do`)."""
-    if fused(q.device):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    kernel = path(q, mask)
+    if kernel == "reference":
+        do, q, k, v, out = _upcast(do, q, k, v, out)
+        return reference_backward(
+            do, q, k, v, out, lse, visible(mask, q.shape[2], k.shape[2], q.device), scale
+        )
+    Tk = k.shape[2]
+    k, v = _square(mask, q, k), _square(mask, q, v)
+    if kernel == "cpu_flash":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, mask.causal, attn_mask=mask.bias, scale=scale
         )
-    return reference_backward(do, q, k, v, out, lse, mask.dense, scale)
+    elif kernel == "cuda_flash":
+        dq, dk, dv = cuda_flash_backward(do, q, k, v, out, lse, mask.causal, scale)
+    else:
+        bias = _efficient_mask(mask, q)
+        dq, dk, dv = cuda_efficient_backward(do, q, k, v, out, lse, bias, scale)
+    return dq, _unsquare(dk, Tk), _unsquare(dv, Tk)
+
+
+def _upcast(*xs: Tensor) -> list[Tensor]:
+    """Half-precision tensors in fp32 for the reference (fp32 and fp64 kept as they are)."""
+    return [x.to(torch.promote_types(x.dtype, torch.float32)) for x in xs]
+
+
+def _square(mask: TileMask, q: Tensor, kv: Tensor) -> Tensor:
+    """A causal tile's keys past its last row are seen by no row: drop them (see the module doc)."""
+    return kv.narrow(2, 0, q.shape[2]) if mask.causal and kv.shape[2] > q.shape[2] else kv
+
+
+def _unsquare(grad: Tensor, Tk: int) -> Tensor:
+    """dK/dV of the dropped keys: zero."""
+    return F.pad(grad, (0, 0, 0, Tk - grad.shape[2])) if grad.shape[2] < Tk else grad
+
+
+def _efficient_mask(mask: TileMask, q: Tensor) -> Tensor | None:
+    """The additive bias for the efficient kernel. A causal tile (square after `_square`) goes in
+    as a bias too: its rows are stacked over query heads, which the kernel's causal flag would not
+    follow."""
+    if mask.causal:
+        T = q.shape[2]
+        return additive_bias(torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
+    if mask.bias is None and mask.dense is not None:
+        return additive_bias(mask.dense)
+    return mask.bias
+
+
+# ------------------------------------------------------------------------- CUDA: the flash op
+
+
+@lru_cache(maxsize=8)
+def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Placeholders for the random-number state the backward ops take: read only with dropout, so
+    never here. (flash seed [2] and offset [] as uint64 — the forward's types —, efficient's long.)"""
+    return (
+        torch.zeros(2, dtype=torch.uint64, device=device),
+        torch.zeros((), dtype=torch.uint64, device=device),
+        torch.zeros((), dtype=torch.long, device=device),
+    )
+
+
+def cuda_flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[
+        :2
+    ]
+    return out, lse
+
+
+def cuda_flash_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The flash backward from the global `out`/`lse` (the LSE must be contiguous: the kernel
+    reads its rows by the shape, not the strides)."""
+    seed, offset, _ = _no_dropout_rng(q.device)
+    Tq, Tk = q.shape[2], k.shape[2]
+    return aten._scaled_dot_product_flash_attention_backward(
+        do, q, k, v, out, lse.contiguous(), None, None, Tq, Tk, 0.0, causal, seed, offset,
+        scale=scale,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------- CUDA: the memory-efficient op
+
+
+def _stack_heads(x: Tensor, hkv: int) -> Tensor:
+    """[B, H, T, ...] → [B, Hkv, G·T, ...]: each KV head's G query heads stacked along the rows."""
+    return x.unflatten(1, (hkv, -1)).flatten(2, 3)
+
+
+def _unstack_heads(x: Tensor, groups: int) -> Tensor:
+    """[B, Hkv, G·T, ...] → [B, H, T, ...]."""
+    return x.unflatten(2, (groups, -1)).flatten(1, 2)
+
+
+def _kernel_bias(bias: Tensor | None, q: Tensor, hkv: int) -> Tensor | None:
+    """The [Tq, Tk] bias repeated for the G stacked query heads, in q's dtype, rows aligned to
+    BIAS_ALIGN elements, broadcast to [B, Hkv, G·Tq, Tk] (what the kernel's shape checks want)."""
+    if bias is None:
+        return None
+    B, H, Tq, _ = q.shape
+    Tk = bias.shape[-1]
+    rows = torch.empty(
+        H // hkv, Tq, math.ceil(Tk / BIAS_ALIGN) * BIAS_ALIGN, dtype=q.dtype, device=q.device
+    )
+    rows = rows[..., :Tk]
+    rows.copy_(bias.expand(H // hkv, Tq, Tk))
+    return rows.flatten(0, 1).expand(B, hkv, H // hkv * Tq, Tk)
+
+
+def cuda_efficient_forward(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
+    out, lse = aten._scaled_dot_product_efficient_attention(
+        _stack_heads(q, hkv), k, v, _kernel_bias(bias, q, hkv), True, 0.0, False, scale=scale
+    )[:2]
+    rows = groups * q.shape[2]
+    return _unstack_heads(out, groups), _unstack_heads(lse[..., :rows], groups)
+
+
+def cuda_efficient_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    bias: Tensor | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The efficient backward from the global `out`/`lse`: the LSE goes in padded to LSE_ROWS
+    (+inf past the rows: a padded row, if read, has probability 0)."""
+    hkv, groups = k.shape[1], q.shape[1] // k.shape[1]
+    B, rows = q.shape[0], groups * q.shape[2]
+    padded = lse.new_full((B, hkv, math.ceil(rows / LSE_ROWS) * LSE_ROWS), float("inf"))
+    padded[..., :rows] = _stack_heads(lse, hkv)
+    _, _, seed = _no_dropout_rng(q.device)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        _stack_heads(do, hkv).contiguous(),
+        _stack_heads(q, hkv).contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        _kernel_bias(bias, q, hkv),
+        _stack_heads(out, hkv).contiguous(),
+        padded,
+        seed,
+        seed,
+        0.0,
+        [True, True, True, False],
+        False,
+        scale=scale,
+    )
+    return _unstack_heads(dq, groups), dk, dv
+
+
+# ------------------------------------------------------------------------- the reference (fp32)
 
 
 def _grouped(q: Tensor, k: Tensor) -> Tensor:

@@ -1,18 +1,23 @@
-"""Causal sliding-window attention computed blockwise, so its cost scales with the window, not with
-the sequence (Blockwise Parallel Transformer; MegaScale uses windows to cut compute).
+"""Causal sliding-window attention at a cost that follows the window, not the sequence (Blockwise
+Parallel Transformer; MegaScale uses windows to cut compute). `attention_dispatch.window_path`
+chooses the kernel:
 
-A dense [T, T] mask makes SDPA compute every score and then discard most (and on CUDA rules out the
-flash kernel). Here the queries are cut into blocks of `block` rows; a block [i0, i1) sees exactly
-the keys [i0 − window + 1, i1), one tile of at most block + window − 1 keys with a band mask, so
-the work is T·(block + window) instead of T²/2. Each block's keys are all it sees, so its own LSE
-is final and no merge is needed.
+* CUDA, bf16/fp16: FlashAttention-2's sliding window (`aten._flash_attention_forward` with
+  `window_size_left = window − 1`, `window_size_right = 0`): one call per layer, blocks outside the
+  band never computed, GQA as is, differentiated by its own backward.
+* CUDA otherwise (fp32, or no flash window in this build): FlexAttention with a sliding-window block
+  mask (built once per (T, window, device)), compiled by Triton; one call per layer too.
+* CPU: the queries are cut into blocks of `block` rows; a block [i0, i1) sees exactly the keys
+  [i0 − window + 1, i1), one tile of at most block + window − 1 keys with a band mask, so the work
+  is T·(block + window) instead of T²/2, and each block's LSE is final (no merge). fp32 runs the
+  project's banded kernel (`kernels/window_cpu.cpp`: a KV head's query heads stacked into one GEMM
+  per tile, the band applied by index, dK/dV accumulated in place); bf16, or fp32 where the kernel
+  did not build, runs each tile on torch's fused flash kernel through `attention_tiles` (band as an
+  additive bias built once per shape; dK/dV of overlapping key ranges added into one buffer).
+* Elsewhere each block is one SDPA call with a boolean mask, differentiated by autograd.
 
-On CPU, fp32 runs the project's banded kernel (`kernels/window_cpu.cpp`: a KV head's query heads
-stacked into one GEMM per tile, the band applied by index, dK/dV accumulated in place); bf16, or
-fp32 where the kernel did not build, runs each tile on torch's fused flash kernel through
-`attention_tiles` (band as an additive bias built once per shape; dK/dV of overlapping key ranges
-added into one buffer). Elsewhere each block is one SDPA call with a boolean mask, differentiated
-by autograd.
+A dense [T, T] mask would make SDPA compute every score and then discard most (and on CUDA rules
+out the flash kernel); per-block SDPA calls on CUDA would be launch-bound.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from depthscale.model import attention_dispatch as dispatch
 from depthscale.model import attention_tiles as tiles
 
 BAND_BLOCK = 32
@@ -54,12 +60,29 @@ def window_attention(
 ) -> Tensor:
     """Causal attention of q [B, H, T, d] over k/v [B, Hkv, T, d] (positions 0..T−1), each query
     seeing the `window` latest keys including its own; the result of SDPA with that dense mask.
-    `block`: query rows per tile (default: the path's, BAND_BLOCK or TILE_BLOCK)."""
-    if tiles.fused(q.device) and q.dtype == torch.float32 and _band_ops() is not None:
+    `block`: query rows per tile of the blockwise paths (default: the path's, BAND_BLOCK or
+    TILE_BLOCK)."""
+    kernel = path(q)
+    if kernel == "cuda_flash_window":
+        return flash_window(q, k, v, window)
+    if kernel == "flex":
+        return flex_window(q, k, v, window, compiled=not torch.compiler.is_compiling())
+    if kernel == "cpu_band":
         return _Window.apply(q, k, v, window, block or BAND_BLOCK, True)
-    block = block or TILE_BLOCK
-    if tiles.fused(q.device) and q.dtype in (torch.float32, torch.bfloat16):
-        return _Window.apply(q, k, v, window, block, False)
+    if kernel == "cpu_tiles":
+        return _Window.apply(q, k, v, window, block or TILE_BLOCK, False)
+    return sdpa_blocks(q, k, v, window, block or TILE_BLOCK)
+
+
+def path(q: Tensor) -> dispatch.WindowPath:
+    """The kernel a window over `q` runs on (see `attention_dispatch.window_path`)."""
+    band = q.device.type == "cpu" and _band_ops() is not None
+    caps = dispatch.capabilities(q.device)
+    return dispatch.window_path(q.device.type, q.dtype, q.shape[-1], caps, band)
+
+
+def sdpa_blocks(q: Tensor, k: Tensor, v: Tensor, window: int, block: int) -> Tensor:
+    """One SDPA call with a boolean band mask per block of `block` query rows."""
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for i0, i1, k0 in _spans(q.shape[2], window, block):
@@ -70,6 +93,53 @@ def window_attention(
             )
         )
     return torch.cat(outs, dim=2)
+
+
+def flash_window(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """FlashAttention-2's local attention: row i sees keys [i − window_size_left, i +
+    window_size_right] (bottom-right aligned, the same as top-left here: Tq = Tk), so (window − 1,
+    0) with the causal flag is exactly this window. The op takes [B, T, H, d]; autograd runs its
+    backward with the same window."""
+    T = q.shape[2]
+    out = torch.ops.aten._flash_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, T, T, 0.0, True,
+        False, scale=q.shape[-1] ** -0.5, window_size_left=window - 1, window_size_right=0,
+    )[0]  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def flex_window(q: Tensor, k: Tensor, v: Tensor, window: int, compiled: bool = True) -> Tensor:
+    """FlexAttention over a sliding-window block mask: only the blocks the band touches are
+    computed. `compiled`: through `torch.compile` (the fused Triton kernel; uncompiled, flex runs
+    an unfused reference — what CPU tests use, forward only — and inside a compiled region the
+    region's compile covers it)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if compiled else flex_attention
+    mask = _window_block_mask(q.shape[2], window, q.device)
+    return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _sliding(window: int):
+    def visible(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return visible
+
+
+@lru_cache(maxsize=16)
+def _window_block_mask(T: int, window: int, device: torch.device):
+    """The block mask of a causal window over T positions, built once per (T, window, device)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_sliding(window), None, None, T, T, device=device)
 
 
 def _band_ops():

@@ -73,7 +73,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from depthscale.model import attention_tiles
+from depthscale.model import attention_dispatch, attention_tiles
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
 from depthscale.parallel.cp_comm import CommStats, Ring
@@ -163,8 +163,8 @@ class _RingAttention(torch.autograd.Function):
             n, (B, H, _, d), Hkv = plan.size, q.shape, k.shape[1]
             scale = 1.0 / math.sqrt(d)
             with torch.autocast(q.device.type, enabled=False):
-                qg = q.unflatten(1, (Hkv, H // Hkv)).float()
-                out = torch.zeros_like(qg)
+                qg = q.unflatten(1, (Hkv, H // Hkv)).to(_tile_dtype(q))
+                out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
                 lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
                 held = torch.stack([k, v])  # [2, B, Hkv, T, d]: the block this rank holds, as sent
                 for step in range(n):
@@ -200,10 +200,11 @@ class _RingAttention(torch.autograd.Function):
             n, rank, (B, H, _, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
             scale = 1.0 / math.sqrt(d)
             with torch.autocast(q.device.type, enabled=False):
-                qg = q.unflatten(1, (Hkv, H // Hkv)).float()
-                do = dy.unflatten(1, (Hkv, H // Hkv)).float()
-                yg = y.unflatten(1, (Hkv, H // Hkv)).float()
-                dq = torch.zeros_like(qg)
+                dtype = _tile_dtype(q)
+                qg = q.unflatten(1, (Hkv, H // Hkv)).to(dtype)
+                do = dy.unflatten(1, (Hkv, H // Hkv)).to(dtype)
+                yg = y.unflatten(1, (Hkv, H // Hkv)).to(dtype)
+                dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
                 dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
                 home = None  # the group receiving this block's dK/dV computed by the others
                 # its last holder sends them in the group after its last step with the block
@@ -260,11 +261,17 @@ class _RingAttention(torch.autograd.Function):
         return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None
 
 
+def _tile_dtype(q: Tensor) -> torch.dtype:
+    """What tiles compute in: the model's half dtype on CUDA (fused kernels), else fp32; the
+    merged output, the LSE and the gradient sums are fp32 either way."""
+    return attention_dispatch.tile_dtype(q.device.type, q.dtype)
+
+
 def _forward_tiles(plan: RingPlan, tiles, held, qg, out, lse, scale: float) -> None:
     """Attend the local queries to the held block, tile by tile, merged into (out, lse)."""
     groups = qg.shape[1:3]
     for tile in tiles:
-        kv = tile.cols.take(held, 3).float()
+        kv = tile.cols.take(held, 3).to(qg.dtype)
         q = tile.rows.take(qg, 3).flatten(1, 2)
         out_t, lse_t = attention_tiles.forward(q, kv[0], kv[1], plan.tile_mask(tile), scale)
         _merge(out, lse, tile.rows, out_t.unflatten(1, groups), lse_t.unflatten(1, groups))
@@ -275,7 +282,7 @@ def _backward_tiles(plan: RingPlan, tiles, held, saved, dq, dkv, scale: float) -
     qg, do, yg, lse = saved
     groups = qg.shape[1:3]
     for tile in tiles:
-        kv, rows = tile.cols.take(held, 3).float(), tile.rows
+        kv, rows = tile.cols.take(held, 3).to(qg.dtype), tile.rows
         dq_t, dk_t, dv_t = attention_tiles.backward(
             rows.take(do, 3).flatten(1, 2),
             rows.take(qg, 3).flatten(1, 2),
@@ -286,8 +293,8 @@ def _backward_tiles(plan: RingPlan, tiles, held, saved, dq, dkv, scale: float) -
             plan.tile_mask(tile),
             scale,
         )
-        rows.add(dq, dq_t.unflatten(1, groups), 3)
-        tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]), 3)
+        rows.add(dq, dq_t.unflatten(1, groups).float(), 3)
+        tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]).float(), 3)
 
 
 def _kv_send(plan: RingPlan, ring: Ring, held: Tensor | None, step: int) -> list[p2p.Send]:
@@ -337,8 +344,9 @@ def ring_attention(
     global positions — any layout (see `shard_sequence`), equal length on every rank. Same contract
     as `sdpa_attention` on the full sequence; K/V travel at the KV head count (never expanded).
     Each tile (at most `kv_tile` keys) runs a fused attention kernel that returns its LSE
-    (`model/attention_tiles.py`; on CPU torch's flash kernel, no score matrix), else a reference
-    that materialises the tile's fp32 scores.
+    (`model/attention_tiles.py`: on CPU torch's flash kernel in fp32; on CUDA SDPA's flash or
+    memory-efficient op in the model's half dtype — no score matrix either way), else a reference
+    that materialises the tile's fp32 scores. Merging and the dK/dV sums stay fp32.
     `seq_len`: the unpadded length — keys at positions >= seq_len are padding and seen by no query
     (needed when `causal=False` and the sequence was padded; causally padding at the end is never
     seen anyway). A query that sees no key at all gets a zero output (SDPA would give NaN).
