@@ -1,10 +1,9 @@
-"""How far each host's span clock is from rank 0's: NTP-style ping-pong over the process group.
+"""How far each host's span clock is from rank 0's: NTP-style ping-pong through the rendezvous store.
 
 Hosts' monotonic clocks start at different times and drift apart; a merged timeline needs them on
 one time base. Processes on one host share its clock, so rank 0 measures one rank per host — the
 one with local rank 0 (torchrun numbers a node's ranks contiguously) — and the others record that
-they share its clock (`same_clock_as`). Measuring every rank would make rank 0 open a connection to
-each of thousands of ranks (NCCL allocates buffers per peer); per host it is one per node.
+they share its clock (`same_clock_as`).
 
 Rank 0 exchanges `rounds` messages with each measured rank r: it reads its clock (t0), sends, r reads
 its clock (tr) on arrival and answers, rank 0 reads t1 on the answer. Rank r's reading happened
@@ -13,19 +12,26 @@ with the shortest round trip gives the tightest interval. Rank 0 sends each rank
 merge (`observe/timeline.py`) narrows it further with causality (no message is received before it
 was sent).
 
-Each message is its own group through `p2p.post`, waited on at once, in one fixed order: it runs
-under NCCL's rules too (device tensors there). It costs one all-gather of two integers and
-hosts × rounds round trips, once, at start-up.
+The messages are keys in the rendezvous store (the world group's), not messages of a process
+group: under NCCL a first message between two ranks builds a communicator for that pair (an
+`ncclCommInit` and its buffers on both GPUs), so rank 0 would have built one per node, one after
+the other, at every start, and kept them all run long. Through the store a round trip is two
+TCP hops (rank 0 → store → r, and back); the interval stays exact, only a little wider. It costs
+one all-gather of two integers and hosts × rounds round trips, once, at start-up.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
-from depthscale.parallel import p2p
+_calls = itertools.count()
+"""This process's `measure_offset` calls: each call's keys are its own (every rank makes the same
+calls, in the same order)."""
 
 
 def measured_ranks(local_ranks: list[int], own_clock: list[bool]) -> list[int]:
@@ -58,34 +64,30 @@ def measure_offset(
     dist.all_gather(every, mine)
     pairs = torch.stack(every).tolist()
     measured = measured_ranks([p[0] for p in pairs], [bool(p[1]) for p in pairs])
+    call = next(_calls)
     if rank not in measured:
         return {"kind": "clock", "same_clock_as": rank - local_rank}
-    group, traffic = dist.group.WORLD, p2p.Traffic()
+    store = distributed_c10d._get_default_store()  # its timeout: parallel.setup_timeout_s
 
-    def send(values: list[int], peer: int, label: str) -> None:
-        t = torch.tensor(values, dtype=torch.int64, device=device)
-        p2p.post(group, [p2p.Send(t, peer, label)], [], device, traffic).wait()
-
-    def recv(peer: int, label: str) -> list[int]:
-        want = p2p.Recv((4,), torch.int64, peer, label)
-        return p2p.post(group, [], [want], device, traffic).recv(label).tolist()
+    def key(peer: int, what: str) -> str:
+        return f"depthscale/clock/{call}/{peer}/{what}"
 
     if rank == 0:
         for peer in measured[1:]:
             best = None
             for i in range(rounds):
                 t0 = now_ns()
-                send([0, 0, 0, 0], peer, f"clock ping {i}")
-                tr = recv(peer, f"clock pong {i}")[0]
+                store.set(key(peer, f"ping{i}"), b"")
+                tr = int(store.get(key(peer, f"pong{i}")))  # waits for the key
                 t1 = now_ns()
                 if best is None or t1 - t0 < best[1] - best[0]:
                     best = (t0, t1, tr)
             t0, t1, tr = best
             lo, hi = t0 - tr, t1 - tr
-            send([(lo + hi) // 2, lo, hi, t1 - t0], peer, "clock offset")
+            store.set(key(peer, "offset"), f"{(lo + hi) // 2},{lo},{hi},{t1 - t0}")
         return zero
     for i in range(rounds):
-        recv(0, f"clock ping {i}")
-        send([now_ns(), 0, 0, 0], 0, f"clock pong {i}")
-    offset, lo, hi, rtt = recv(0, "clock offset")
+        store.get(key(rank, f"ping{i}"))
+        store.set(key(rank, f"pong{i}"), str(now_ns()))
+    offset, lo, hi, rtt = map(int, store.get(key(rank, "offset")).decode().split(","))
     return {"kind": "clock", "offset_ns": offset, "lo_ns": lo, "hi_ns": hi, "rtt_ns": rtt}

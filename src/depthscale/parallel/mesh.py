@@ -13,11 +13,11 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.config import ParallelConfig
 from depthscale.errors import ConfigError
-from depthscale.parallel.startup import own_group, splits_from_world
+from depthscale.parallel import startup
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -74,19 +74,17 @@ class ParallelDims:
         (dp_replicate × dp_shard × cp), every rank holding the same parameters.
 
         Each rank creates only its own group of each dimension (`startup.own_group`: no barrier
-        over the world, and no call per group of the world); NCCL with a bound device keeps
-        torch's one communicator split per dimension. The flattened dimensions are torch's: one
-        `new_group` per group on every rank, with no barrier unless TORCH_DIST_INIT_BARRIER=1 —
-        made only where two of its dimensions exceed 1: otherwise its groups are those of one
-        named dimension, which stands in for it (`flat`), and start-up enters no group beyond
-        its own whatever the number of pipelines."""
+        over the world, and no call per group of the world); NCCL with a bound device makes each
+        dimension's groups with one communicator split (`split_group`), whatever its number of
+        parts. The flattened dimensions are torch's (gloo: one `new_group` per group on every
+        rank, with no barrier unless TORCH_DIST_INIT_BARRIER=1; NCCL: one split) — made only
+        where two of its dimensions exceed 1: otherwise its groups are those of one named
+        dimension, which stands in for it (`flat`), and start-up enters no group beyond its own
+        whatever the number of pipelines."""
         shape = tuple(getattr(self, name) for name in DIM_NAMES)
-        if splits_from_world():
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
-        else:
-            ranks = torch.arange(self.world_size).reshape(shape)
-            groups = [_dim_group(ranks, d, name) for d, name in enumerate(DIM_NAMES)]
-            mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=DIM_NAMES)
+        ranks = torch.arange(self.world_size).reshape(shape)
+        groups = [_dim_group(ranks, d, name) for d, name in enumerate(DIM_NAMES)]
+        mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=DIM_NAMES)
         for name, parts in FLATTENED.items():
             if flat_name(mesh, name) == name:
                 mesh[parts]._flatten(name)
@@ -119,9 +117,13 @@ def _dim_group(ranks: torch.Tensor, dim: int, name: str) -> dist.ProcessGroup:
     gets a group of its own, not the world group (which torch's DeviceMesh would reuse): the world
     group keeps the start-up timeout until the first step, and gloo's point-to-point waits keep
     the timeout a group was made with, so a pipeline or ring on it would wait that long for a
-    dead peer (`shorten_timeout`)."""
+    dead peer (`shorten_timeout`). NCCL (`startup.splits_from_world`) has no such wait: there the
+    world group serves, as in torch's own mesh, rather than a second communicator (and its
+    buffers) over the same ranks."""
+    if ranks.shape[dim] == ranks.numel() and startup.splits_from_world():
+        return dist.group.WORLD
     parts = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
-    group = own_group(parts, f"mesh_{name}")
+    group = startup.own_group(parts, f"mesh_{name}")
     assert group is not None  # the parts cover every rank
     return group
 

@@ -12,8 +12,10 @@ TORCH_DIST_INIT_BARRIER=1, as it always did before 2.1). Here:
   every rank must have made as many groups as its future peers: each call makes exactly one group
   on every rank (a singleton for a rank in no part). A `dist.new_group` that leaves ranks out
   breaks that count for later calls; use `own_group`. NCCL with a bound device splits every group
-  from the world communicator, which all ranks must enter: there it falls back to one
-  `new_group` per part on every rank.
+  from the world communicator, which all ranks must enter: there all parts come from one
+  `split_group` (one `ncclCommSplit` over the world, each rank passing its part's colour), not
+  one `new_group` per part — each of those is a world-wide split of its own, so a mesh
+  dimension of 512 parts cost 512 collectives over every rank.
 - `leader_first(name, leader, work)`: the leader runs `work` and posts the outcome to the store;
   the others wait for that one key (not for each other), then run `work` themselves.
 - `count_synchronizations()`: counts barriers, store barriers and group creations, for tests and
@@ -47,12 +49,8 @@ def own_group(parts: list[list[int]], desc: str) -> dist.ProcessGroup | None:
     None for a rank in no part. Every rank calls it with the same `parts`, in the same order."""
     rank = dist.get_rank()
     if splits_from_world():
-        mine = None
-        for part in parts:
-            group = dist.new_group(part, group_desc=desc)
-            if rank in part:
-                mine = group
-        return mine
+        # looked up at call time: `count_synchronizations` and tests replace it
+        return distributed_c10d.split_group(split_ranks=parts, group_desc=desc)
     part = next((p for p in parts if rank in p), None)
     # a rank in no part still makes one group (of itself), so all ranks' group counts stay equal
     group = dist.new_group(part or [rank], use_local_synchronization=True, group_desc=desc)

@@ -1,0 +1,122 @@
+"""Group creation where torch splits every group from the world's communicator (NCCL with a bound
+device): each mesh dimension, and each `own_group`, is one `split_group` call — one collective over
+the world — not one `new_group` per part, each of which would be a world-wide split of its own.
+
+gloo cannot split, so the workers pretend (`splits_from_world` → True) and a recording stand-in
+for `split_group` makes each rank's group the way the gloo path does; the groups are then used, so
+a wrong split shows as a wrong sum. Counting goes through `count_synchronizations`, which sees
+torch's group creations whoever calls them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from depthscale.parallel import startup
+from depthscale.parallel.mesh import DIM_NAMES, ParallelDims
+
+
+def _split_like_nccl(layouts: list[dict], parts: list[list[int]]) -> dict:
+    rank = dist.get_rank()
+    make_group = distributed_c10d._new_group_with_tag  # the real one, before counting patches it
+    splits: list[list[list[int]]] = []
+
+    def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, **kw):
+        splits.append(split_ranks)
+        mine = next((p for p in split_ranks if rank in p), None)
+        group = make_group(mine or [rank], use_local_synchronization=True)
+        return group if mine is not None else None
+
+    real_splits, real_split = startup.splits_from_world, distributed_c10d.split_group
+    startup.splits_from_world = lambda: True
+    distributed_c10d.split_group = split_group
+    out: dict = {"meshes": []}
+    try:
+        for layout in layouts:
+            dims = ParallelDims(**layout)
+            del splits[:]
+            with startup.count_synchronizations() as counts:
+                mesh = dims.build_mesh("cpu")
+            sums = {}
+            for name in DIM_NAMES:
+                group = mesh.get_group(name)
+                total = torch.tensor([float(rank)])
+                dist.all_reduce(total, group=group)
+                sums[name] = [sorted(dist.get_process_group_ranks(group)), total.item()]
+            out["meshes"].append(
+                {"splits": len(splits), "new_groups": counts.new_groups, "sums": sums,
+                 "world_groups": [n for n in DIM_NAMES if mesh.get_group(n) is dist.group.WORLD]}
+            )  # fmt: skip
+        del splits[:]
+        with startup.count_synchronizations() as counts:
+            group = startup.own_group(parts, "tied_embedding")
+        out["own_group"] = {
+            "splits": len(splits),
+            "new_groups": counts.new_groups,
+            "ranks": None if group is None else sorted(dist.get_process_group_ranks(group)),
+        }
+    finally:
+        startup.splits_from_world, distributed_c10d.split_group = real_splits, real_split
+    return out
+
+
+def _expected_ranks(dims: ParallelDims, rank: int, name: str) -> list[int]:
+    """The ranks that share every mesh coordinate of `rank` but the one along `name`."""
+    shape = [getattr(dims, n) for n in DIM_NAMES]
+    grid = torch.arange(dims.world_size).reshape(shape)
+    index = [int(i) for i in (grid == rank).nonzero()[0]]
+    d = DIM_NAMES.index(name)
+    index[d] = slice(None)
+    return sorted(grid[tuple(index)].flatten().tolist())
+
+
+def test_one_split_per_mesh_dimension_and_per_own_group(dist_pool):
+    layouts = [{"dp_shard": 2, "tp": 2}, {"dp_shard": 4}]
+    parts = [[0, 2], [1, 3]]
+    results = dist_pool(4).run(_split_like_nccl, layouts, parts)
+    for rank, out in enumerate(results):
+        two_by_two, whole = out["meshes"]
+        # five dimensions, five splits: none per part (the old loop made 4+4+2+4+2 new_groups)
+        assert (two_by_two["splits"], two_by_two["new_groups"]) == (5, []), rank
+        assert two_by_two["world_groups"] == [], rank
+        # a dimension over every rank is the world group itself, as in torch's own mesh
+        assert (whole["splits"], whole["new_groups"]) == (4, []), rank
+        assert whole["world_groups"] == ["dp_shard"], rank
+        for layout, mesh in zip(layouts, (two_by_two, whole)):
+            dims = ParallelDims(**layout)
+            for name in DIM_NAMES:
+                members = _expected_ranks(dims, rank, name)
+                assert mesh["sums"][name] == [members, float(sum(members))], (rank, name)
+        assert out["own_group"] == {"splits": 1, "new_groups": [], "ranks": parts[rank % 2]}
+
+
+def _clock_without_messages() -> dict:
+    """`measure_offset` with every point-to-point call of torch.distributed refused."""
+    import time
+
+    from depthscale.parallel.clock_sync import measure_offset
+
+    def refused(*args, **kwargs):
+        raise AssertionError("clock sync sent a process-group message")
+
+    names = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
+    real = {name: getattr(dist, name) for name in names}
+    for name in names:
+        setattr(dist, name, refused)
+    try:  # every rank its own clock (as a drill's skew makes it): rank 0 measures all three
+        return measure_offset(time.perf_counter_ns, torch.device("cpu"), dist.get_rank(), True)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def test_clock_sync_goes_through_the_store_not_point_to_point(dist_pool):
+    """Under NCCL a first message between two ranks builds a communicator for the pair: rank 0
+    measuring every node over P2P built one per node. One host, one clock: every offset's
+    interval holds 0."""
+    clocks = dist_pool(4).run(_clock_without_messages)
+    assert clocks[0]["rtt_ns"] == 0
+    for rank, clock in enumerate(clocks[1:], 1):
+        assert clock["lo_ns"] <= 0 <= clock["hi_ns"], (rank, clock)
+        assert 0 < clock["rtt_ns"] == clock["hi_ns"] - clock["lo_ns"], (rank, clock)
