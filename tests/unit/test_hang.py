@@ -188,3 +188,93 @@ def test_the_report_shows_the_chain_and_a_live_culprits_training_stack():
     assert report.culprits == [2] and "stuck in its own work" in text
     assert "File layers.py, line 9 in forward" in text and "python_stacks" not in text
     assert "waiting behind them:\n  rank 1 (pp0 dp1 cp0 tp0) waits in pp recv from rank 0" in text
+
+
+# --------------------------------------------------------------------------- NCCL's recorder
+
+
+def _torch_nccl_dump(enqueued: int, started: int, completed: int, timing: bool = True) -> dict:
+    """What `_dump_nccl_trace` returns (torch's field names) for one rank of the world group
+    (pg "0", ranks 0-3): collectives 1..`enqueued` queued by the host, the device through
+    `completed`, and through `started` when torch tracks starts (else -1)."""
+    entries = []
+    for seq in range(max(1, completed - 2), enqueued + 1):
+        state = "completed" if seq <= completed else "started" if seq <= started else "scheduled"
+        entries.append({
+            "record_id": seq, "pg_id": 0, "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+            "profiling_name": "nccl:all_reduce", "time_created_ns": 1000 * seq,
+            "state": state if timing or state == "completed" else "scheduled",
+            "time_discovered_started_ns": 1000 * seq + 5 if timing and seq <= started else None,
+            "time_discovered_completed_ns": 1000 * seq + 9 if seq <= completed else None,
+            "retired": seq <= completed, "is_p2p": False, "timeout_ms": 600_000,
+        })  # fmt: skip
+    return {
+        "version": "2.10",
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1, 2, 3]"}},
+        "pg_status": {"0": {"last_enqueued_collective": enqueued,
+                            "last_started_collective": started if timing else -1,
+                            "last_completed_collective": completed}},
+        "entries": entries,
+    }  # fmt: skip
+
+
+def _nccl_recorder(*args, **kwargs) -> dict:
+    from depthscale.observe.flight_recorder import reduce
+
+    groups, pending = {}, []
+    reduce(_torch_nccl_dump(*args, **kwargs), True, groups, pending)
+    return {"groups": groups, "in_flight": [e for _, e in pending]}
+
+
+def _nccl_dumps(recorders: dict[int, dict]) -> dict[int, dict]:
+    """Every host is in its optimizer step (blocked reading the loss): no span shows a
+    communication, as on NCCL, where a collective returns as soon as it is queued."""
+    host = _op("optimizer", "compute", waiting=False)
+    return {r: {**_dump(r, CP4, host), "flight_recorder": fr} for r, fr in recorders.items()}
+
+
+def test_nccl_names_the_rank_whose_gpu_never_started_the_collective(monkeypatch):
+    """The host ran ahead on every rank: all four enqueued all-reduces #40-42, so the enqueued
+    counts blame nobody (the rule before). Ranks 0-2's GPUs started #40 and wait in it; rank 3's
+    GPU is stuck in a kernel of its own and never started it: it is the culprit."""
+    monkeypatch.delenv("TORCH_NCCL_ENABLE_TIMING", raising=False)
+    dumps = _nccl_dumps({r: _nccl_recorder(42, 40, 39) for r in range(3)})
+    dumps[3] = _nccl_dumps({3: _nccl_recorder(42, 39, 39)})[3]
+    report = analyze(dumps, 4)
+    assert report.culprits == [3], format_report(report, dumps)
+    assert all(report.waiters[r].waits_for == {3} for r in range(3)) and 3 not in report.waiters
+    text = format_report(report, dumps)
+    assert "culprit: rank 3 (pp0 dp0 cp3 tp0) is not blocked in any communication" in text
+    assert (
+        "its GPU in the group of ranks [0,1,2,3]: enqueued #42, started #39, completed #39" in text
+    )
+    assert (
+        "rank 0 (pp0 dp0 cp0 tp0) waits in all_reduce over ranks [0,1,2,3] #40 (from torch's "
+        "flight recorder, process group default_pg, started on its GPU)" in text
+    )
+    # silent (no dump at all): named the same way
+    del dumps[3]
+    assert analyze(dumps, 4).culprits == [3]
+
+
+def test_nccl_every_gpu_in_the_collective_is_nobodys_fault(monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ENABLE_TIMING", raising=False)
+    dumps = _nccl_dumps({r: _nccl_recorder(42, 40, 39) for r in range(4)})
+    report = analyze(dumps, 4)
+    assert report.culprits == [] and not any(w.waits_for for w in report.waiters.values())
+    assert any("NCCL or the network hangs" in p for p in report.problems), report.problems
+
+
+def test_nccl_without_start_tracking_falls_back_to_what_was_enqueued(monkeypatch):
+    """Without TORCH_NCCL_ENABLE_TIMING torch records no starts: a host that fell behind is still
+    found by its enqueued count; hosts that all queued the collective are reported as unknown."""
+    monkeypatch.delenv("TORCH_NCCL_ENABLE_TIMING", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_DESYNC_DEBUG", raising=False)
+    recorders = {r: _nccl_recorder(42, 40, 39, timing=False) for r in range(4)}
+    assert recorders[0]["groups"]["0"]["started"] is None
+    report = analyze(_nccl_dumps(recorders), 4)
+    assert report.culprits == [] and any("TORCH_NCCL_ENABLE_TIMING=1" in p for p in report.problems)
+    recorders[3] = _nccl_recorder(39, 39, 39, timing=False)  # its host never queued #40
+    report = analyze(_nccl_dumps(recorders), 4)
+    assert report.culprits == [3] and report.waiters[0].waits_for == {3}

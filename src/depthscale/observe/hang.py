@@ -21,6 +21,15 @@ Where a dump carries torch's Flight Recorder state (`observe/flight_recorder.py`
 torch 2.13), a blocked collective is taken from it — also one FSDP issued inside torch, which no
 span sees — and a member of its group is waited for when it never enqueued that collective (its
 count for the group is lower). Messages are always taken from the spans, which carry their labels.
+
+On NCCL the host only queues collectives and runs ahead: every rank has usually enqueued the one
+that hangs, so enqueued counts blame nobody. What counts there is the device: a rank is blocked in
+the collective its GPU *started* and has not completed (its kernel waits for the peers), and it
+waits for the members whose GPU has not started it (their `started` count is lower) — stuck in a
+kernel of their own, or their host behind. A rank whose GPU started no pending collective is
+blocked in none. When every member started it and none completed it, no rank is to blame: NCCL or
+the network is (said in the report's notes). Where torch does not track starts, the enqueued rule
+is all there is.
 """
 
 from __future__ import annotations
@@ -126,6 +135,8 @@ def _is_dump(dump: object) -> bool:
             isinstance(g, dict)
             and isinstance(g.get("ranks"), list)
             and isinstance(g.get("enqueued"), int)
+            and isinstance(g.get("completed", 0), int)
+            and isinstance(g.get("started"), int | None)
             for g in groups.values()
         )
         and isinstance(pending, list)
@@ -208,10 +219,12 @@ def analyze(dumps: dict[int, dict], world: int, metas: dict[int, dict] | None = 
 def _recorded_collective(dump: dict, op: dict | None) -> tuple[dict, str, int] | None:
     """(op, group name, sequence number) of the Flight Recorder collective this rank is blocked in:
     the newest pending one of the group its open collective span names, or — when no span shows a
-    communication — the oldest pending one (a group runs its collectives in order). None when a
-    message is what it waits for, or the recorder knows nothing."""
+    communication — the oldest pending one (a group runs its collectives in order). On NCCL only
+    a collective its GPU started counts (`_can_block`). None when a message is what it waits for,
+    or the recorder knows nothing."""
     fr = dump.get("flight_recorder") or {}
-    pending, groups = fr.get("in_flight") or [], fr.get("groups") or {}
+    groups = fr.get("groups") or {}
+    pending = [e for e in fr.get("in_flight") or [] if _can_block(groups, e)]
     if not pending or (op is not None and op.get("cat") != "collective"):
         return None
     if op is not None:
@@ -228,7 +241,30 @@ def _recorded_collective(dump: dict, op: dict | None) -> tuple[dict, str, int] |
     args = {"group": _ranks_text(groups, e["group"]), "seq": e["seq"], "source": "flight recorder"}
     if group.get("desc"):
         args["process_group"] = group["desc"]
+    if e.get("state") == "started":
+        args["state"] = "started"
+    args["recorder_group"] = e["group"]
     return {"cat": "collective", "name": e["op"], "args": args}, e["group"], int(e["seq"])
+
+
+def _can_block(groups: dict, e: dict) -> bool:
+    """Whether a pending collective can be what its rank is blocked in: any on gloo, where the
+    host runs it; on NCCL, where the host only queued it, one the GPU started (or any, where
+    torch does not track starts)."""
+    group = groups.get(e["group"], {})
+    if group.get("backend") != "nccl" or group.get("started") is None:
+        return True
+    return e.get("state") == "started"
+
+
+def _joined(theirs: dict, seq: int) -> bool:
+    """Whether a member's record of a group shows it joined collective `seq`: enqueued it, and on
+    NCCL (when starts are tracked) started it on its GPU, or completed it."""
+    if theirs["enqueued"] < seq:
+        return False
+    if theirs.get("completed", 0) >= seq:
+        return True
+    return theirs.get("started") is None or theirs["started"] >= seq
 
 
 def _ranks_text(groups: dict, name: str) -> str:
@@ -238,10 +274,11 @@ def _ranks_text(groups: dict, name: str) -> str:
 def _waiter_from_recorder(
     rank: int, recorded: tuple[dict, str, int], dumps: dict[int, dict]
 ) -> tuple[Waiter, list[str]]:
-    """Rank waits for the members of the group that have not enqueued collective `seq` — every
-    member without a dump, and those whose recorder counts fewer collectives in the group."""
+    """Rank waits for the members of the group that have not joined collective `seq` (`_joined`)
+    — every member without a dump, and those whose recorder counts fewer collectives in the group
+    (enqueued; on NCCL, started on the GPU)."""
     op, name, seq = recorded
-    w, problems = Waiter(rank, op), []
+    w, problems, known = Waiter(rank, op), [], True
     for member in (int(r) for r in op["args"]["group"].split(",")):
         if member == rank:
             continue
@@ -251,13 +288,37 @@ def _waiter_from_recorder(
             continue
         theirs = ((other.get("flight_recorder") or {}).get("groups") or {}).get(name)
         if theirs is None:
+            known = False
             problems.append(
                 f"rank {member}'s dump has no Flight Recorder record of the group of ranks "
                 f"[{op['args']['group']}]: whether it joined {op['name']} #{seq} is unknown"
             )
-        elif theirs["enqueued"] < seq:
+        elif not _joined(theirs, seq):
             w.waits_for.add(member)
+    if known and not w.waits_for:
+        problems += _nobody_behind(op, seq, _group_record(dumps[rank], name))
     return w, problems
+
+
+def _group_record(dump: dict, name: str) -> dict:
+    return ((dump.get("flight_recorder") or {}).get("groups") or {}).get(name) or {}
+
+
+def _nobody_behind(op: dict, seq: int, mine: dict) -> list[str]:
+    """Why an NCCL collective every member joined hangs, as far as the recorders tell."""
+    where = f"{op['name']} #{seq} of the group of ranks [{op['args']['group']}]"
+    if op["args"].get("state") == "started":
+        return [
+            f"every member started {where} on its GPU and it never completed: no rank is behind, "
+            "NCCL or the network hangs (NCCL_DEBUG=INFO, the links between their nodes)"
+        ]
+    if mine.get("backend") == "nccl" and mine.get("started") is None:
+        return [
+            f"every member enqueued {where}, as NCCL hosts do ahead of their GPUs, and torch did "
+            "not track which GPUs started it: set TORCH_NCCL_ENABLE_TIMING=1 (a CUDA `depthscale "
+            "train` does) to find the rank behind"
+        ]
+    return []
 
 
 def _ends(waiters: dict[int, Waiter]) -> tuple[list[int], list[int]]:
@@ -282,7 +343,8 @@ def _describe(op: dict | None) -> str:
         text = f"{op['name']} over ranks [{a.get('group')}] #{a.get('seq')}"
         if a.get("source"):
             where = f", process group {a['process_group']}" if a.get("process_group") else ""
-            text += f" (from torch's {a['source']}{where})"
+            started = ", started on its GPU" if a.get("state") == "started" else ""
+            text += f" (from torch's {a['source']}{where}{started})"
         return text
     arrow = "to" if op["name"] == "send" else "from"
     return f"{op['cat']} {op['name']} {arrow} rank {a.get('peer')} ({a.get('label')!r})"
@@ -348,8 +410,26 @@ def _culprit_lines(report: HangReport, culprit: int, dumps: dict[int, dict]) -> 
             f"  its innermost open span: {inner.get('name', 'none')} (step {dump.get('step')})"
         )
         lines += ["  " + ln for ln in _training_stack(dump.get("stacks", ""))[:7]]
+        lines += _device_lines(report, culprit, dump)
     for rank, op in sorted(report.waiting_on(culprit).items()):
         lines.append(f"  rank {rank} ({where(report.coords[rank])}) waits in {_describe(op)}")
+    return lines
+
+
+def _device_lines(report: HangReport, culprit: int, dump: dict) -> list[str]:
+    """On NCCL, how far the culprit's GPU got in the groups where others wait for it."""
+    groups = (dump.get("flight_recorder") or {}).get("groups") or {}
+    ops = [op for op in report.waiting_on(culprit).values() if op is not None]
+    waited_in = {op.get("args", {}).get("recorder_group") for op in ops}
+    lines = []
+    for name in sorted(waited_in - {None}):
+        g = groups.get(name) or {}
+        if g.get("backend") == "nccl" and g.get("started") is not None:
+            ranks = ",".join(map(str, g.get("ranks", [])))
+            lines.append(
+                f"  its GPU in the group of ranks [{ranks}]: enqueued #{g['enqueued']}, "
+                f"started #{g['started']}, completed #{g.get('completed', 0)}"
+            )
     return lines
 
 

@@ -23,7 +23,7 @@ from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import PeersFailed, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.transformer import Transformer
-from depthscale.observe import spans, startup
+from depthscale.observe import flight_recorder, spans, startup
 from depthscale.observe.metrics import Throughput, flops_per_token
 from depthscale.parallel.mesh import shorten_timeout
 from depthscale.parallel.parallelize import init_layout, parallelize
@@ -65,6 +65,8 @@ class Trainer:
             cfg.train.keep_host_memory == "auto" and self.device.type == "cpu"
         ):
             keep_freed_host_memory()
+        if self.device.type == "cuda":  # read when the first NCCL group is made
+            flight_recorder.configure_nccl(cfg.run_path)
         self.layout = init_layout(cfg, self.device)
         self.env, self.device = self.layout.env, self.layout.device
         self.dp_rank, self.dp_size = self.layout.dp_rank, self.layout.dp_size
