@@ -173,10 +173,13 @@ class TrainConfig:
     at the peak. 'auto': on where training runs on the CPU (its activations are host memory), off
     on a GPU, whose host memory is the data workers' and the checkpoint stager's. False leaves
     the allocator's defaults."""
-    gc_interval: int = 0
-    """0: Python's garbage collector runs whenever it decides. N > 0: it is disabled and run on
-    every rank at the start of every N-th step, so that no rank pauses for it in the middle of a
-    step and launches its collectives late (MegaScale §6.3; `benchmarks/gc_interval.py`)."""
+    gc_interval: int = 100
+    """N > 0 (default 100): Python's garbage collector is disabled while training and run on every
+    rank at the start of every N-th step, so that no rank pauses for it in the middle of a step and
+    launches its collectives late (MegaScale §6.3; `benchmarks/gc_interval.py`) — on a thousand
+    ranks one of them is always collecting. The objects alive when training starts (model, torch,
+    start-up) are frozen out of those collections, so each walks only what training allocated.
+    0: the collector runs whenever it decides, on each rank separately."""
 
 
 @dataclass
