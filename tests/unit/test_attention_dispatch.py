@@ -110,6 +110,25 @@ def test_capabilities_on_cuda_follow_the_build_and_the_sdpa_switches(monkeypatch
     assert dispatch.capabilities(torch.device("cpu")) == dispatch.Capabilities()
 
 
+def test_choosing_a_cuda_path_does_not_break_a_compiled_graph(monkeypatch):
+    """Under torch.compile the capability probe is a trace-time constant: a layer that picks its
+    window kernel on 'cuda' compiles into one graph."""
+
+    def h100(device):
+        return True, True, True
+
+    monkeypatch.setattr(dispatch, "_cuda_build", h100)
+
+    def layer(x):
+        caps = dispatch.capabilities(torch.device("cuda"))
+        kernel = dispatch.window_path("cuda", BF16, 128, caps, False)
+        return x + (kernel == "cuda_flash_window")
+
+    assert torch.equal(
+        torch.compile(layer, backend="eager", fullgraph=True)(torch.zeros(2)), torch.ones(2)
+    )
+
+
 def test_the_fused_ops_schemas_are_the_ones_our_calls_are_written_for():
     """Pinned for this torch (2.13 here; the same names in 2.11): were an argument renamed or moved,
     `capabilities` would drop that op (falling back) instead of calling it wrongly."""

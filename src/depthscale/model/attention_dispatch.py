@@ -128,6 +128,13 @@ def capabilities(device: torch.device) -> Capabilities:
     )
 
 
+# What `torch.compiler.assume_constant_result` does (as model/kernel_dispatch.record): under
+# torch.compile the probe runs once while tracing and its answer is a constant of the graph, so a
+# compiled layer neither breaks its graph on it nor re-probes (SDPA switches flipped after a
+# compile are not seen by that graph).
+capabilities._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def flash_head_ok(head_dim: int) -> bool:
     """FlashAttention-2 and the efficient kernel take head sizes that are multiples of 8 up to
     256 (SDPA pads others; the raw ops do not)."""
