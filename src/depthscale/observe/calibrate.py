@@ -1,11 +1,12 @@
 """Measure this machine as `depthscale plan` describes a cluster, so its time model can be checked
 against real runs here (`depthscale plan --calibrate OUT.json --nproc N`).
 
-Each rank of an N-process job runs with cpu_count // N threads (what `depthscale train` gives its
-workers), all N at once, so the rates are what a rank gets beside the others (with more ranks
-than cores they share the cores), and each rate is the slowest rank's: a synchronous step waits
-for it. Shapes are timed in interleaved rounds, so a burst of load hits all alike, and each
-sample spans several scheduler time slices, so ranks that share a core read their share. Measured:
+Each rank of an N-process job runs with usable CPUs // N threads (what `depthscale train` gives
+its workers: `parallel/host_cpus.py`), all N at once, so the rates are what a rank gets beside the
+others (with more ranks than cores they share the cores), and each rate is the slowest rank's: a
+synchronous step waits for it. Shapes are timed in interleaved rounds, so a burst of load hits all
+alike, and each sample spans several scheduler time slices, so ranks that share a core read their
+share. Measured:
 GEMM FLOP/s by the smallest dimension (a curve of fractions of the best), fused causal
 attention's fraction of that peak, elementwise memory bandwidth, and gloo collective and P2P
 latency and bandwidth per group size — each call timed between bursts of compute, as a step makes
@@ -24,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from depthscale.parallel.host_cpus import threads_per_rank
 
 GEMM_SIDES = (32, 64, 128, 256, 512, 1024)
 """Smallest dimensions measured: [4096 or 8·x] × [x] GEMMs against a wide third dimension, the
@@ -338,7 +341,7 @@ def measure_compute(nproc: int = 1, budget_s: float = 0.2) -> dict:
     """The compute fields of a cluster description (peak, GEMM curve, attention, memory
     bandwidth) for jobs of `nproc` local ranks: the quick part of `measure_cluster`, to re-measure
     beside each run on a machine whose speed drifts."""
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads_per_rank(nproc)
     local = _concurrent_local(nproc, threads, budget_s)
     return {
         "peak_flops": {"float32": local["peak"], "bfloat16": local["peak"]},
@@ -354,7 +357,7 @@ def measure_links(nproc: int) -> dict[str, list[tuple[int, float, float]]]:
     job of `nproc` local ranks (a cluster description's `collectives`); none for one rank."""
     links: dict[str, list[tuple[int, float, float]]] = {}
     if nproc > 1:
-        threads = max(1, (os.cpu_count() or 1) // nproc)
+        threads = threads_per_rank(nproc)
         for n, ops in _comm(nproc, threads).items():
             for op, samples in ops.items():
                 bw, latency = fit_link(samples)

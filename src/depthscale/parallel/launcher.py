@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from depthscale.parallel.host_cpus import threads_per_rank
+
 ERROR_DIR_ENV = "DEPTHSCALE_ERROR_DIR"
 
 # Kinds of worker failure, most telling first: bad input names its cause; a bug has a traceback;
@@ -131,7 +133,7 @@ def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
     quiet_elastic_logs()
     previous = _FirstStopSignal(SignalException).install()
     # torchrun would set 1 thread per worker (with a warning); share the cores instead.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
     argv = [
         "--standalone",
         f"--nproc-per-node={nproc}",

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from depthscale.errors import ConfigError
+from depthscale.parallel.host_cpus import threads_per_rank
 from depthscale.parallel.launcher import ERROR_DIR_ENV, quiet_elastic_logs, read_worker_errors
 from depthscale.resilience.diagnostics import FAULT_ENV, NODE_ENV, node_id, parse_faults
 from depthscale.resilience.diagnostics_worker import JOINED, PROGRESS_DIR, ROWS_FILE, write_json
@@ -134,9 +135,7 @@ def _run_group(nproc, work, env_per_rank, ckpt_dir, size_mb, timeout_s, start_ti
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is ours: no rank hosts it
-        "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))
-        ),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(nproc))),
         ERROR_DIR_ENV: str(work / "errors"),
     }
     envs = {

@@ -43,6 +43,7 @@ from typing import Any
 
 from depthscale.config import Config
 from depthscale.errors import TrainingError
+from depthscale.parallel.host_cpus import threads_per_rank
 from depthscale.parallel.launcher import (
     ERROR_DIR_ENV,
     INPUT,
@@ -296,7 +297,7 @@ class Supervisor:
         quiet_elastic_logs()  # we report exits and kills ourselves, once
 
         per_node = self.nproc // len(nodes)
-        threads = str(max(1, (os.cpu_count() or 1) // self.nproc))
+        threads = str(threads_per_rank(self.nproc))
         first = self.node_rank * self.nproc  # this node's first global rank
         base = {
             "WORLD_SIZE": str(self.nproc * self.nnodes),
