@@ -28,6 +28,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def tf32_wanted(setting: str | bool, device: torch.device) -> bool:
+    """`train.tf32`: whether fp32 matmuls run in TF32 — only ever on CUDA ('auto' = on there)."""
+    return device.type == "cuda" and setting in ("auto", True)
+
+
+def apply_tf32(setting: str | bool, device: torch.device) -> bool:
+    """Set CUDA's fp32 matmul precision from `train.tf32` (cuBLAS only: CPU matmuls, whose oneDNN
+    precision is a separate switch, are left alone; on CPU nothing is touched). Returns whether
+    TF32 is on, which the MFU peak then follows (`observe.metrics.detect_peak_flops`)."""
+    if device.type != "cuda":
+        return False
+    on = tf32_wanted(setting, device)
+    torch.backends.cuda.matmul.allow_tf32 = on
+    return on
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -77,6 +77,7 @@ class Trainer:
                 diagnose_in_group(cfg.run_path / "checkpoints", self.heartbeat.publish_diagnostics)
                 startup.mark("diagnose")
         self.dtype = DTYPES[cfg.train.dtype]
+        setup.apply_tf32(cfg.train.tf32, self.device)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         setup.seed_everything(cfg.train.seed)
