@@ -357,3 +357,28 @@ def test_a_closed_prefetcher_goes_on_from_the_position_consumed():
     pre.close()
     for (x, y), (ex, ey) in zip(got, expected, strict=True):
         assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_the_prefetch_thread_makes_the_ranks_gpu_current_before_it_pins(monkeypatch):
+    """Pinning touches CUDA; a new thread's current device is 0, so without `set_device` every
+    rank's prefetch thread would open a context on GPU 0."""
+    import threading
+
+    import numpy as np
+
+    from depthscale.data.loader import PackedBatches
+    from depthscale.data.prefetch import Prefetcher
+
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda i: calls.append(("set_device", i, threading.get_ident()))
+    )
+    monkeypatch.setattr(
+        torch.Tensor, "pin_memory", lambda t: calls.append(("pin", threading.get_ident())) or t
+    )
+    tokens = np.arange(2000, dtype=np.uint16) % 250
+    pre = Prefetcher(PackedBatches(tokens, 16, 4, seed=3), pin=True, device_index=3)
+    pre.next_batch()
+    pre.close()
+    assert calls[0][:2] == ("set_device", 3)
+    assert calls[1][0] == "pin" and {c[-1] for c in calls} == {pre._thread.ident}

@@ -143,13 +143,3 @@ def test_nccl_environment_is_set_before_the_group_without_overriding_the_user(tm
     flight_recorder.make_dump_dir(environ)
     assert prefix.parent.is_dir()  # torch creates no folder for its dump
     assert set(nccl_env(tmp_path)) == set(environ)
-
-
-@pytest.mark.skipif(
-    not hasattr(torch._C._distributed_c10d, NCCL_DUMP), reason="a torch built without NCCL"
-)
-def test_torchs_nccl_dump_takes_the_arguments_we_pass():
-    """Runs on a CUDA build (the GPU check): `_dump_nccl_trace(includeCollectives,
-    includeStackTraces, onlyActive)`, private."""
-    doc = getattr(torch._C._distributed_c10d, NCCL_DUMP).__doc__ or ""
-    assert "includeCollectives" in doc and "onlyActive" in doc

@@ -12,6 +12,8 @@ import queue
 import threading
 from typing import Any
 
+import torch
+
 from depthscale.data.loader import Batch, PackedBatches
 
 
@@ -23,11 +25,14 @@ class Prefetcher:
         world: int = 1,
         depth: int = 2,
         pin: bool = False,
+        device_index: int | None = None,
     ) -> None:
         """`pin`: batches come in page-locked memory (training on a GPU), so that the training
-        thread's copy to the device is asynchronous (`non_blocking=True`)."""
+        thread's copy to the device is asynchronous (`non_blocking=True`). `device_index`: the
+        rank's GPU, made current in the thread before it pins: pinning touches CUDA, and a new
+        thread's current device is 0, so every rank would open a context (~0.5 GB) on GPU 0."""
         self.loader, self.rank, self.world, self.depth = loader, rank, world, depth
-        self.pin = pin
+        self.pin, self.device_index = pin, device_index
         self._state = loader.state_dict()
         self.position: tuple[int, int] | None = None
         """The data position (epoch, cursor) of the batch handed out last."""
@@ -42,6 +47,8 @@ class Prefetcher:
 
     def _fill(self) -> None:
         try:
+            if self.pin and self.device_index is not None:
+                torch.cuda.set_device(self.device_index)
             while not self._stop.is_set():
                 batch = self.loader.next_batch(self.rank, self.world)
                 if self.pin:

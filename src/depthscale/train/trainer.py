@@ -138,9 +138,11 @@ class Trainer:
         self.vote = HostVote(self.env.world_size, self.env.rank)
         self.busy_rows: list[list[float]] | None = None
         self.telemetry.slow_down(self.faults.slowdown())
+        on_gpu = self.device.type == "cuda"
         self.batches = Prefetcher(
-            self.data.train, self.dp_rank, self.dp_size, pin=self.device.type == "cuda"
-        )
+            self.data.train, self.dp_rank, self.dp_size, pin=on_gpu,
+            device_index=self.device.index if on_gpu else None,
+        )  # fmt: skip
 
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         peak, self.peak_source = setup.peak_flops(cfg, self.device, self.dtype)
