@@ -11,10 +11,19 @@ stop signal, and each rank's busy time per phase for the straggler detector — 
 tensor over a gloo group, posted at the end of one step and read at the end of the next
 (`HostVote`): the exchange overlaps a whole step, and every rank reads the same result at the same
 step, so all still stop after the same step (one step later than the signal).
+
+The stop flag is one number a step, whatever the world size. The busy rows are world × phases
+numbers, too many to send every step at scale: every `gather_every(world)` steps each rank sends the
+median of its own rows over those steps (per phase), and all ranks gather them — every step below
+`ROWS_PER_STEP` ranks, as before; at 512 ranks every 8th — so straggler detection costs at most
+`ROWS_PER_STEP` rows a step, amortised, however many ranks train. The detector then judges one
+row per rank per gather (medians, as it judges them; `observe/stragglers.py`), still a step late.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any
 
 import torch
@@ -57,22 +66,48 @@ class PendingMetrics:
         return pending
 
 
+ROWS_PER_STEP = 64
+"""Busy rows gathered per step, amortised: the bound on what straggler detection sends."""
+
+
+def gather_every(world: int) -> int:
+    """Steps between two gathers of every rank's busy rows: 1 up to ROWS_PER_STEP ranks, then as
+    few as keep the rows per step at most ROWS_PER_STEP (8 at 512 ranks)."""
+    return max(1, math.ceil(world / ROWS_PER_STEP))
+
+
 class HostVote:
     """Stop flags and busy rows agreed over the ranks one step late, never touching the device.
 
     `exchange(stop, busy)` posts this step's values and returns the previous step's agreement:
-    (any rank asked to stop, every rank's busy row). The first call returns (False, None). One
-    process has nothing to agree on: its stop is returned at once."""
+    (any rank asked to stop, every rank's busy row — the median of its rows over the `every` steps
+    up to the previous one — or None on the steps that end no gather). One process has nothing to
+    agree on: its stop is returned at once. `every`: steps between gathers of the rows (default
+    `gather_every(world)`); `group`: the gloo group to agree over (default: the world's, a gloo
+    group of its own under NCCL, made at the first exchange)."""
 
-    def __init__(self, world: int, rank: int) -> None:
+    def __init__(
+        self,
+        world: int,
+        rank: int,
+        every: int | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.world, self.rank = world, rank
-        self._group: dist.ProcessGroup | None = None
-        if world > 1:
+        self.every = every if every is not None else gather_every(world)
+        self._group = group
+        self._posted: tuple[Any, Tensor, list[Tensor], int] | None = None
+        self._mine: list[list[float]] = []
+        """This rank's rows since the last gather."""
+        self._busy: list[float] | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._group is None:
             # host tensors need a host backend; a gloo world group serves as it is
             gloo = dist.get_backend() == "gloo"
             self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
-        self._posted: tuple[Any, Tensor, int] | None = None
-        self._busy: list[float] | None = None
+        return self._group
 
     def exchange(
         self, stop: bool, busy: list[float] | None
@@ -81,27 +116,31 @@ class HostVote:
             previous, self._busy = self._busy, busy
             return stop, [previous] if previous is not None else None
         previous = self._take()
-        width = len(busy) if busy is not None else 0
-        packed = torch.zeros(1 + self.world * width, dtype=torch.float64)
-        packed[0] = float(stop)
         if busy is not None:
-            packed[1 + self.rank * width : 1 + (self.rank + 1) * width] = torch.tensor(busy)
-        work = dist.all_reduce(packed, group=self._group, async_op=True)
-        self._posted = (work, packed, width)
+            self._mine.append(list(busy))
+        if busy is not None and len(self._mine) == self.every:
+            median = [statistics.median(phase) for phase in zip(*self._mine)]
+            self._mine = []
+            mine = torch.tensor([float(stop), *median], dtype=torch.float64)
+            gathered = [torch.empty_like(mine) for _ in range(self.world)]
+            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+            self._posted = (work, mine, gathered, len(median))
+        else:
+            flag = torch.tensor([float(stop)], dtype=torch.float64)
+            work = dist.all_reduce(flag, group=self.group, async_op=True)
+            self._posted = (work, flag, [flag], 0)
         return previous
 
     def _take(self) -> tuple[bool, list[list[float]] | None]:
         if self._posted is None:
             return False, None
-        work, packed, width = self._posted
+        work, sent, out, width = self._posted
         self._posted = None
-        with spans.collective("all_reduce", self._group, packed):
+        with spans.collective("all_gather" if width else "all_reduce", self._group, sent):
             work.wait()
-        values = packed.numpy()  # host memory: no device is waited for
-        rows = None
-        if width:
-            rows = [values[1 + r * width : 1 + (r + 1) * width].tolist() for r in range(self.world)]
-        return bool(values[0] > 0), rows
+        values = torch.stack(out).numpy()  # host memory: no device is waited for
+        rows = values[:, 1:].tolist() if width else None
+        return bool((values[:, 0] > 0).any()), rows
 
     def close(self) -> None:
         """Finish the posted exchange (every rank posts the same number)."""
