@@ -1,0 +1,358 @@
+"""One prepared check of depthscale on one GPU: about 8 minutes, JSON lines out.
+
+    PYTHONPATH=src python scripts/gpu_check.py                 # on the GPU machine
+    PYTHONPATH=src python scripts/gpu_check.py --dry-run       # every stage on CPU, tiny shapes
+
+Each stage (gpu_stages/__init__.py lists them, in order) runs in a subprocess of its own with a
+timeout of its own: a hang or a CUDA crash in one stage costs that stage alone. Every measurement
+is one line of `gpu_check.jsonl` in the output folder (--out, else $OUT, else ./gpu_check_out),
+written the moment it is measured:
+
+    {"stage", "name", "status": ok|failed|timeout|skipped, "values": {...}, "error", "time"}
+
+then one line per stage (name "stage": its status, seconds, exit code) and a last line (stage
+"check", name "summary"). The stages' own output goes to `gpu_check.log` beside it. docs/gpu.md
+says how to read the lines and what good values look like.
+
+It installs nothing and needs no network: torch, triton and pytest (transformers for the last
+stage, which is skipped without it). Under --dry-run the stages run on CPU (CUDA hidden, Triton
+interpreted), at tiny shapes, in about a minute; the test suite runs it
+(tests/e2e/test_gpu_check.py), so the check cannot rot between GPU sessions. Exit status: 0 when no
+stage failed, 1 when one did, 2 for bad input.
+
+GPU_CHECK_FAULT="STAGE=abort,STAGE=hang" makes those stages' subprocesses abort or hang at start:
+how the tests prove that one stage's crash or hang leaves the others' results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_stages import BY_NAME, STAGES, Stage  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+JSONL, LOG = "gpu_check.jsonl", "gpu_check.log"
+BUDGET_S = 470.0
+"""Default seconds for the whole check: 8 minutes less a margin for the driver itself."""
+DRY_BUDGET_S = 900.0
+
+
+class BadInput(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + error
+        raise BadInput(f"{message} (see --help)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    stages = "\n".join(f"  {s.name:<11} {s.timeout_s:>4.0f} s  {s.what}" for s in STAGES)
+    p = _Parser(
+        prog="gpu_check.py",
+        description=__doc__.split("\n")[0],
+        epilog=f"stages, in order, with their timeouts on a GPU:\n{stages}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dry-run", action="store_true", help="every stage on CPU at tiny shapes")
+    p.add_argument("--out", help="output folder (default: $OUT, else ./gpu_check_out)")
+    p.add_argument("--only", help="comma-separated stages to run (default: all)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        help=f"seconds for the whole check (default {BUDGET_S:.0f}; dry run {DRY_BUDGET_S:.0f})",
+    )
+    p.add_argument(
+        "--stage-timeout",
+        action="append",
+        default=[],
+        metavar="[STAGE=]SECONDS",
+        help="override a stage's timeout (every stage's without STAGE=); repeatable",
+    )
+    p.add_argument("--keep-work", action="store_true", help="keep the scratch folder (run dirs)")
+    # the subprocess side: one stage
+    p.add_argument("--stage", help=argparse.SUPPRESS)
+    p.add_argument("--jsonl", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.budget is not None and not args.budget > 0:
+        raise BadInput(f"--budget {args.budget:g} must be > 0 seconds")
+    return args
+
+
+def selected_stages(only: str | None) -> list[Stage]:
+    if not only:
+        return list(STAGES)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown or not names:
+        raise BadInput(
+            f"--only {only!r}: unknown stage {', '.join(unknown) or '(none given)'}; "
+            f"allowed: {', '.join(BY_NAME)}"
+        )
+    return [s for s in STAGES if s.name in names]
+
+
+def timeouts(specs: list[str], dry_run: bool) -> dict[str, float]:
+    """Each stage's timeout, with the --stage-timeout overrides applied."""
+    result = {s.name: s.dry_timeout_s if dry_run else s.timeout_s for s in STAGES}
+    for spec in specs:
+        name, _, seconds = spec.rpartition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = float("nan")
+        if not value > 0 or (name and name not in BY_NAME):
+            raise BadInput(
+                f"--stage-timeout {spec!r}: expected [STAGE=]SECONDS with SECONDS > 0 and STAGE "
+                f"one of {', '.join(BY_NAME)}"
+            )
+        for stage in [name] if name else list(result):
+            result[stage] = value
+    return result
+
+
+def output_folder(given: str | None) -> Path:
+    """--out, else $OUT, else ./gpu_check_out; created, and proven writable by starting the file."""
+    folder = Path(given or os.environ.get("OUT") or "gpu_check_out")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / JSONL).write_text("")
+        (folder / LOG).write_text("")
+    except OSError as err:
+        reason = err.strerror or err
+        raise BadInput(f"cannot write to the output folder {str(folder)!r}: {reason}") from None
+    return folder
+
+
+def write_line(path: Path, line: dict) -> None:
+    with open(path, "a+", encoding="utf-8") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell():  # a stage killed mid-line leaves no newline: start a fresh line
+            f.seek(f.tell() - 1)
+            if f.read(1) != "\n":
+                f.write("\n")
+        f.write(json.dumps(line) + "\n")
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def stage_env(stage: Stage, dry_run: bool, work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    path = [str(REPO / "src"), str(REPO / "scripts"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    # a fresh compiler cache per check: first-call and first-step seconds are cold every time
+    env["TRITON_CACHE_DIR"] = str(work / "triton_cache" / stage.name)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor_cache")
+    if dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine
+        env["TRITON_INTERPRET"] = "1"
+        env["DEPTHSCALE_CPU_KERNELS"] = "0"  # no C++ build inside a one-minute check
+    env.update(stage.env)
+    return env
+
+
+def read_lines(path: Path, offset: int) -> list[dict]:
+    """The whole lines written from byte `offset` on (a last partial line is ignored)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    lines = []
+    for raw in data.split(b"\n")[:-1]:  # the last piece is empty, or a partial line
+        try:
+            lines.append(json.loads(raw))
+        except ValueError:
+            continue
+    return lines
+
+
+def log_tail(path: Path, offset: int, n: int = 6) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", "replace")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " | ".join(lines[-n:])[-900:]
+
+
+def run_stage(
+    stage: Stage, timeout: float, args: argparse.Namespace, out: Path, work: Path
+) -> dict:
+    """Run one stage's subprocess to its end or its timeout; returns its stage line."""
+    jsonl, log = out / JSONL, out / LOG
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", stage.name]
+    cmd += ["--jsonl", str(jsonl), "--work", str(work), "--timeout", f"{timeout:.1f}"]
+    cmd += ["--dry-run"] if args.dry_run else []
+    offset, log_offset = jsonl.stat().st_size, log.stat().st_size
+    with open(log, "ab") as f:
+        f.write(f"\n===== {stage.name} ({now()}, timeout {timeout:.0f} s) =====\n".encode())
+        f.flush()
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=stage_env(stage, args.dry_run, work),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a timeout kills its children too
+        )
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        seconds = time.monotonic() - t0
+    lines = read_lines(jsonl, offset)
+    bad = [ln for ln in lines if ln.get("status") in ("failed", "timeout")]
+    values = {"seconds": round(seconds, 1), "timeout_s": timeout, "rc": rc, "lines": len(lines)}
+    error = None
+    if timed_out:
+        status = "timeout"
+        last = lines[-1]["name"] if lines else "none"
+        error = f"killed after {timeout:.0f} s; last line written: {last}; log: "
+        error += log_tail(log, log_offset)
+    elif rc != 0 and not bad:
+        status = "failed"
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+        error = f"the stage's process ended with {how}; log: {log_tail(log, log_offset)}"
+    elif bad or not lines:
+        status = "failed"
+        error = f"{len(bad)} measurement(s) failed: {', '.join(b['name'] for b in bad[:8])}"
+        if not lines:
+            error = f"the stage wrote no line; log: {log_tail(log, log_offset)}"
+    else:
+        status = "ok"
+    line = {"stage": stage.name, "name": "stage", "status": status, "values": values}
+    line |= {"error": error, "time": now()}
+    write_line(jsonl, line)
+    return line
+
+
+def device_slug(jsonl: Path) -> str:
+    """'h200' for 'NVIDIA H200', 'cpu' off CUDA: the <device> of the results file's name."""
+    for line in read_lines(jsonl, 0):
+        if line.get("stage") == "env" and line.get("name") == "device":
+            name = str(line.get("values", {}).get("name", "unknown")).lower()
+            words = [w for w in re.findall(r"[a-z0-9]+", name) if w not in ("nvidia", "tesla")]
+            return words[0] if words else "unknown"
+    return "unknown"
+
+
+def drive(args: argparse.Namespace) -> int:
+    stages = selected_stages(args.only)
+    limits = timeouts(args.stage_timeout, args.dry_run)
+    out = output_folder(args.out)
+    budget = args.budget or (DRY_BUDGET_S if args.dry_run else BUDGET_S)
+    jsonl = out / JSONL
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    start = time.monotonic()
+    header = {"dry_run": args.dry_run, "stages": [s.name for s in stages], "budget_s": budget}
+    header |= {"argv": sys.argv[1:], "python": sys.version.split()[0], "cwd": str(REPO)}
+    write_line(jsonl, {"stage": "check", "name": "start", "status": "ok", "values": header,
+                       "error": None, "time": now()})  # fmt: skip
+    print(f"gpu_check: {len(stages)} stages, budget {budget:.0f} s, lines in {jsonl}", flush=True)
+    results = []
+    try:
+        for i, stage in enumerate(stages):
+            left = budget - (time.monotonic() - start)
+            reserve = sum(s.floor_s for s in stages[i + 1 :]) if not args.dry_run else 0.0
+            timeout = min(limits[stage.name], left - reserve)
+            if timeout < min(stage.floor_s, limits[stage.name]):
+                line = {"stage": stage.name, "name": "stage", "status": "skipped",
+                        "values": {"seconds_left": round(left, 1)},
+                        "error": f"time budget: {left:.0f} s left of {budget:.0f} s",
+                        "time": now()}  # fmt: skip
+                write_line(jsonl, line)
+            else:
+                line = run_stage(stage, timeout, args, out, work)
+            results.append(line)
+            v = line["values"]
+            took = f"{v['seconds']:6.1f} s" if "seconds" in v else "       -"
+            print(f"  {stage.name:<11} {line['status']:<8} {took}  {line['error'] or ''}"[:200],
+                  flush=True)  # fmt: skip
+    finally:
+        if not args.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+    failed = [r["stage"] for r in results if r["status"] in ("failed", "timeout")]
+    date = datetime.date.today().isoformat()
+    summary = {
+        "stages": {r["stage"]: r["status"] for r in results},
+        "failed": failed,
+        "seconds": round(time.monotonic() - start, 1),
+        "dry_run": args.dry_run,
+        "results_file": f"benchmarks/results/gpu_check_{device_slug(jsonl)}_{date}.jsonl",
+    }
+    if args.keep_work:
+        summary["work"] = str(work)
+    write_line(jsonl, {"stage": "check", "name": "summary",
+                       "status": "failed" if failed else "ok", "values": summary,
+                       "error": f"failed: {', '.join(failed)}" if failed else None,
+                       "time": now()})  # fmt: skip
+    print(f"gpu_check: {'FAILED ' + ', '.join(failed) if failed else 'ok'} in "
+          f"{summary['seconds']:.0f} s; commit {jsonl} as {summary['results_file']}")  # fmt: skip
+    return 1 if failed else 0
+
+
+def run_one_stage(args: argparse.Namespace) -> int:
+    """The subprocess side: run one stage, its lines appended to --jsonl."""
+    faults = dict(
+        f.split("=", 1) for f in os.environ.get("GPU_CHECK_FAULT", "").split(",") if "=" in f
+    )
+    if faults.get(args.stage) == "abort":
+        os.abort()
+    if faults.get(args.stage) == "hang":
+        time.sleep(10**6)
+    import importlib
+
+    from gpu_stages.common import Context, one_line
+
+    stage = BY_NAME[args.stage]
+    ctx = Context(stage.name, Path(args.jsonl), Path(args.work), args.dry_run, args.timeout)
+    if not args.dry_run and not ctx.cuda and stage.name != "env":
+        ctx.emit("device", status="failed",
+                 error="no CUDA device (torch.cuda.is_available() is False); --dry-run runs "
+                 "every stage on CPU")  # fmt: skip
+        return 1
+    try:
+        run = getattr(importlib.import_module(f"gpu_stages.{stage.module}"), stage.function)
+        run(ctx)
+    except Exception as err:  # noqa: BLE001 - the stage's own line says what broke
+        import traceback
+
+        traceback.print_exc()
+        ctx.emit("stage_error", status="failed", error=one_line(err))
+    return 1 if ctx.failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        if args.stage:
+            if args.stage not in BY_NAME or not (args.jsonl and args.work and args.timeout):
+                raise BadInput("--stage needs a known stage, --jsonl, --work and --timeout")
+            return run_one_stage(args)
+        return drive(args)
+    except BadInput as err:
+        print(f"gpu_check.py: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Stage attention: which attention kernels depthscale's CUDA paths run, and what they cost.
+
+- full_causal: SDPA's causal GQA attention as the model calls it (the baseline every other number
+  here is read against);
+- window: `window_attention` at llama-1b's head size, against full causal at the same length:
+  a window of T/8 should cost well under full causal (~0.25 of it when the kernel skips the blocks
+  outside the band), in a handful of kernel launches, not T/64 SDPA calls;
+- ring_tile: one ring-attention tile (`attention_tiles.forward` / `backward`, as context
+  parallelism calls them: LSE out, global output and LSE back in) against SDPA's flash attention
+  on the same causal block: close to 1× when the tile runs on the flash op.
+
+Each names the path depthscale chose (`path`), the backends its kernels belong to (from the
+profiler's kernel names) and its launches per forward + backward, and checks its output against
+fp32 attention with a dense mask (bf16 bound 2e-2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpu_stages.common import Context, OutOfBounds, profile_kernels, rel_err, sig, time_ms
+
+REAL = {"B": 2, "H": 32, "Hkv": 8, "T": 4096, "d": 64, "window": 512, "tile": 2048,
+        "T_err": 1024, "warmup": 3, "reps": 10}  # fmt: skip
+DRY = {"B": 1, "H": 4, "Hkv": 2, "T": 128, "d": 16, "window": 32, "tile": 64,
+       "T_err": 128, "warmup": 1, "reps": 2}  # fmt: skip
+BOUND = 2e-2
+
+
+def run(ctx: Context) -> None:
+    shapes = DRY if ctx.dry_run else REAL
+    full = ctx.measure("full_causal", lambda: full_causal(ctx, shapes))
+    ctx.measure("window", lambda: window(ctx, shapes, full))
+    ctx.measure("ring_tile", lambda: ring_tile(ctx, shapes))
+
+
+def _qkv(ctx: Context, s: dict, T: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator(ctx.device).manual_seed(seed)
+    shapes = [
+        (s["B"], s["H"], T, s["d"]),
+        (s["B"], s["Hkv"], T, s["d"]),
+        (s["B"], s["Hkv"], T, s["d"]),
+    ]
+    return [
+        torch.randn(*shape, generator=gen, device=ctx.device).to(dtype).requires_grad_()
+        for shape in shapes
+    ]
+
+
+def _timed(ctx: Context, s: dict, fn, inputs: list[torch.Tensor]) -> dict[str, Any]:
+    """fwd and fwd+bwd median ms, and the kernels of one fwd+bwd."""
+    gen = torch.Generator(ctx.device).manual_seed(7)
+    out = fn()
+    upstream = torch.randn(out.shape, generator=gen, device=ctx.device).to(out.dtype)
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        torch.autograd.grad(fn(), inputs, upstream)
+
+    fwd_ms = time_ms(ctx, fwd, s["warmup"], s["reps"])
+    all_ms = time_ms(ctx, fwd_bwd, s["warmup"], s["reps"])
+    return {"fwd_ms": sig(fwd_ms), "fwd_bwd_ms": sig(all_ms), **profile_kernels(ctx, fwd_bwd)}
+
+
+def _dense_reference(q, k, v, window: int) -> torch.Tensor:
+    """fp32 SDPA with a dense boolean causal (window) mask: the truth."""
+    from depthscale.model.layers import attention_mask
+
+    pos = torch.arange(q.shape[2], device=q.device)
+    mask = attention_mask(pos, pos, window)
+    q, k, v = (t.detach().float() for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def full_causal(ctx: Context, s: dict) -> dict[str, Any]:
+    q, k, v = _qkv(ctx, s, s["T"], torch.bfloat16, 0)
+    values = {"shape": [s["B"], s["H"], s["Hkv"], s["T"], s["d"]], "dtype": "bfloat16"}
+    values |= _timed(ctx, s, lambda: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True), [q, k, v])  # fmt: skip
+    return values
+
+
+def window(ctx: Context, s: dict, full: dict | None) -> dict[str, Any]:
+    from depthscale.model import window_attention as wa
+
+    q, k, v = _qkv(ctx, s, s["T_err"], torch.bfloat16, 1)
+    err = rel_err(wa.window_attention(q, k, v, s["window"]), _dense_reference(q, k, v, s["window"]))
+    q, k, v = _qkv(ctx, s, s["T"], torch.bfloat16, 2)
+    values: dict[str, Any] = {"window": s["window"], "T": s["T"], "rel_err": sig(err, 3)}
+    path = getattr(wa, "path", None)
+    values["path"] = path(q) if path else "unknown (no window_attention.path)"
+    values |= _timed(ctx, s, lambda: wa.window_attention(q, k, v, s["window"]), [q, k, v])
+    if full:
+        values["fwd_bwd_over_full_causal"] = sig(values["fwd_bwd_ms"] / full["fwd_bwd_ms"], 3)
+    if not err <= BOUND:
+        raise OutOfBounds(f"window output rel error {err:.2e} > {BOUND:.0e}", values)
+    return values
+
+
+def _tile_mask(tiles, T: int, device: torch.device):
+    """A top-left causal TileMask, whatever fields it has grown (unknown ones None)."""
+    dense = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    known = {"causal": True, "bias": None, "dense": dense}
+    return tiles.TileMask(**{f: known.get(f) for f in tiles.TileMask._fields})
+
+
+def ring_tile(ctx: Context, s: dict) -> dict[str, Any]:
+    from depthscale.model import attention_tiles as tiles
+
+    try:
+        from depthscale.model.attention_dispatch import tile_dtype
+
+        dtype = tile_dtype(ctx.device.type, torch.bfloat16)
+    except ImportError:
+        dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    T = s["tile"]
+    q, k, v = _qkv(ctx, s, T, dtype, 3)
+    mask = _tile_mask(tiles, T, ctx.device)
+    scale = s["d"] ** -0.5
+    values: dict[str, Any] = {"T": T, "dtype": str(dtype).removeprefix("torch.")}
+    path = getattr(tiles, "path", None)
+    values["path"] = path(q, mask) if path else "unknown (no attention_tiles.path)"
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = tiles.forward(qd, kd, vd, mask, scale)
+    values["rel_err"] = sig(rel_err(out, _dense_reference(q, k, v, 0)), 3)
+    gen = torch.Generator(ctx.device).manual_seed(11)
+    do = torch.randn(out.shape, generator=gen, device=ctx.device).to(out.dtype)
+    out, lse = out.to(q.dtype), lse.float()
+
+    def tile_fwd():
+        return tiles.forward(qd, kd, vd, mask, scale)
+
+    def tile_bwd():
+        return tiles.backward(do, qd, kd, vd, out, lse, mask, scale)
+
+    values["tile_fwd_ms"] = sig(time_ms(ctx, tile_fwd, s["warmup"], s["reps"]))
+    values["tile_bwd_ms"] = sig(time_ms(ctx, tile_bwd, s["warmup"], s["reps"]))
+    values["tile_kernels"] = profile_kernels(ctx, lambda: (tile_fwd(), tile_bwd()))
+    q2, k2, v2 = _qkv(ctx, s, T, torch.bfloat16, 3)
+    flash = _timed(ctx, s, lambda: F.scaled_dot_product_attention(
+        q2, k2, v2, is_causal=True, enable_gqa=True), [q2, k2, v2])  # fmt: skip
+    values["sdpa_fwd_bwd_ms"] = flash["fwd_bwd_ms"]
+    values["sdpa_backends"] = flash["backends"]
+    tile_ms = values["tile_fwd_ms"] + values["tile_bwd_ms"]
+    values["tile_over_sdpa"] = sig(tile_ms / flash["fwd_bwd_ms"], 3)
+    if not values["rel_err"] <= BOUND:
+        raise OutOfBounds(f"tile output rel error {values['rel_err']:.2e} > {BOUND:.0e}", values)
+    return values

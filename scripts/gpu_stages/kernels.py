@@ -1,0 +1,275 @@
+"""Stage kernels: the Triton AttnRes kernels at production shapes against the PyTorch ops.
+
+Per case (d, S queries, m sources, N tokens, bf16 sources, fp32 queries), one line with:
+- the error against the PyTorch ops run in fp32 on the same (upcast) values, forward (outputs,
+  log-sum-exps) and backward (source and query gradients), as ‖got − want‖ / ‖want‖, checked at
+  N_ERR tokens so that the reference stays cheap at d = 8192, S = 32;
+- first-call seconds forward and backward: the first case of each new kernel variant includes its
+  compile (the stage's Triton cache starts empty);
+- median fwd and fwd+bwd milliseconds from CUDA events, bwd = their difference;
+- GB/s over the fewest bytes each pass must move (every input read once, every output written
+  once) and that as a fraction of a device-to-device copy measured in the same stage.
+
+Bounds, for bf16 storage (2^-9 relative rounding per element; Triton may take logits through
+tf32 dots): outputs 1e-2, log-sum-exps 1e-3, gradients 2e-2 — about five times what a correct
+kernel shows, far below what a wrong index or a race gives (order 1).
+
+The last lines list every compiled kernel variant with its registers, spills and shared memory
+(from Triton's own metadata) and the device memory used outside torch's allocator (local-memory
+spills make the driver reserve it: ~12 GB for the 43 KB/thread variant the brief found). The case
+that once took three minutes to compile (d = 8192, S = 1) runs last, so a slow compile there costs
+no other case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+import torch
+
+from gpu_stages.common import (
+    Context,
+    OutOfBounds,
+    Skipped,
+    copy_gbps,
+    rel_err,
+    seconds_of,
+    sig,
+    time_ms,
+    within,
+)
+
+EPS = 1e-6
+DTYPE = torch.bfloat16
+BOUNDS = {"out": 1e-2, "lse": 1e-3, "grads": 2e-2}
+REAL = {"dims": (2048, 4096, 8192), "queries": (1, 8, 16, 32), "sources": (4, 16),
+        "B": 4, "T": 2048, "n_err": 1024, "warmup": 3, "reps": 10}  # fmt: skip
+DRY = {"dims": (64,), "queries": (1, 3), "sources": (3,),
+       "B": 2, "T": 4, "n_err": 8, "warmup": 1, "reps": 2}  # fmt: skip
+SLOW_LAST = (8192, 1)
+"""(d, S) run after every other case: the brief's 3-minute compile."""
+
+
+def run(ctx: Context) -> None:
+    shapes = DRY if ctx.dry_run else REAL
+    try:
+        from depthscale.kernels import attnres_triton  # noqa: F401
+    except ImportError as err:
+        ctx.emit("triton", status="failed", error=f"depthscale.kernels.attnres_triton: {err}")
+        return
+    copy = ctx.measure(
+        "copy", lambda: {"gb_per_s": sig(copy_gbps(ctx, 2**30 if ctx.cuda else 2**22))}
+    )
+    gbps = copy["gb_per_s"] if copy else None
+    cases = [(d, S, m) for d in shapes["dims"] for S in shapes["queries"]
+             for m in shapes["sources"]]  # fmt: skip
+    cases.sort(key=lambda c: (c[:2] == SLOW_LAST, c))
+    last_d = None
+    for d, S, m in cases:
+        if d != last_d:
+            if last_d is not None:
+                ctx.measure(f"memory after d={last_d}", lambda: memory(ctx))
+            ctx.measure(f"merge d={d}", lambda d=d: merge_case(ctx, shapes, d, gbps))
+            last_d = d
+        if ctx.time_left() < 15:
+            ctx.emit(f"read d={d} S={S} m={m}", status="skipped",
+                     error=f"{ctx.time_left():.0f} s left in the stage")  # fmt: skip
+            continue
+        ctx.measure(f"read d={d} S={S} m={m}", lambda d=d, S=S, m=m: read_case(
+            ctx, shapes, d, S, m, gbps))  # fmt: skip
+    ctx.measure(f"memory after d={last_d}", lambda: memory(ctx))
+    ctx.measure("compiled_variants", variants)
+
+
+def _randn(ctx: Context, gen: torch.Generator, *shape: int, scale: float = 1.0,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    t = torch.randn(*shape, generator=gen, device=ctx.device) * scale
+    return t.to(dtype).requires_grad_()
+
+
+def _reference(call, args: list[torch.Tensor], upstream: list[torch.Tensor]):
+    """`call(leaves)` on the PyTorch ops (no Triton, no C++ CPU kernels), in fp32 on fp32 copies
+    of `args`: its outputs and the gradients of those copies for `upstream`."""
+    from depthscale import kernels
+
+    leaves = [t.detach().float().clone().requires_grad_() for t in args]
+    with kernels.use_triton(False), kernels.use_cpu_kernels(False):
+        outs = call(leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = torch.autograd.grad(outs, leaves, [u.float() for u in upstream])
+    return [o.detach() for o in outs], grads
+
+
+def _errors(outs, ref_outs, grads, ref_grads, names: tuple[str, ...]) -> dict[str, float]:
+    errors = {}
+    for name, got, want in zip(names, outs, ref_outs):
+        errors[name] = rel_err(got, want)
+    errors["grads"] = max(rel_err(g, w) for g, w in zip(grads, ref_grads))
+    return errors
+
+
+def _check(errors: dict[str, float], values: dict[str, Any]) -> dict[str, Any]:
+    over = [f"{k} {v:.2e} > {BOUNDS[k]:.0e}" for k, v in errors.items() if not within(v, BOUNDS[k])]
+    if over:
+        raise OutOfBounds("error above its bound: " + "; ".join(over), values)
+    return values
+
+
+def _timings(ctx, shapes, fn, args, upstream, fwd_bytes, bwd_bytes, gbps) -> dict[str, Any]:
+    """First-call seconds, then median ms of fwd and fwd+bwd, and bandwidths."""
+
+    def fwd():
+        with torch.no_grad():
+            return fn()
+
+    def fwd_bwd():
+        outs = fn()
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return torch.autograd.grad(outs, args, upstream)
+
+    first_fwd, _ = seconds_of(ctx, fwd)
+    first_all, _ = seconds_of(ctx, fwd_bwd)
+    fwd_ms = time_ms(ctx, fwd, shapes["warmup"], shapes["reps"])
+    all_ms = time_ms(ctx, fwd_bwd, shapes["warmup"], shapes["reps"])
+    bwd_ms = max(all_ms - fwd_ms, 1e-6)
+    values = {
+        "first_fwd_s": round(first_fwd, 3),
+        "first_bwd_s": round(max(first_all - first_fwd, 0.0), 3),
+        "fwd_ms": sig(fwd_ms),
+        "bwd_ms": sig(bwd_ms),
+        "fwd_gb_per_s": sig(fwd_bytes / (fwd_ms * 1e-3) / 1e9),
+        "bwd_gb_per_s": sig(bwd_bytes / (bwd_ms * 1e-3) / 1e9),
+    }
+    if gbps:
+        values["fwd_of_copy"] = sig(values["fwd_gb_per_s"] / gbps, 3)
+        values["bwd_of_copy"] = sig(values["bwd_gb_per_s"] / gbps, 3)
+    return values
+
+
+def read_case(ctx: Context, shapes: dict, d: int, S: int, m: int, gbps: float | None) -> dict:
+    from depthscale.kernels.attnres_triton import triton_multi_query_read
+    from depthscale.model.attnres_ops import multi_query_read
+
+    gen = torch.Generator(ctx.device).manual_seed(1000 * d + 10 * S + m)
+    B, T, e = shapes["B"], shapes["T"], DTYPE.itemsize
+    N = B * T
+    values: dict[str, Any] = {"d": d, "S": S, "m": m, "N": N, "dtype": str(DTYPE)}
+
+    # error at n_err tokens, against fp32 PyTorch on the same values
+    n_err = min(shapes["n_err"], T)
+    q = _randn(ctx, gen, S, d, scale=2 * d**-0.5)
+    srcs = [_randn(ctx, gen, 1, n_err, d, dtype=DTYPE) for _ in range(m)]
+    out, lse = triton_multi_query_read(srcs, q, EPS)
+    up = [torch.randn(out.shape, generator=gen, device=ctx.device).to(out.dtype),
+          torch.randn(lse.shape, generator=gen, device=ctx.device)]  # fmt: skip
+    grads = torch.autograd.grad((out, lse), [q, *srcs], up)
+    ref_outs, ref_grads = _reference(lambda a: multi_query_read(a[1:], a[0], EPS), [q, *srcs], up)
+    errors = _errors((out, lse), ref_outs, grads, ref_grads, ("out", "lse"))
+    values["rel_err"] = {k: float(f"{v:.3e}") for k, v in errors.items()}
+    del out, lse, grads, ref_outs, ref_grads, srcs
+
+    # timing at N tokens
+    q = _randn(ctx, gen, S, d, scale=2 * d**-0.5)
+    srcs = [_randn(ctx, gen, B, T, d, dtype=DTYPE) for _ in range(m)]
+    up = [torch.randn(S, B, T, d, generator=gen, device=ctx.device).to(DTYPE),
+          torch.randn(S, B, T, generator=gen, device=ctx.device)]  # fmt: skip
+    fwd_bytes = m * N * d * e + S * d * 4 + S * N * d * e + S * N * 4
+    # read sources, queries, lse, d_out, d_lse; write source and query gradients
+    bwd_bytes = 2 * m * N * d * e + S * N * d * e + 2 * S * N * 4 + 2 * S * d * 4
+    values |= _timings(ctx, shapes, lambda: triton_multi_query_read(srcs, q, EPS), [q, *srcs],
+                       up, fwd_bytes, bwd_bytes, gbps)  # fmt: skip
+    return _check(errors, values)
+
+
+def merge_case(ctx: Context, shapes: dict, d: int, gbps: float | None) -> dict:
+    from depthscale.kernels.attnres_triton import triton_merge_partial
+    from depthscale.model.attnres_ops import merge_partial
+
+    gen = torch.Generator(ctx.device).manual_seed(d)
+    B, T, e = shapes["B"], shapes["T"], DTYPE.itemsize
+    N = B * T
+    values: dict[str, Any] = {"d": d, "N": N, "dtype": str(DTYPE)}
+
+    def inputs(b: int, t: int) -> list[torch.Tensor]:
+        return [
+            _randn(ctx, gen, b, t, d, dtype=DTYPE),  # phase-1 output
+            _randn(ctx, gen, b, t, scale=3.0),  # its log-sum-exp
+            _randn(ctx, gen, b, t, d, dtype=DTYPE),  # the partial sum
+            _randn(ctx, gen, d, scale=2 * d**-0.5),  # the query
+        ]
+
+    n_err = min(shapes["n_err"], T)
+    args = inputs(1, n_err)
+    h = triton_merge_partial(*args, EPS)
+    up = [torch.randn(h.shape, generator=gen, device=ctx.device).to(h.dtype)]
+    grads = torch.autograd.grad((h,), args, up)
+    ref_outs, ref_grads = _reference(lambda a: merge_partial(*a, EPS), args, up)
+    errors = _errors((h,), ref_outs, grads, ref_grads, ("out",))
+    values["rel_err"] = {k: float(f"{v:.3e}") for k, v in errors.items()}
+
+    args = inputs(B, T)
+    up = [torch.randn(B, T, d, generator=gen, device=ctx.device).to(DTYPE)]
+    fwd_bytes = 3 * N * d * e + N * 4 + d * 4  # o, p read, h written; lse; w
+    bwd_bytes = 5 * N * d * e + 2 * N * 4 + 2 * d * 4  # o, p, dh read; d_o, d_p written
+    values |= _timings(ctx, shapes, lambda: triton_merge_partial(*args, EPS), args, up,
+                       fwd_bytes, bwd_bytes, gbps)  # fmt: skip
+    return _check(errors, values)
+
+
+def memory(ctx: Context) -> dict:
+    """Device memory in use outside torch's caching allocator (CUDA context, cuBLAS workspaces,
+    and the local memory the driver reserves for spilling kernels)."""
+    if not ctx.cuda:
+        raise Skipped("no CUDA device: device memory outside torch's allocator")
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    return {
+        "outside_torch_gib": round((total - free - reserved) / 2**30, 2),
+        "torch_reserved_gib": round(reserved / 2**30, 2),
+        "total_gib": round(total / 2**30, 1),
+    }
+
+
+def variants() -> dict:
+    """Every kernel variant Triton compiled in this process, from its JIT caches: registers,
+    spills and shared memory (none under the interpreter, which compiles nothing)."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    found = []
+    for mod_name, module in list(sys.modules.items()):
+        if not mod_name.startswith("depthscale.kernels") or module is None:
+            continue
+        for name, obj in vars(module).items():
+            fn = obj
+            while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):  # autotuner wrappers
+                fn = fn.fn
+            if isinstance(fn, JITFunction) and getattr(fn, "__module__", mod_name) == mod_name:
+                found += [{"kernel": name} | info for info in _compiled(fn)]
+    spills = [v for v in found if (v.get("n_spills") or 0) > 0]
+    values = {"triton": triton.__version__, "variants": found, "with_spills": len(spills)}
+    if spills:
+        raise OutOfBounds(f"{len(spills)} variant(s) spill registers to local memory", values)
+    return values
+
+
+def _compiled(fn) -> list[dict]:
+    """The compiled kernels in a JITFunction's caches (their layout differs across Triton
+    versions: a dict per device, or a tuple whose first item is that dict)."""
+    out = []
+    for entry in getattr(fn, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        for kernel in getattr(cache, "values", lambda: [])():
+            with contextlib.suppress(Exception):  # the numbers are then reported as missing
+                kernel._init_handles()  # fills n_regs / n_spills (lazy in recent Triton)
+            md = getattr(kernel, "metadata", None)
+            out.append({
+                "n_regs": getattr(kernel, "n_regs", None),
+                "n_spills": getattr(kernel, "n_spills", None),
+                "shared": getattr(md, "shared", None),
+                "num_warps": getattr(md, "num_warps", None),
+                "num_stages": getattr(md, "num_stages", None),
+            })  # fmt: skip
+    return out

@@ -1,0 +1,137 @@
+"""Stage unit_tests: the kernel, attention and dispatch unit tests, run where CUDA exists, so the
+Triton kernels run compiled (not interpreted) and the CUDA-only cases run at all.
+
+One pytest run over the files that exist (the list is a set of patterns, so test files added or
+renamed by later changes are picked up), read line by line from `pytest -v` so that a run cut short
+by the timeout still reports every test that finished. One line per file, one for the whole run.
+
+On the GPU, tests named for the CPU kernels are deselected (`-k "not cpu"`) and the C++ CPU kernels
+are switched off (DEPTHSCALE_CPU_KERNELS=0): CI runs those on every commit, and building them here
+would spend a minute of GPU time on the CPU. The dry run runs one small file of them
+(test_attention_tiles.py; CI runs them all anyway), which proves the run and the counting.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+from gpu_stages.common import REPO, Context, OutOfBounds
+
+PATTERNS = (
+    "test_kernels.py",
+    "test_kernel_dispatch.py",
+    "test_kernel_*.py",
+    "test_*triton*.py",
+    "test_*aot*.py",
+    "test_attention*.py",
+    "test_window_attention.py",
+    "test_memory.py",
+    "test_device_time.py",
+)
+EXCLUDE = ("test_kernel_build.py",)  # the C++ CPU kernels' build: CPU only, and slow
+DRY_RUN_FILE = "test_attention_tiles.py"
+OUTCOME = re.compile(r"^(?P<id>\S+::\S+)\s+(?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+SUMMARY = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
+
+
+def files() -> list[str]:
+    found: list[str] = []
+    for pattern in PATTERNS:
+        for path in sorted((REPO / "tests" / "unit").glob(pattern)):
+            rel = str(path.relative_to(REPO))
+            if path.name not in EXCLUDE and rel not in found:
+                found.append(rel)
+    return found
+
+
+def run(ctx: Context) -> None:
+    selected = files()
+    if not selected:
+        ctx.emit("pytest", status="failed", error=f"no test file matches {PATTERNS} in tests/unit")
+        return
+    if ctx.dry_run:
+        dry = [f for f in selected if f.endswith(DRY_RUN_FILE)]
+        selected, selection = dry or selected[:1], "all"
+    else:
+        selection = "not cpu"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--color=no", "-p", "no:cacheprovider"]
+    cmd += ["-k", selection] if selection != "all" else []
+    cmd += selected
+    env = dict(os.environ)
+    env["DEPTHSCALE_CPU_KERNELS"] = "0"
+    log = ctx.work / f"{ctx.stage}_pytest.log"
+    limit = max(10.0, ctx.time_left() - 8)  # leave time to write the lines
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    text = log.read_text(errors="replace")
+    sys.stdout.write(text[-20000:])  # into the stage's log
+    report(ctx, text, rc, timed_out, limit, selected, selection)
+
+
+def report(
+    ctx: Context,
+    text: str,
+    rc: int,
+    timed_out: bool,
+    limit: float,
+    selected: list[str],
+    selection: str,
+) -> None:
+    per_file: dict[str, Counter] = {f: Counter() for f in selected}
+    failures: list[str] = []
+    for line in text.splitlines():
+        m = OUTCOME.match(line)
+        if not m:
+            continue
+        test_id, outcome = m["id"], m["outcome"].lower()
+        per_file.setdefault(test_id.split("::")[0], Counter())[outcome] += 1
+        if outcome in ("failed", "error"):
+            failures.append(test_id)
+    for name, counts in per_file.items():
+        if not counts:
+            continue  # every test of the file deselected, or not reached
+        values = dict(counts)
+        bad = [t for t in failures if t.startswith(name + "::")]
+        if bad:
+            ctx.emit(f"pytest {name}", values | {"failures": bad[:20]}, "failed",
+                     f"{len(bad)} failed: {', '.join(t.split('::', 1)[1] for t in bad[:5])}")  # fmt: skip
+        else:
+            ctx.emit(f"pytest {name}", values)
+    summary = {}
+    summary_lines = [ln for ln in text.splitlines() if ln.startswith("=") and " in " in ln]
+    if summary_lines:
+        for count, kind in SUMMARY.findall(summary_lines[-1]):
+            summary[kind.rstrip("s") if kind.startswith("error") else kind] = int(count)
+    totals = sum(per_file.values(), Counter())
+    values = {
+        "counts": summary or dict(totals),
+        "rc": rc,
+        "files": selected,
+        "selection": selection,
+        "timed_out": timed_out,
+        "failures": failures[:30],
+    }
+
+    def verdict() -> dict:
+        if timed_out:
+            raise OutOfBounds(f"pytest killed after {limit:.0f} s; counts are of the tests that "
+                              "finished", values)  # fmt: skip
+        if rc != 0 or failures or not totals.get("passed"):
+            raise OutOfBounds(f"pytest exit status {rc}, {len(failures)} failed", values)
+        return values
+
+    ctx.measure("pytest", verdict)
