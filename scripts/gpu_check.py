@@ -160,11 +160,14 @@ def stage_env(stage: Stage, dry_run: bool, work: Path) -> dict[str, str]:
     # a fresh compiler cache per check: first-call and first-step seconds are cold every time
     env["TRITON_CACHE_DIR"] = str(work / "triton_cache" / stage.name)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor_cache")
+    # a read that misses its fused kernel raises instead of silently running the PyTorch ops
+    env.setdefault("DEPTHSCALE_STRICT_KERNELS", "1")
     if dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine
         env["TRITON_INTERPRET"] = "1"
         env["DEPTHSCALE_CPU_KERNELS"] = "0"  # no C++ build inside a one-minute check
-    env.update(stage.env)
+    else:
+        env.update(stage.env)  # e.g. TORCH_CUDA_SANITIZER, which asserts on a CPU-only torch
     return env
 
 

@@ -66,15 +66,19 @@ def overrides(ctx: Context, residual: str, compile_: bool, steps: int, log_every
     ]
 
 
-def train(ctx: Context, residual: str, compile_: bool, plan: dict) -> dict[str, Any]:
-    """One `Trainer.fit` of plan['warm'] + plan['timed'] steps; its numbers."""
+def train(
+    ctx: Context, residual: str, compile_: bool, plan: dict, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """One `Trainer.fit` of plan['warm'] + plan['timed'] steps (config `overrides`, then
+    `extra`); its numbers."""
     from depthscale.config import load_config
     from depthscale.model import kernel_dispatch
     from depthscale.observe.metrics import flops_per_token
     from depthscale.train.trainer import Trainer
 
     warm, timed = plan["warm"], plan["timed"]
-    cfg = load_config(LLAMA_1B, overrides(ctx, residual, compile_, warm + timed, plan["log_every"]))
+    steps, log_every = warm + timed, plan["log_every"]
+    cfg = load_config(LLAMA_1B, overrides(ctx, residual, compile_, steps, log_every) + list(extra))
     getattr(kernel_dispatch, "reset_kernel_paths", lambda: None)()
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -115,6 +119,8 @@ def train(ctx: Context, residual: str, compile_: bool, plan: dict) -> dict[str, 
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
         },
     }
+    if "offloaded_mb" in history[-1]:
+        values["offloaded_mb"] = sig(float(history[-1]["offloaded_mb"]))
     if ctx.cuda:
         values["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del trainer, history
