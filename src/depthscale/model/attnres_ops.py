@@ -274,9 +274,8 @@ def _reads(
     chosen: tuple[str, Any, Any] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     path, ops, _ = chosen or choose(kind, sources, queries)
-    if path == "triton":  # no chaining: autograd accumulates the sources' gradients
-        out, lse = ops.triton_multi_query_read(sources, queries, eps)
-        return list(out.unbind(0)), list(lse.unbind(0)), list(sources)
+    if path == "triton":
+        return ops.triton_reads(sources, queries, eps, chain)
     w = _acc(queries).contiguous()
     cpu = ops if path == "cpu" else None
     if not torch.is_grad_enabled():  # inference: nothing to save (and simpler for torch.compile)
@@ -338,7 +337,8 @@ def inter_block_read_chained(
     values (aliases) whose gradients this read's backward extends, so that autograd never sums a
     block's gradients from several reads in a buffer of its own (an extra pass over memory per
     read and block). Numerically identical to reading `blocks` again (the sums run in autograd's
-    order). Where no kernel supports it (Triton, inference) the blocks come back unchanged."""
+    order). Where nothing chains (inference, and the Triton kernels under torch.compile: a custom
+    op's outputs may not alias its inputs) the blocks come back unchanged."""
     return _reads(blocks, queries, eps, chain=True, kind="phase1")
 
 
@@ -347,7 +347,7 @@ def _merge(
 ) -> tuple[Tensor, Tensor]:
     path, ops, _ = choose("merge", [partial], query, inter_lse, inter_out)
     if path == "triton":
-        return ops.triton_merge_partial(inter_out, inter_lse, partial, query, eps), partial
+        return ops.triton_merge(inter_out, inter_lse, partial, query, eps, chain)
     w = _acc(query)
     cpu = ops if path == "cpu" else None
     if not torch.is_grad_enabled():

@@ -1,0 +1,208 @@
+"""Ahead-of-time compiles of the AttnRes Triton kernels for a GPU this machine does not have.
+
+`compile_variant(variant, arch)` compiles one `attnres_triton_config.Variant` for `sm_<arch>`
+(90 → sm_90a, 80 → sm_80) with Triton's own toolchain (`triton.compile(ASTSource(...),
+target=GPUTarget("cuda", arch, 32))`: its bundled ptxas and cuobjdump, no GPU, no driver) and reads
+what matters for running it from the compiled artefacts, not by eye: registers and spill bytes
+from ptxas's report, stack (local memory per thread) from `cuobjdump -res-usage`, shared memory
+from Triton's metadata, and the compile's seconds. Used by tests/unit/test_triton_aot.py and
+usable from a script (`python -m depthscale.kernels.aot` prints every grid variant's numbers).
+
+Works with Triton 3.6 (the GPU image's) and 3.9: both take `ASTSource(fn, signature, constexprs)`
+and `GPUTarget(backend, arch, warp_size)`. The kernels are compiled from a fresh copy of
+`attnres_triton_jit`, loaded with the interpreter off, because under TRITON_INTERPRET=1 (the
+tests) `@triton.jit` makes interpreter functions, which cannot be compiled. Nothing is cached:
+each call compiles into a temporary cache directory and removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from depthscale.kernels.attnres_triton_config import Variant
+
+ARCH_LIMITS = {
+    90: {"smem_bytes": 228 * 1024, "regs_per_sm": 64 * 1024},
+    80: {"smem_bytes": 164 * 1024, "regs_per_sm": 64 * 1024},
+}
+"""Per-SM shared memory a block can use (227 KB + the 1 KB the system reserves on sm_90; 163 + 1
+on sm_80) and the 32-bit registers of one SM."""
+
+MAX_REGS_PER_THREAD = 255
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one compiled variant uses on `arch`."""
+
+    arch: int
+    regs: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    local_bytes: int
+    shared_bytes: int
+    num_warps: int
+    compile_s: float
+    ptx_bytes: int
+
+    def problems(self) -> list[str]:
+        """What breaks a limit: spills or stack, registers past 255 or past the SM's register file
+        at this many warps, shared memory past the SM's."""
+        limits = ARCH_LIMITS[self.arch]
+        found = []
+        if self.spill_store_bytes or self.spill_load_bytes or self.stack_bytes or self.local_bytes:
+            found.append(
+                f"local memory: {self.spill_store_bytes} B spill stores, {self.spill_load_bytes} B "
+                f"spill loads, {self.stack_bytes} B stack, {self.local_bytes} B local per thread"
+            )
+        if self.regs > MAX_REGS_PER_THREAD:
+            found.append(f"{self.regs} registers per thread > {MAX_REGS_PER_THREAD}")
+        if self.regs * self.num_warps * 32 > limits["regs_per_sm"]:
+            found.append(
+                f"{self.regs} registers × {self.num_warps * 32} threads > {limits['regs_per_sm']}"
+            )
+        if self.shared_bytes > limits["smem_bytes"]:
+            found.append(f"{self.shared_bytes} B shared memory > {limits['smem_bytes']}")
+        return found
+
+
+_JIT_MODULE = Path(__file__).with_name("attnres_triton_jit.py")
+
+
+@cache
+def compilable_kernels() -> ModuleType:
+    """A fresh copy of `attnres_triton_jit` whose kernels are `JITFunction`s, whatever
+    TRITON_INTERPRET says (the interpreter decides at decoration time)."""
+    from triton import knobs
+
+    spec = importlib.util.spec_from_file_location("_depthscale_aot_attnres_jit", _JIT_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = False
+        spec.loader.exec_module(module)
+    return module
+
+
+def signature(variant: Variant) -> tuple[dict[str, str], dict[str, object]]:
+    """(signature, constexprs) of the variant's kernel as `ASTSource` takes them: pointer types
+    from the variant, scalar types from the kernel's annotations (every runtime scalar of these
+    kernels is annotated and not specialised, so a launch compiles this very signature)."""
+    fn = getattr(compilable_kernels(), variant.kernel)
+    pointers, consts = dict(variant.pointers), dict(variant.constexprs)
+    sig: dict[str, str] = {}
+    for param in fn.params:
+        if param.is_constexpr:
+            sig[param.name] = "constexpr"
+        elif param.name in pointers:
+            sig[param.name] = pointers[param.name]
+        elif param.annotation:
+            sig[param.name] = param.annotation
+        else:
+            raise ValueError(f"{variant.kernel}: argument {param.name} has no type")
+    if set(consts) != {p.name for p in fn.params if p.is_constexpr}:
+        raise ValueError(f"{variant.kernel}: constexprs {sorted(consts)} do not match the kernel")
+    return sig, consts
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of the cubin's one kernel, from `cuobjdump -res-usage`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    line = next(x for x in out.splitlines() if "REG:" in x)
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+def _spills(ptxas_log: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ptxas -v."""
+    regs = re.search(r"Used (\d+) registers", ptxas_log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"unreadable ptxas report:\n{ptxas_log}")
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def compile_variant(variant: Variant, arch: int = 90) -> Usage:
+    """Compile `variant` for sm_<arch> (no cache) and read its resource usage."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    fn = getattr(compilable_kernels(), variant.kernel)
+    sig, consts = signature(variant)
+    source = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+    log = io.StringIO()
+    with (
+        tempfile.TemporaryDirectory() as cache_dir,
+        knobs.cache.scope(),
+        knobs.compilation.scope(),
+        knobs.nvidia.scope(),
+        contextlib.redirect_stdout(log),
+    ):
+        knobs.cache.dir = cache_dir
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True  # printed: caught by redirect_stdout
+        start = time.perf_counter()
+        compiled = triton_compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        seconds = time.perf_counter() - start
+    regs, spill_stores, spill_loads = _spills(log.getvalue())
+    res = _resources(compiled.asm["cubin"])
+    return Usage(
+        arch=arch,
+        regs=max(regs, res["REG"]),
+        stack_bytes=res["STACK"],
+        spill_store_bytes=spill_stores,
+        spill_load_bytes=spill_loads,
+        local_bytes=res.get("LOCAL", 0),
+        shared_bytes=max(compiled.metadata.shared, 0),
+        num_warps=variant.num_warps,
+        compile_s=seconds,
+        ptx_bytes=len(compiled.asm["ptx"]),
+    )
+
+
+def main(argv: list[str]) -> int:
+    """Print one JSON line per grid variant and architecture (slow: every variant, both archs)."""
+    import json
+
+    from depthscale.kernels.attnres_triton_config import grid_variants
+
+    archs = [int(a) for a in argv] or [90, 80]
+    for variant, (d, S, dtype) in grid_variants().items():
+        for arch in archs:
+            usage = compile_variant(variant, arch)
+            record = {
+                "variant": variant.describe(),
+                "first_shape": {"d": d, "S": S, "dtype": dtype},
+            }
+            print(json.dumps(record | asdict(usage) | {"problems": usage.problems()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.exit(main(sys.argv[1:]))
