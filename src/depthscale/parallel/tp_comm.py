@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.autograd import Function
 
@@ -72,9 +73,30 @@ REDUCE_SCATTER = (
 )
 
 
+# Under torch.compile (`train.compile` compiles each block) the collectives are traced as torch's
+# functional collectives: c10d's Work objects and the span/counter bookkeeping around them are
+# Python the graph cannot hold, and each broke every compiled layer's graph in four or more
+# pieces. In the graph a collective's wait sits where its result is first used, which is where
+# `work.wait()` stands in the chunked operators below, so their overlap is kept. A compiled
+# layer's collectives are then not counted (`count_collectives` counts eager runs) and leave no
+# spans: the profiler's trace and NCCL's flight recorder show them.
+
+
+class _Traced:
+    """The Work of a collective in a compiled graph: there the wait is the graph's, at first use."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_TRACED = _Traced()
+
+
 def all_gather_blocks(x: Tensor, group: Group, async_op: bool = False):
     """x [*s] on every rank → [tp, *s] stacked in rank order (and the Work when async)."""
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(x.unsqueeze(0), 0, group), _TRACED
     out = x.new_empty((dist.get_world_size(group), *x.shape))
     with spans.collective("all_gather", group, x):  # async: the span covers the issue only
         work = getattr(dist, ALL_GATHER)(out.view(-1), x.view(-1), group=group, async_op=async_op)
@@ -85,6 +107,8 @@ def all_gather_blocks(x: Tensor, group: Group, async_op: bool = False):
 def reduce_scatter_blocks(x: Tensor, group: Group, async_op: bool = False):
     """x [tp, *s] → [*s] on rank r: the sum over ranks of block r (and the Work when async)."""
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group).squeeze(0), _TRACED
     out = x.new_empty(x.shape[1:])
     with spans.collective("reduce_scatter", group, x):
         work = getattr(dist, REDUCE_SCATTER)(
@@ -96,6 +120,8 @@ def reduce_scatter_blocks(x: Tensor, group: Group, async_op: bool = False):
 
 def all_reduce_(x: Tensor, group: Group) -> Tensor:
     """In-place sum over the group (x must be contiguous)."""
+    if torch.compiler.is_compiling():
+        return x.copy_(funcol.all_reduce(x, "sum", group))
     with spans.collective("all_reduce", group, x):
         dist.all_reduce(x, group=group)
     record_collective("all_reduce")
