@@ -11,6 +11,7 @@ from depthscale.config import ModelConfig
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.train.memory import (
     DEFAULT_MIN_BYTES,
+    DEFAULT_PREFETCH,
     OffloadStats,
     _Offloaded,
     _PackOrder,
@@ -140,11 +141,18 @@ def test_offload_keeps_parameters_and_results_of_the_model(dtype):
 
     params = [_nbytes(t) for t in saved if is_param(t)]
     acts = [_nbytes(t) for t in saved if not is_param(t)]
+    views = {}  # each activation moved once: saves of one storage, view and version share it
+    for t in saved:
+        if not is_param(t):
+            views[(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())] = t
+    moved = [_nbytes(t) for t in views.values()]
     with _autocast(dtype), offload_activations(min_bytes=0) as stats:
         loss = cross_entropy(model(tokens), tokens)
     loss.backward()
     assert (stats.param_tensors, stats.param_bytes) == (len(params), sum(params)) != (0, 0)
-    assert (stats.tensors, stats.bytes) == (len(acts), sum(acts))
+    assert (stats.tensors, stats.bytes) == (len(moved), sum(moved))
+    assert stats.tensors + stats.shared_tensors == len(acts)
+    assert stats.bytes + stats.shared_bytes == sum(acts)
     assert stats.tiny_tensors == stats.tiny_bytes == 0
     for n, g in ref.items():
         torch.testing.assert_close(model.get_parameter(n).grad, g, atol=0, rtol=0, msg=n)
@@ -228,7 +236,8 @@ def test_offload_under_recompute_keeps_results():
         with offload_activations() as stats:
             loss = cross_entropy(model(tokens), tokens)
         loss.backward()
-        assert stats.tensors > 0 and stats.prefetch_hits + stats.prefetch_misses == stats.tensors
+        unpacked = stats.prefetch_hits + stats.prefetch_misses
+        assert stats.tensors > 0 and unpacked == stats.tensors + stats.shared_tensors
         for n, g in ref.items():
             torch.testing.assert_close(model.get_parameter(n).grad, g, atol=0, rtol=0, msg=n)
 
@@ -257,18 +266,25 @@ def _entries(n):
     return order, entries
 
 
+def _unpack(order, e):
+    """`_Offloader.unpack` with the copies left out: the pack positions of what it fetches."""
+    fetched = order.to_fetch(e)
+    for x in fetched:
+        x.pending = x.host
+    e.unpacks += 1
+    if e.used:
+        e.pending = None
+    return [x.positions[-1] for x in fetched]
+
+
 def test_prefetch_order():
     """Backward unpacks entry i: fetch it (unless already under way) and the 2 nearest earlier
     entries that are alive and unused; entries under way count towards the 2 but are not fetched
-    again. Mirrors `_Offloader.unpack` with the copies left out."""
+    again."""
     order, e = _entries(7)
 
     def unpack(i):
-        fetched = order.to_fetch(e[i])
-        for x in fetched:
-            x.pending = x.host
-        e[i].pending, e[i].used = None, True
-        return [x.index for x in fetched]
+        return _unpack(order, e[i])
 
     assert unpack(6) == [6, 5, 4]
     assert unpack(5) == [3]  # 4 under way
@@ -278,3 +294,81 @@ def test_prefetch_order():
     assert unpack(2) == [0]  # 2 under way, 1 skipped
     assert unpack(3) == []  # out of order: 3 and 0 under way, 2 used, 1 gone
     assert unpack(0) == []
+
+
+def test_a_tensor_saved_again_is_fetched_once_and_kept_to_its_last_use():
+    """Entries a b c, then a saved again (d): backward unpacks d's save of a first, fetching a and
+    then c and b; a's copy stays under way through its second unpack and is dropped after it."""
+    a, b, c = (_Offloaded(torch.device("cpu"), torch.empty(0)) for _ in range(3))
+    order = _PackOrder(ahead=2)
+    for x in (a, b, c, a):
+        order.add(x)
+    assert (a.positions, a.saves) == ([0, 3], 2)
+    assert _unpack(order, a) == [3, 2, 1]  # a, then c and b (a's own first save is not a peer)
+    assert a.pending is not None and not a.used
+    assert _unpack(order, c) == [] and _unpack(order, b) == []
+    assert _unpack(order, a) == []  # still on the device: no second copy back
+    assert a.used and a.pending is None
+
+
+def _block_model(n_layers):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=61, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=32,
+        residual="block", attnres_block_size=2,
+    )  # fmt: skip
+    return Transformer(cfg)
+
+
+def test_each_attnres_block_goes_to_host_once(monkeypatch):
+    """Block AttnRes saves every completed block sum again at each later block's phase-1 read: an
+    8-layer model (4 blocks) saved the first block sum 8 times. Copies to the host (counted where
+    the offloader makes them) happen once per storage, view and version; results unchanged."""
+    from depthscale.train import memory
+
+    model, tokens = _block_model(8), torch.randint(0, 61, (2, 16))
+    cross_entropy(model(tokens), tokens).backward()
+    ref = _grads(model)
+    model.zero_grad()
+    copies: dict[tuple, int] = {}
+    to_host = memory._Offloader._to_host
+
+    def counted(self, t):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t._version)
+        copies[key] = copies.get(key, 0) + 1
+        return to_host(self, t)
+
+    monkeypatch.setattr(memory._Offloader, "_to_host", counted)
+    with offload_activations(min_bytes=0) as stats:
+        loss = cross_entropy(model(tokens), tokens)
+    assert max(copies.values()) == 1 and len(copies) == stats.tensors
+    assert stats.shared_tensors >= 8  # the block sums, read again by every later block
+    loss.backward()
+    for n, g in ref.items():
+        torch.testing.assert_close(model.get_parameter(n).grad, g, atol=0, rtol=0, msg=n)
+
+
+def test_prefetch_by_layer_brings_back_a_layer_ahead(monkeypatch):
+    """Given the layers the forward ran, backward's prefetch window is one layer's worth of
+    offloaded tensors (here more than the default 2), and backward misses no more than with 2."""
+    from depthscale.train import memory
+
+    model, tokens = _block_model(4), torch.randint(0, 61, (2, 16))
+    orders = []
+    offloader = memory._Offloader.__init__
+
+    def recorded(self, *args, **kwargs):
+        offloader(self, *args, **kwargs)
+        orders.append(self)
+
+    monkeypatch.setattr(memory._Offloader, "__init__", recorded)
+    misses = {}
+    for layers in (None, 4):
+        with offload_activations(min_bytes=0, layers=layers) as stats:
+            loss = cross_entropy(model(tokens), tokens)
+        loss.backward()
+        misses[layers] = stats.prefetch_misses
+    by_count, by_layer = orders
+    assert by_count.order.ahead == DEFAULT_PREFETCH
+    assert by_layer.order.ahead == -(-by_layer.moved // 4) > DEFAULT_PREFETCH
+    assert misses[4] <= misses[None]

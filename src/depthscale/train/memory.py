@@ -7,11 +7,17 @@ Offloading moves the activations autograd saves for backward to host memory whil
 waits for its backward (pipeline in-flight microbatches) and brings them back ahead of use, both
 copies on side CUDA streams. Parameters (and their casts) and tiny tensors stay. On a CPU-only run
 the copy is a no-op, but the classification, ordering and byte accounting are the same.
+
+A tensor saved several times is moved once. Block AttnRes saves every completed block sum again at
+each later block's phase-1 read, so a block went to host memory and back about once per later
+block (N times for the first of N); saves of one storage, view and version now share one host copy,
+and its copy back stays on the device from its first use in backward to its last.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
@@ -25,8 +31,10 @@ its size, about the time PCIe takes to move 64 KiB. Below that the fixed cost do
 device memory given back is negligible. CPU tensors are never copied, so by default none is tiny."""
 
 DEFAULT_PREFETCH = 2
-"""How many offloaded tensors backward brings back ahead of use: enough to hide one copy behind the
-node that runs before it, few enough that the device holds only a handful of early copies."""
+"""How many offloaded tensors backward brings back ahead of use when the number of layers is not
+given: enough to hide one copy behind the node that runs before it. Given the layers a forward ran
+(`offload_activations(layers=)`), backward brings back one layer's worth ahead (the forward's
+offloaded tensors / its layers): the next layer's copies run behind this layer's backward."""
 
 
 @dataclass
@@ -43,6 +51,10 @@ class OffloadStats:
     tiny_tensors: int = 0
     tiny_bytes: int = 0
     """Below `min_bytes`: the per-copy overhead would dominate."""
+    shared_tensors: int = 0
+    shared_bytes: int = 0
+    """Saves of a tensor already moved (same storage, view and version): they share its host copy,
+    so `bytes` is what crossed to the host once."""
     prefetch_hits: int = 0
     prefetch_misses: int = 0
 
@@ -77,20 +89,33 @@ def _is_parameter(t: torch.Tensor, exclude: set[int]) -> bool:
 
 
 class _Offloaded:
-    """One saved tensor in host memory. `stored` is the CUDA event after its copy out, `pending`
-    its copy back to the device once started and `ready` the event after that copy (events are None
-    off CUDA; on CPU `host` is the tensor itself and so is its "copy")."""
+    """One saved tensor in host memory, for `saves` saves of it. `stored` is the CUDA event after
+    its copy out, `pending` its copy back to the device once started (kept until its last save is
+    unpacked) and `ready` the event after that copy (events are None off CUDA; on CPU `host` is the
+    tensor itself and so is its "copy"). `positions`: where its saves are in pack order."""
 
-    __slots__ = ("device", "host", "stored", "index", "pending", "ready", "used", "__weakref__")
+    __slots__ = (
+        "device", "host", "stored", "positions", "saves", "unpacks", "pending", "ready",
+        "__weakref__",
+    )  # fmt: skip
 
     def __init__(
         self, device: torch.device, host: torch.Tensor, stored: torch.cuda.Event | None = None
     ) -> None:
         self.device, self.host, self.stored = device, host, stored
-        self.index = -1
+        self.positions: list[int] = []
+        self.saves = self.unpacks = 0
         self.pending: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
-        self.used = False
+
+    @property
+    def used(self) -> bool:
+        """Every save of it unpacked (a second backward, with retain_graph, fetches it again)."""
+        return self.unpacks >= self.saves
+
+    def position(self) -> int:
+        """The pack position of the save backward unpacks next: saves come back in reverse."""
+        return self.positions[max(0, self.saves - 1 - self.unpacks)]
 
 
 class _PackOrder:
@@ -106,18 +131,23 @@ class _PackOrder:
         self._entries: list[weakref.ref[_Offloaded]] = []
 
     def add(self, entry: _Offloaded) -> None:
-        entry.index = len(self._entries)
+        """One save of `entry` (an entry saved again is added again)."""
+        entry.positions.append(len(self._entries))
+        entry.saves += 1
         self._entries.append(weakref.ref(entry))
 
     def to_fetch(self, entry: _Offloaded) -> list[_Offloaded]:
-        """`entry` unless its copy is already under way, then the upcoming entries not yet fetched."""
+        """`entry` unless its copy is already under way, then the upcoming entries not yet fetched
+        (each counted once, at its latest save before this one)."""
         out = [] if entry.pending is not None else [entry]
-        i, window = entry.index - 1, 0
+        seen = {id(entry)}
+        i, window = entry.position() - 1, 0
         while i >= 0 and window < self.ahead:
             e = self._entries[i]()
             i -= 1
-            if e is None or e.used:
+            if e is None or e.used or id(e) in seen:
                 continue
+            seen.add(id(e))
             window += 1
             if e.pending is None:
                 out.append(e)
@@ -149,10 +179,16 @@ class _Offloader:
         min_bytes: int | None,
         prefetch: int,
         pin: bool,
+        layers: int | None = None,
     ) -> None:
         self.stats, self.min_bytes, self.pin = stats, min_bytes, pin
         self.exclude = {p.untyped_storage().data_ptr() for p in params}
         self.order = _PackOrder(prefetch)
+        self.layers = layers
+        self.moved = 0
+        """Tensors this forward moved to the host (each once)."""
+        self._live: dict[tuple, tuple[weakref.ref, weakref.ref[_Offloaded]]] = {}
+        """(storage address, view, version) → (the storage, its entry), for saves of it again."""
 
     def pack(self, t: torch.Tensor) -> object:
         s, nbytes = self.stats, t.numel() * t.element_size()
@@ -169,15 +205,42 @@ class _Offloader:
             s.tiny_tensors += 1
             s.tiny_bytes += nbytes
             return t.detach()
-        s.tensors += 1
-        s.bytes += nbytes
-        entry = self._to_host(t)
+        key, storage = _view_key(t)
+        entry = self._saved_before(key, storage)
+        if entry is not None:
+            s.shared_tensors += 1
+            s.shared_bytes += nbytes
+        else:
+            s.tensors += 1
+            s.bytes += nbytes
+            self.moved += 1
+            entry = self._to_host(t)
+            if key is not None:
+                self._remember(key, storage, entry)
         self.order.add(entry)
         return entry
+
+    def _saved_before(self, key: tuple | None, storage) -> _Offloaded | None:
+        """The entry of an earlier save of the same storage, view and version, if it lives. The
+        storage is compared by identity, not address: a freed block's address is reused."""
+        if key is None or key not in self._live:
+            return None
+        known, entry = self._live[key]
+        return entry() if known() is storage else None
+
+    def _remember(self, key: tuple, storage, entry: _Offloaded) -> None:
+        def forget(ref: weakref.ref, key: tuple = key) -> None:
+            if self._live.get(key, (None, None))[1] is ref:
+                del self._live[key]
+
+        self._live[key] = (weakref.ref(storage), weakref.ref(entry, forget))
 
     def unpack(self, packed: object) -> torch.Tensor:
         if not isinstance(packed, _Offloaded):
             return packed  # type: ignore[return-value]
+        if self.layers:  # backward has begun: every save of this forward is known
+            per_layer = math.ceil(self.moved / self.layers)
+            self.order.ahead = max(self.order.ahead, per_layer)
         if packed.pending is None:
             self.stats.prefetch_misses += 1
         else:
@@ -211,14 +274,28 @@ class _Offloader:
             e.ready.record(back)
 
     def _take(self, e: _Offloaded) -> torch.Tensor:
-        t, e.pending, e.used = e.pending, None, True
+        t = e.pending
         assert t is not None
+        e.unpacks += 1
+        if e.used:  # its last save: the copy back lives on in the caller's hands only
+            e.pending = None
         if e.ready is not None:
             current = torch.cuda.current_stream(e.device)
             current.wait_event(e.ready)
             t.record_stream(current)  # the side stream does not reuse it while compute reads it
             e.ready = None
         return t
+
+
+def _view_key(t: torch.Tensor) -> tuple[tuple | None, object]:
+    """(storage address, offset, shape, strides, dtype, version) and the storage object, for
+    finding a tensor saved again; (None, None) for a wrapper subclass with no storage (DTensor)."""
+    try:
+        storage = t.untyped_storage()
+    except RuntimeError:
+        return None, None
+    key = (storage.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t._version)
+    return key, storage
 
 
 @contextlib.contextmanager
@@ -229,9 +306,12 @@ def offload_activations(
     params: Iterable[torch.Tensor] = (),
     min_bytes: int | None = None,
     prefetch: int = DEFAULT_PREFETCH,
+    layers: int | None = None,
 ) -> Iterator[OffloadStats]:
     """Within the block, activations saved for backward go to host memory (pinned when a GPU is
-    present) and come back when backward unpacks them, `prefetch` tensors ahead.
+    present), each tensor once however often it is saved, and come back when backward unpacks
+    them, `prefetch` tensors ahead, or (given the `layers` the block's forward runs) one layer's
+    worth ahead if that is more.
 
     Stay where they are (counted in `stats` by reason): leaves that require grad (parameters, or
     inputs the caller holds), their views and autocast dtype casts — a parameter lives anyway, so
@@ -239,7 +319,8 @@ def offload_activations(
     autocast for the forward; `params` adds parameters that need no grad, which look like any other
     leaf. Also tensors below `min_bytes` (None: `DEFAULT_MIN_BYTES` for device tensors, 0 on CPU)."""
     stats = stats if stats is not None else OffloadStats()
-    hooks = _Offloader(stats, params, min_bytes, prefetch, pin_memory and torch.cuda.is_available())
+    pin = pin_memory and torch.cuda.is_available()
+    hooks = _Offloader(stats, params, min_bytes, prefetch, pin, layers)
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         yield stats
 

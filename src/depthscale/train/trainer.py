@@ -328,7 +328,11 @@ class Trainer:
     def _offloading(self) -> contextlib.AbstractContextManager:
         if self.offload is None:
             return contextlib.nullcontext()
-        return offload_activations(self.offload)
+        # the layers one forward runs (a pipeline stage runs one of this rank's chunks): backward
+        # brings back a layer's worth of activations ahead of use
+        p = self.cfg.parallel
+        layers = max(1, len(self.model.layers) // (p.pp_virtual if p.pp > 1 else 1))
+        return offload_activations(self.offload, layers=layers)
 
     def _mean_over_ranks(self, value: Tensor) -> float:
         """The global mean of a per-rank share (evaluation: off the hot path, read at once)."""
