@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -193,6 +194,12 @@ def log_tail(path: Path, offset: int, n: int = 6) -> str:
     return " | ".join(lines[-n:])[-900:]
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of the subprocesses waited for so far (a stage's, with its own children)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_stage(
     stage: Stage, timeout: float, args: argparse.Namespace, out: Path, work: Path
 ) -> dict:
@@ -205,7 +212,7 @@ def run_stage(
     with open(log, "ab") as f:
         f.write(f"\n===== {stage.name} ({now()}, timeout {timeout:.0f} s) =====\n".encode())
         f.flush()
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), _children_cpu_s()
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
@@ -221,10 +228,11 @@ def run_stage(
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
-        seconds = time.monotonic() - t0
+        seconds, cpu = time.monotonic() - t0, _children_cpu_s() - cpu0
     lines = read_lines(jsonl, offset)
     bad = [ln for ln in lines if ln.get("status") in ("failed", "timeout")]
-    values = {"seconds": round(seconds, 1), "timeout_s": timeout, "rc": rc, "lines": len(lines)}
+    values = {"seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "timeout_s": timeout}
+    values |= {"rc": rc, "lines": len(lines)}
     error = None
     if timed_out:
         status = "timeout"

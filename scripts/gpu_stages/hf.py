@@ -74,18 +74,14 @@ def build(ctx: Context) -> tuple[dict[str, Any], tuple]:
     missing = set(result.missing_keys) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     if missing or result.unexpected_keys:
         raise RuntimeError(f"weight copy into HF failed: {result}")
-    return {
+    shape = {"dim": cfg.dim, "layers": cfg.n_layers, "heads": cfg.n_heads,
+             "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size}  # fmt: skip
+    values = {
         "transformers": transformers.__version__,
         "params_m": round(sum(p.numel() for p in ds.parameters()) / 1e6, 1),
-        "config": {
-            "dim": cfg.dim,
-            "layers": cfg.n_layers,
-            "heads": cfg.n_heads,
-            "kv_heads": cfg.kv_heads,
-            "vocab": cfg.vocab_size,
-        },  # fmt: skip
-        "_models": (ds, hf),
+        "config": shape,
     }
+    return values, (ds, hf)
 
 
 def logits(ctx: Context, ds, hf, x: torch.Tensor, dtype: torch.dtype | None) -> dict[str, Any]:

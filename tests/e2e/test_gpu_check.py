@@ -1,0 +1,108 @@
+"""scripts/gpu_check.py, the prepared GPU check, as a user runs it: its --dry-run runs every stage's
+logic on CPU at tiny shapes, so that the check still works the day a GPU session runs it; a stage
+that crashes or hangs costs that stage alone; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_stages import STAGES  # noqa: E402
+
+KEYS = {"stage", "name", "status", "values", "error", "time"}
+CPU_SKIP = "no CUDA device"
+"""The only reason a dry run may skip a measurement: it needs CUDA itself (the CUDA sanitizer,
+device memory outside torch's allocator). Anything else skipped on CPU is a check that rotted."""
+
+
+def gpu_check(*args: str, env: dict[str, str] | None = None, timeout: float = 900):
+    environ = {k: v for k, v in os.environ.items() if k != "OUT"} | (env or {})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+
+
+def test_dry_run_writes_an_ok_line_for_every_stage(tmp_path):
+    out = tmp_path / "out"
+    result = gpu_check("--dry-run", "--out", str(out))
+    lines = read(out)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert all(set(line) == KEYS for line in lines), lines
+    assert [line["status"] for line in lines if line["name"] == "stage"] == ["ok"] * len(STAGES)
+    for stage in STAGES:
+        mine = [line for line in lines if line["stage"] == stage.name and line["name"] != "stage"]
+        assert any(line["status"] == "ok" for line in mine), (stage.name, mine)
+        for line in mine:
+            allowed = line["status"] == "skipped" and line["error"].startswith(CPU_SKIP)
+            assert line["status"] == "ok" or allowed, line
+    summary = lines[-1]
+    assert (summary["stage"], summary["name"], summary["status"]) == ("check", "summary", "ok")
+    assert summary["values"]["results_file"].startswith("benchmarks/results/gpu_check_cpu_")
+    # the numbers a GPU run is read for are there, from the real code paths
+    by_name = {(line["stage"], line["name"]): line["values"] for line in lines}
+    assert by_name[("env", "device")]["name"] == "cpu"
+    assert by_name[("unit_tests", "pytest")]["counts"]["passed"] > 0
+    reads = [v for (stage, name), v in by_name.items() if name.startswith("read d=")]
+    assert reads and all(v["rel_err"]["out"] < 1e-2 and v["fwd_ms"] > 0 for v in reads)
+    assert set(by_name[("trainer", "step_time_ratios")]) == {"block_over_standard",
+                                                            "full_over_standard"}  # fmt: skip
+    assert by_name[("compiled", "block")]["graph_breaks"] == 0
+    assert by_name[("hf", "logits_fp32")]["rel_err"] < 1e-4
+    assert (out / "gpu_check.log").stat().st_size > 0
+
+
+def test_a_crashed_and_a_hung_stage_cost_only_themselves(tmp_path):
+    out = tmp_path / "out"
+    result = gpu_check(
+        "--dry-run", "--out", str(out), "--only", "env,kernels,attention",
+        "--stage-timeout", "attention=3",
+        env={"GPU_CHECK_FAULT": "kernels=abort,attention=hang"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    stages = {line["stage"]: line for line in read(out) if line["name"] == "stage"}
+    assert stages["env"]["status"] == "ok"
+    assert stages["kernels"]["status"] == "failed"
+    assert "SIGABRT" in stages["kernels"]["error"]
+    assert stages["attention"]["status"] == "timeout"
+    assert stages["attention"]["values"]["seconds"] < 30
+    env_lines = [line for line in read(out) if line["stage"] == "env" and line["name"] != "stage"]
+    assert len(env_lines) >= 5 and all(line["status"] == "ok" for line in env_lines)
+    summary = read(out)[-1]
+    assert summary["status"] == "failed" and summary["values"]["failed"] == ["kernels", "attention"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--only", "env,nope"], "unknown stage nope"),
+        (["--stage-timeout", "env=soon"], "--stage-timeout 'env=soon'"),
+        (["--budget", "0"], "--budget 0 must be > 0"),
+        (["--out", "{file}/sub"], "cannot write to the output folder"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, message):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    args = [a.replace("{file}", str(blocker)) for a in args]
+    result = gpu_check(*args, timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
