@@ -36,7 +36,7 @@ STAGES: tuple[Stage, ...] = (
           "the kernel, attention and dispatch unit tests, run on CUDA"),
     Stage("kernels", "kernels", "run", 130, 30, 240,
           "Triton AttnRes kernels at production shapes against the PyTorch ops"),
-    Stage("trainer", "trainer", "run_eager", 80, 30, 240,
+    Stage("trainer", "trainer", "run_eager", 90, 30, 240,
           "4-layer llama-1b slice, bf16: standard, block and full residuals"),
     Stage("compiled", "trainer", "run_compiled", 160, 40, 300,
           "the same slice under torch.compile: first step, graph breaks, loss vs eager"),
