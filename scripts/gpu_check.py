@@ -268,6 +268,17 @@ def device_slug(jsonl: Path) -> str:
     return "unknown"
 
 
+def share(
+    left: float, limit: float, floor: float, later: list[tuple[float, float]]
+) -> float | None:
+    """The timeout of a stage started with `left` seconds of the budget: its own `limit`, or what
+    is left after keeping each later stage's (limit, floor) floor, whichever is less; None (skip
+    it) when that is below its own floor (or its limit, if that is lower)."""
+    reserve = sum(min(f, lim) for lim, f in later)
+    timeout = min(limit, left - reserve)
+    return timeout if timeout >= min(floor, limit) else None
+
+
 def drive(args: argparse.Namespace) -> int:
     stages = selected_stages(args.only)
     limits = timeouts(args.stage_timeout, args.dry_run)
@@ -285,9 +296,9 @@ def drive(args: argparse.Namespace) -> int:
     try:
         for i, stage in enumerate(stages):
             left = budget - (time.monotonic() - start)
-            reserve = sum(s.floor_s for s in stages[i + 1 :]) if not args.dry_run else 0.0
-            timeout = min(limits[stage.name], left - reserve)
-            if timeout < min(stage.floor_s, limits[stage.name]):
+            later = [(limits[s.name], s.floor_s) for s in stages[i + 1 :]]
+            timeout = share(left, limits[stage.name], stage.floor_s, later)
+            if timeout is None:
                 line = {"stage": stage.name, "name": "stage", "status": "skipped",
                         "values": {"seconds_left": round(left, 1)},
                         "error": f"time budget: {left:.0f} s left of {budget:.0f} s",

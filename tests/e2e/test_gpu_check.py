@@ -106,3 +106,55 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     assert result.returncode == 2
     assert result.stdout == ""
     assert len(result.stderr.splitlines()) == 1 and message in result.stderr, result.stderr
+
+
+def test_the_budget_keeps_each_later_stage_its_floor():
+    from gpu_check import share
+
+    later = [(100.0, 30.0), (10.0, 15.0)]  # a later stage's floor counts up to its own limit
+    assert share(500.0, 130.0, 30.0, later) == 130.0  # room for all: its own limit
+    assert share(100.0, 130.0, 30.0, later) == 60.0  # 100 - 30 - 10 kept for the later ones
+    assert share(60.0, 130.0, 30.0, later) is None  # 20 s would be below its floor: skipped
+    assert share(5.0, 3.0, 30.0, []) == 3.0  # a limit below the floor still runs
+
+
+class _Lines:
+    """A stage context that keeps its lines."""
+
+    def __init__(self):
+        self.lines = []
+
+    def emit(self, name, values=None, status="ok", error=None):
+        self.lines.append((name, status, values, error))
+
+    def measure(self, name, fn):
+        from gpu_stages.common import OutOfBounds
+
+        try:
+            self.emit(name, fn())
+        except OutOfBounds as o:
+            self.emit(name, o.values, "failed", str(o))
+
+
+def test_a_pytest_run_cut_short_reports_the_tests_that_finished():
+    from gpu_stages.unit_tests import report
+
+    output = "\n".join([
+        "tests/unit/test_kernels.py::test_read[bf16-1] PASSED [ 10%]",
+        "tests/unit/test_kernels.py::test_read[bf16-2] FAILED [ 20%]",
+        "tests/unit/test_memory.py::test_offload PASSED [ 30%]",
+        "tests/unit/test_memory.py::test_pre",  # killed mid-line
+    ])  # fmt: skip
+    files = ["tests/unit/test_kernels.py", "tests/unit/test_memory.py", "tests/unit/test_x.py"]
+    ctx = _Lines()
+    report(ctx, output, -9, True, 90.0, files, "not cpu")
+    by_name = {name: (status, values, error) for name, status, values, error in ctx.lines}
+    assert by_name["pytest tests/unit/test_kernels.py"][0] == "failed"
+    assert by_name["pytest tests/unit/test_kernels.py"][1]["failures"] == [
+        "tests/unit/test_kernels.py::test_read[bf16-2]"
+    ]
+    assert by_name["pytest tests/unit/test_memory.py"][:2] == ("ok", {"passed": 1})
+    assert "pytest tests/unit/test_x.py" not in by_name  # nothing of it ran
+    status, values, error = by_name["pytest"]
+    assert status == "failed" and values["timed_out"] and "killed after 90 s" in error
+    assert values["counts"] == {"passed": 2, "failed": 1}
