@@ -27,6 +27,7 @@ how the tests prove that one stage's crash or hang leaves the others' results.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -128,7 +129,7 @@ def timeouts(specs: list[str], dry_run: bool) -> dict[str, float]:
 
 def output_folder(given: str | None) -> Path:
     """--out, else $OUT, else ./gpu_check_out; created, and proven writable by starting the file."""
-    folder = Path(given or os.environ.get("OUT") or "gpu_check_out")
+    folder = Path(given or os.environ.get("OUT") or "gpu_check_out").absolute()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / JSONL).write_text("")
@@ -228,30 +229,31 @@ def run_stage(
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
+        with contextlib.suppress(ProcessLookupError):  # its group: what it left running too
             os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
+        rc = proc.wait() if timed_out else rc
         seconds, cpu = time.monotonic() - t0, _children_cpu_s() - cpu0
     lines = read_lines(jsonl, offset)
     bad = [ln for ln in lines if ln.get("status") in ("failed", "timeout")]
     values = {"seconds": round(seconds, 1), "cpu_s": round(cpu, 1), "timeout_s": timeout}
     values |= {"rc": rc, "lines": len(lines)}
-    error = None
+    problems = []
+    if bad:
+        problems.append(f"{len(bad)} failed: {', '.join(b['name'] for b in bad[:8])}")
+    # 0: all ok; 1: the stage's own "a line failed"; anything else: the process itself broke
+    broke = timed_out or rc not in (0, 1) or (rc == 1 and not bad) or not lines
     if timed_out:
-        status = "timeout"
         last = lines[-1]["name"] if lines else "none"
-        error = f"killed after {timeout:.0f} s; last line written: {last}; log: "
-        error += log_tail(log, log_offset)
-    elif rc != 0 and not bad:
-        status = "failed"
+        problems.append(f"killed after {timeout:.0f} s; last line written: {last}")
+    elif broke:
         how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
-        error = f"the stage's process ended with {how}; log: {log_tail(log, log_offset)}"
-    elif bad or not lines:
-        status = "failed"
-        error = f"{len(bad)} measurement(s) failed: {', '.join(b['name'] for b in bad[:8])}"
-        if not lines:
-            error = f"the stage wrote no line; log: {log_tail(log, log_offset)}"
-    else:
-        status = "ok"
+        problems.append(f"the stage's process ended with {how}")
+    if not lines:
+        problems.append("the stage wrote no line")
+    if broke:
+        problems.append(f"log: {log_tail(log, log_offset)}")
+    status = "timeout" if timed_out else "failed" if problems else "ok"
+    error = "; ".join(problems) or None
     line = {"stage": stage.name, "name": "stage", "status": status, "values": values}
     line |= {"error": error, "time": now()}
     write_line(jsonl, line)
