@@ -45,6 +45,12 @@ never of K/V):
 
 `RingStats` counts computed and skipped blocks, bytes and messages sent, and time blocked in waits.
 
+Under torch.compile (`train.compile` compiles each block) `RingAttention`, what
+`apply_context_parallel` installs, is left out of the graph (`torch.compiler.disable`): its
+point-to-point batches, host-side plan and statistics are Python a graph cannot hold, and dynamo's
+attempts to trace them cut one call into 17 graphs; so a compiled layer is two graphs, before and
+after its ring call. (`ring_attention`, the by-hand call, is not wrapped.)
+
 Layout, padding and the loss, by hand (the trainer's `ParallelPlan` does the same through
 `SequenceShard` and `TokenLoss`; the layout functions live in `sequence_layout.py`)::
 
@@ -399,8 +405,22 @@ class RingAttention:
         self.stats = stats if stats is not None else RingStats()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._plans: dict[tuple[int, int, torch.device], RingPlan] = {}
+        # outside any compiled graph (see the module doc); wrapped here, not at import, because
+        # torch.compiler.disable imports dynamo (and Triton), which a plain import must not
+        self._attend = torch.compiler.disable(self._attend)
 
     def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor | None,
+        k_pos: Tensor | None,
+        window: int,
+    ) -> Tensor:
+        return self._attend(q, k, v, q_pos, k_pos, window)
+
+    def _attend(
         self,
         q: Tensor,
         k: Tensor,
