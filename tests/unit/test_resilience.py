@@ -239,7 +239,7 @@ def test_heartbeat_probes_are_read_at_every_beat_and_never_stop_it():
 
     beat = Heartbeat.__new__(Heartbeat)  # the record alone: no store, no thread
     beat.fields, beat.steps, beat.seq, beat._progress_without_spans = {}, [], 0, 0
-    beat.probes = {}
+    beat.probes, beat.period = {}, 0.25
     state = {"saving": 8}
     beat.probe("saving", lambda: state["saving"])
     beat.probe("broken", lambda: 1 / 0)

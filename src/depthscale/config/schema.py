@@ -310,7 +310,9 @@ class ResilienceConfig:
     when more than one process is launched (--nproc > 1); false: plain torchrun semantics (a failed
     worker ends the job)."""
     heartbeat_s: float = 0.25
-    """Heartbeat period. A rank silent for max(4 heartbeats, 1.5 s) is dead or frozen."""
+    """Heartbeat period, longer in a large group (all ranks beat into one store: at most 256 beats
+    a second, so 2 s at 512 ranks). A rank silent for max(4 of its periods, 1.5 s) is dead or
+    frozen."""
     hang_floor_s: float = 30.0
     """A group whose slowest rank made no progress (no span ended) for max(this, hang_factor ×
     p99 step time, 2 heartbeats) is hung. The floor covers what a step's history cannot predict:
@@ -323,7 +325,10 @@ class ResilienceConfig:
     in flight, too) or an evaluation, which may legitimately run long without ending a span; also
     how long a hung group's save in flight may take to finish before the group is stopped."""
     startup_timeout_s: float = 300.0
-    """How long a (re)started group may take to its first completed step."""
+    """How long a (re)started group may go without any progress before its first completed step:
+    a new start-up phase, a compilation begun or ended, a span ended. The whole start may take many
+    times this (tokenizer training, NCCL set-up, one compilation per block); also how long a
+    node's supervisor waits for node 0's store and for the other nodes."""
     node_lost_s: float = 5.0
     """Multi-node: a node whose supervisor has not beaten in node 0's store for this long, or node
     0's store unanswered for this long, is gone, and the others give up (exit 75). A supervisor

@@ -13,7 +13,12 @@ hung rank from a busy one:
   collective keeps its heartbeat but stops its progress; the in-flight span says which.
 
 The span API is the single source: the heartbeat reads the active recorder, the training loop only
-reports per-step numbers (`update`); start-up marks come from `observe/startup.py`.
+reports per-step numbers (`update`); start-up marks come from `observe/startup.py`, compilations
+from `compile_watch.py` (a start that compiles for minutes is making progress).
+
+All ranks beat into one store (the supervisor's, node 0's in a multi-node job), so the period
+grows with the world: at most `BEATS_PER_S` beats a second reach it (`beat_period`: the configured
+0.25 s up to 64 ranks, 2 s at 512). Each record carries its period; the watch's limits follow it.
 
 Fencing: a worker whose supervisor (its parent process) is gone kills itself at the next beat, and
 one that cannot reach the store for `fence_s` too, so that a lost supervisor never leaves a group
@@ -37,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from depthscale.observe import spans, startup
+from depthscale.resilience.compile_watch import COMPILES
 
 SUPERVISOR_ENV = "DEPTHSCALE_SUPERVISOR"
 """host:port of the supervisor's store; set by the supervisor for its workers."""
@@ -44,6 +50,15 @@ PERIOD_ENV = "DEPTHSCALE_HEARTBEAT_S"
 NODE_ENV = "DEPTHSCALE_NODE_ID"
 STACKS_ENV = "DEPTHSCALE_STACKS_DIR"
 """Where `faulthandler` writes this rank's Python stacks when the supervisor sends SIGUSR1."""
+BEATS_PER_S = 256.0
+"""Heartbeats a second the whole group may send to the one store: a TCPStore serves every call on
+one thread, and the watches read each beat back, besides the start-up's own keys."""
+
+
+def beat_period(heartbeat_s: float, world: int) -> float:
+    """Seconds between one rank's beats: `resilience.heartbeat_s`, or longer where `world` ranks
+    beating that often would send the store more than BEATS_PER_S beats a second."""
+    return max(heartbeat_s, world / BEATS_PER_S)
 
 
 def node_id() -> str:
@@ -117,7 +132,10 @@ class Heartbeat:
         address = os.environ.get(SUPERVISOR_ENV)
         if not address:
             return None
-        return cls(address, rank, attempt, float(os.environ.get(PERIOD_ENV, "0.25")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(
+            address, rank, attempt, beat_period(float(os.environ.get(PERIOD_ENV, "0.25")), world)
+        )
 
     # ------------------------------------------------------------------ called by the trainer
 
@@ -171,7 +189,9 @@ class Heartbeat:
         return {
             **self.fields,
             **probed,
+            **COMPILES.snapshot(),
             "seq": self.seq,
+            "period": self.period,
             "time": time.time(),
             "progress": progress,
             "phase": last["name"] if last else None,
@@ -190,6 +210,7 @@ class Heartbeat:
         while not self._stop.is_set():
             if os.getppid() != self.supervisor_pid:  # the supervisor (our parent) died
                 self._fence("its supervisor process is gone")
+            COMPILES.install()  # once something has loaded dynamo
             try:
                 self.store.set(self.key, json.dumps(self.record(), default=str))
                 unreachable_since = None

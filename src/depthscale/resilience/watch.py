@@ -2,13 +2,17 @@
 group finishes or a fault is found (`Watch.run`); then forensics and stopping the group.
 
 The limits, and why (each decision's inputs go to the supervisor's log):
-- silent heartbeat: max(4 heartbeats, 1.5 s). A live worker writes one every `heartbeat_s` from a
-  daemon thread that only needs the GIL for a moment; a SIGSTOPped or frozen process writes none.
+- silent heartbeat: max(4 heartbeats, 1.5 s). A live worker writes one every period (the record
+  says which: `heartbeat_s`, longer in a large group, `heartbeat.beat_period`) from a daemon thread
+  that only needs the GIL for a moment; a SIGSTOPped or frozen process writes none. Heartbeats are
+  read back every quarter period (at most every 50 ms), not every poll: one store serves them all.
 - no progress: max(`hang_floor_s`, `hang_factor` × the group's p99 step time, 2 heartbeats) —
   a healthy rank ends a span (data, forward, backward, optimizer, a message, a collective) many
   times a step. Inside a checkpoint save (its blocking part, or its background writer still in
   flight on any rank: the writer competes with the steps beside it for cores and disk) or an
-  evaluation, or after the last step, `long_phase_s`; before the first step, `startup_timeout_s` (imports, data, kernel builds).
+  evaluation, or after the last step, `long_phase_s`; before the first step, `startup_timeout_s`
+  for each stretch in which the start does not advance (`startup_watch.py`: imports, data,
+  kernel builds and compilations may take many times that in all).
 - the culprit of a hang is the rank whose progress is oldest, preferring one that is not waiting
   for others: the ranks blocked in a collective are its victims.
 """
@@ -21,12 +25,13 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from depthscale.observe.startup import PHASES
+from depthscale.resilience.fault_record import Fault
 from depthscale.resilience.heartbeat import diagnostics_key, heartbeat_key
+from depthscale.resilience.startup_watch import StartupProgress, last_phase, start_record
 
 if TYPE_CHECKING:
     from depthscale.config.schema import ResilienceConfig
@@ -35,44 +40,6 @@ POLL_S = 0.05
 SILENT_FLOOR_S = 1.5
 LONG_PHASES = ("checkpoint", "eval")
 ENDING = ("finishing", "exiting")
-
-
-@dataclass
-class Fault:
-    kind: str
-    """dead, hung, slow, error, bad_node (failed the diagnostics), peer (another node's fault,
-    multi-node), lost (another node gone whole, multi-node), or stopped (a stop signal to the
-    supervisor, not a fault)."""
-    ranks: list[int]
-    nodes: list[str]
-    detail: str
-    since: float
-    """When it began (wall time; estimated from the last sign of life or progress)."""
-    detected_at: float
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        if self.kind == "lost":  # a node gone whole: named as its supervisor's peers know it
-            ranks = ", ".join(map(str, self.ranks)) or "unknown"
-            who = f"{self.evidence.get('node') or ', '.join(self.nodes)} (ranks {ranks})"
-        elif len(self.nodes) == len(self.ranks):
-            who = ", ".join(
-                f"rank {r}{_where(self.evidence.get('coords', {}).get(str(r)))} on node {n}"
-                for r, n in zip(self.ranks, self.nodes)
-            )
-        else:  # a node's ranks
-            who = f"node(s) {', '.join(self.nodes)} (ranks {', '.join(map(str, self.ranks))})"
-
-        return (
-            f"{self.kind}: {who}: {self.detail} "
-            f"(detected {self.detected_at - self.since:.2f} s after it began)"
-        )
-
-
-def _where(coords: dict | None) -> str:
-    if not coords:
-        return ""
-    return " (" + " ".join(f"{k}{coords[k]}" for k in ("pp", "dp", "cp", "tp") if k in coords) + ")"
 
 
 class _Rank:
@@ -111,6 +78,8 @@ class Watch:
         self.published = published
         self.launched = time.time()
         self.ranks = [_Rank(self.launched) for _ in nodes]
+        self.starting = StartupProgress(len(nodes), self.launched)
+        self.read_at = float("-inf")
         self.stopping_since: float | None = None
         self.slow_since: dict[int, int] = {}
         self.nan_seen = 0
@@ -229,17 +198,25 @@ class Watch:
                 return
             if s.hb is None or hb.get("seq") != s.hb.get("seq"):
                 s.seen_at = now
+            self.starting.observe(rank, hb, now)
             self.checkpoint_step = max(self.checkpoint_step, int(hb.get("checkpoint_step") or 0))
             if hb.get("progress") != s.progress:
                 s.progress, s.progress_at = hb.get("progress"), now
             s.hb = hb
 
+    def _period(self, rank: int) -> float:
+        """The rank's heartbeat period, as its record says (`heartbeat.beat_period`)."""
+        return float((self.ranks[rank].hb or {}).get("period") or self.r.heartbeat_s)
+
     def _read_and_judge(self, now: float, supervisor) -> Fault | None:
-        self._read(now)
         running = [r for r, s in enumerate(self.ranks) if s.exit is None]
-        silent_limit = max(4 * self.r.heartbeat_s, SILENT_FLOOR_S)
+        periods = [self._period(r) for r in running] or [self.r.heartbeat_s]
+        if now - self.read_at >= max(POLL_S, min(periods) / 4):
+            self.read_at = now
+            self._read(now)
         for rank in running:
             s = self.ranks[rank]
+            silent_limit = max(4 * self._period(rank), SILENT_FLOOR_S)
             exiting = (s.hb or {}).get("state") == "exiting"
             if s.hb is not None and now - s.seen_at > (
                 self.r.long_phase_s if exiting else silent_limit
@@ -253,19 +230,8 @@ class Watch:
                     now,
                     limit=silent_limit,
                 )
-        started = self._all_marked("first_step")
-        if not started:
-            limit = self.r.startup_timeout_s
-            if now - self.launched > limit:
-                late = [r for r in running if "first_step" not in self._marks(r)]
-                return self._hang(
-                    late or running,
-                    f"no first step {limit:g} s after launch (resilience.startup_timeout_s)",
-                    self.launched,
-                    now,
-                    limit=limit,
-                )
-            return None
+        if not self._all_marked("first_step"):
+            return self._startup_hang(running, now)
         limit, why = self._progress_limit(running)
         culprit = self._culprit(running)
         if (
@@ -302,10 +268,32 @@ class Watch:
                 f"a background save of step {max(saving)} in flight: long_phase_s",
             )
         p99 = max((hb.get("step_p99_s") or 0.0) for hb in hbs) if hbs else 0.0
-        limit = max(self.r.hang_floor_s, self.r.hang_factor * p99, 2 * self.r.heartbeat_s)
+        beat = max((self._period(r) for r in running), default=self.r.heartbeat_s)
+        limit = max(self.r.hang_floor_s, self.r.hang_factor * p99, 2 * beat)
         return limit, (
             f"max(hang_floor_s {self.r.hang_floor_s:g}, {self.r.hang_factor:g} × p99 step "
             f"{p99:.3f} s, 2 heartbeats)"
+        )
+
+    def _startup_hang(self, running: list[int], now: float) -> Fault | None:
+        """Before the group's first step: hung once no rank still starting has advanced for
+        `startup_timeout_s` (`startup_watch.py`)."""
+        limit = self.r.startup_timeout_s
+        starting = [r for r in running if "first_step" not in self._marks(r)]
+        stalled = self.starting.stalled(starting, now, limit)
+        if stalled is None:
+            return None
+        culprit, since = stalled
+        phase = last_phase(self._marks(culprit))
+        return self._hang(
+            [culprit],
+            f"start-up made no progress for {now - since:.2f} s (limit {limit:g} s: "
+            f"resilience.startup_timeout_s, each stretch without a new start-up phase, "
+            f"compilation or span; {now - self.launched:.0f} s since launch); its last phase "
+            f"done: {phase}",
+            since,
+            now,
+            limit=limit,
         )
 
     def saving_steps(self) -> set[int]:
@@ -432,33 +420,14 @@ class Watch:
     def _log_start(self, breakdown: dict[str, float] | None, supervisor) -> None:
         """The (re)start's phases: the slowest rank's time to each start-up mark."""
         n = range(len(self.ranks))
-        marked = [m for m in PHASES if all(m in self._marks(r) for r in n)]
-        at = {m: max(self._marks(r)[m] for r in n) for m in marked}
-        start = max((self.ranks[r].hb or {}).get("process_start") or self.launched for r in n)
-        phases = {"launch": start - self.launched}
-        previous = start
-        for mark in marked:
-            phases[mark] = at[mark] - previous
-            previous = at[mark]
-        if breakdown is None:
-            total = at["first_step"] - self.launched
-            text = f"attempt {self.attempt}: first step {total:.2f} s after launch"
-            fields = {"phases_s": phases}
-        else:
-            before = {
-                "detect": breakdown["detected"] - breakdown["fault"],
-                "forensics": breakdown["forensics"],
-                "stop": breakdown["stop"],
-                "relaunch": self.launched - breakdown["relaunch_at"],
-            }
-            phases = {**before, **phases}
-            total = at["first_step"] - breakdown["fault"]
-            text = f"attempt {self.attempt}: fault → first completed step {total:.2f} s"
-            fields = {"phases_s": phases, "fault_to_first_step_s": total}
-        text += " (" + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + ")"
-        supervisor.log(
-            "restart_time" if breakdown else "start_time", text, attempt=self.attempt, **fields
+        event, text, fields = start_record(
+            self.attempt,
+            [self._marks(r) for r in n],
+            [(self.ranks[r].hb or {}).get("process_start") for r in n],
+            self.launched,
+            breakdown,
         )
+        supervisor.log(event, text, attempt=self.attempt, **fields)
 
     def forensics(self, fault: Fault, directory: Path) -> None:
         """Python stacks of every live worker (faulthandler, on SIGUSR1) and the fault's evidence,
