@@ -133,5 +133,8 @@ def test_group_creation_internals_the_sync_counter_patches():
     assert list(params)[0] == "ranks" and "use_local_synchronization" in params
     assert "use_local_synchronization" in inspect.signature(distributed_c10d.new_group).parameters
     assert device_mesh.split_group is distributed_c10d.split_group
+    # own_group under NCCL: one split for all parts, by these keywords (public since 2.6)
+    split = inspect.signature(distributed_c10d.split_group).parameters
+    assert {"split_ranks", "group_desc"} <= split.keys()
     assert callable(distributed_c10d._get_default_store)
     assert "len(_world.pg_names)" in inspect.getsource(distributed_c10d._hash_ranks_to_str)
