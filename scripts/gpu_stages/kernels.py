@@ -34,6 +34,7 @@ from gpu_stages.common import (
     OutOfBounds,
     Skipped,
     copy_gbps,
+    max_abs,
     rel_err,
     seconds_of,
     sig,
@@ -102,15 +103,17 @@ def _reference(call, args: list[torch.Tensor], upstream: list[torch.Tensor]):
     return [o.detach() for o in outs], grads
 
 
-def _errors(outs, ref_outs, grads, ref_grads, names: tuple[str, ...]) -> dict[str, float]:
-    errors = {}
-    for name, got, want in zip(names, outs, ref_outs):
-        errors[name] = rel_err(got, want)
-    errors["grads"] = max(rel_err(g, w) for g, w in zip(grads, ref_grads))
-    return errors
+def _errors(outs, ref_outs, grads, ref_grads, names: tuple[str, ...]) -> dict[str, Any]:
+    """‖got − want‖ / ‖want‖ per output and the worst over the gradients (what the bounds
+    judge), and the largest absolute difference of each output."""
+    rel = {name: rel_err(got, want) for name, got, want in zip(names, outs, ref_outs)}
+    rel["grads"] = max(rel_err(g, w) for g, w in zip(grads, ref_grads))
+    biggest = {name: sig(max_abs(got, want), 3) for name, got, want in zip(names, outs, ref_outs)}
+    return {"rel_err": {k: sig(v, 4) for k, v in rel.items()}, "max_abs_err": biggest}
 
 
-def _check(errors: dict[str, float], values: dict[str, Any]) -> dict[str, Any]:
+def _check(values: dict[str, Any]) -> dict[str, Any]:
+    errors = values["rel_err"]
     over = [f"{k} {v:.2e} > {BOUNDS[k]:.0e}" for k, v in errors.items() if not within(v, BOUNDS[k])]
     if over:
         raise OutOfBounds("error above its bound: " + "; ".join(over), values)
@@ -166,8 +169,7 @@ def read_case(ctx: Context, shapes: dict, d: int, S: int, m: int, gbps: float | 
           torch.randn(lse.shape, generator=gen, device=ctx.device)]  # fmt: skip
     grads = torch.autograd.grad((out, lse), [q, *srcs], up)
     ref_outs, ref_grads = _reference(lambda a: multi_query_read(a[1:], a[0], EPS), [q, *srcs], up)
-    errors = _errors((out, lse), ref_outs, grads, ref_grads, ("out", "lse"))
-    values["rel_err"] = {k: float(f"{v:.3e}") for k, v in errors.items()}
+    values |= _errors((out, lse), ref_outs, grads, ref_grads, ("out", "lse"))
     del out, lse, grads, ref_outs, ref_grads, srcs
 
     # timing at N tokens
@@ -180,7 +182,7 @@ def read_case(ctx: Context, shapes: dict, d: int, S: int, m: int, gbps: float | 
     bwd_bytes = 2 * m * N * d * e + S * N * d * e + 2 * S * N * 4 + 2 * S * d * 4
     values |= _timings(ctx, shapes, lambda: triton_multi_query_read(srcs, q, EPS), [q, *srcs],
                        up, fwd_bytes, bwd_bytes, gbps)  # fmt: skip
-    return _check(errors, values)
+    return _check(values)
 
 
 def merge_case(ctx: Context, shapes: dict, d: int, gbps: float | None) -> dict:
@@ -206,8 +208,7 @@ def merge_case(ctx: Context, shapes: dict, d: int, gbps: float | None) -> dict:
     up = [torch.randn(h.shape, generator=gen, device=ctx.device).to(h.dtype)]
     grads = torch.autograd.grad((h,), args, up)
     ref_outs, ref_grads = _reference(lambda a: merge_partial(*a, EPS), args, up)
-    errors = _errors((h,), ref_outs, grads, ref_grads, ("out",))
-    values["rel_err"] = {k: float(f"{v:.3e}") for k, v in errors.items()}
+    values |= _errors((h,), ref_outs, grads, ref_grads, ("out",))
 
     args = inputs(B, T)
     up = [torch.randn(B, T, d, generator=gen, device=ctx.device).to(DTYPE)]
@@ -215,7 +216,7 @@ def merge_case(ctx: Context, shapes: dict, d: int, gbps: float | None) -> dict:
     bwd_bytes = 5 * N * d * e + 2 * N * 4 + 2 * d * 4  # o, p, dh read; d_o, d_p written
     values |= _timings(ctx, shapes, lambda: triton_merge_partial(*args, EPS), args, up,
                        fwd_bytes, bwd_bytes, gbps)  # fmt: skip
-    return _check(errors, values)
+    return _check(values)
 
 
 def memory(ctx: Context) -> dict:
