@@ -2,9 +2,10 @@
 hang watchdog, the online straggler detector, the MFU-decline alarm and synchronised garbage
 collection (`train.gc_interval`).
 
-The trainer calls `begin_step` / `end_step` around a step and packs `busy_row()` into the
-per-step all-reduce it already does (so straggler detection adds no collective); `end_step` gets
-every rank's row back and returns what to log.
+The trainer calls `begin_step` / `end_step` around a step and hands `busy_row()` to the host
+vote it already exchanges every step (`step_metrics.HostVote`: straggler detection adds no
+collective); every `gather_every(world)` steps `end_step` gets each rank's median row back and
+returns what to log.
 """
 
 from __future__ import annotations
