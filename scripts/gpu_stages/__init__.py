@@ -32,7 +32,7 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("env", "env", "run", 40, 15, 120,
           "versions, device, SM count, SDPA backends, TF32 flags, copy and matmul ceilings"),
-    Stage("unit_tests", "unit_tests", "run", 100, 30, 240,
+    Stage("unit_tests", "unit_tests", "run", 120, 30, 240,
           "the kernel, attention and dispatch unit tests, run on CUDA"),
     Stage("kernels", "kernels", "run", 130, 30, 240,
           "Triton AttnRes kernels at production shapes against the PyTorch ops"),
