@@ -23,6 +23,7 @@ def run(ctx: Context) -> None:
     ctx.measure("sdpa_backends", lambda: sdpa_backends(ctx))
     ctx.measure("tf32", tf32_flags)
     ctx.measure("ceilings", lambda: ceilings(ctx))
+    ctx.measure("nccl_flight_recorder", nccl_flight_recorder)
 
 
 def _version(dist: str) -> str:
@@ -30,6 +31,24 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "missing"
+
+
+def nccl_flight_recorder() -> dict:
+    """`depthscale trace hang` reads NCCL's recorder through the private
+    `_dump_nccl_trace(includeCollectives, includeStackTraces, onlyActive)`
+    (observe/flight_recorder.py): on a torch built with NCCL, its arguments are still those."""
+    from depthscale.observe.flight_recorder import NCCL_DUMP
+
+    dump = getattr(torch._C._distributed_c10d, NCCL_DUMP, None)
+    if dump is None:
+        return {"available": False}  # a torch built without NCCL (the dry run's)
+    doc = dump.__doc__ or ""
+    missing = [
+        a for a in ("includeCollectives", "includeStackTraces", "onlyActive") if a not in doc
+    ]
+    if missing:
+        raise AssertionError(f"{NCCL_DUMP} no longer takes {', '.join(missing)}: {doc[:200]}")
+    return {"available": True}
 
 
 def versions() -> dict:
