@@ -27,7 +27,6 @@ from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.attnres_ops import (  # noqa: E402
     KernelFallbackError,
     choose,
-    inter_block_read,
     inter_block_read_chained,
     kernel_paths,
     merge_partial,
@@ -334,14 +333,18 @@ def test_importing_the_model_imports_neither_dynamo_nor_triton():
 
 @needs_triton
 def test_triton_reads_compile_into_one_graph_with_eager_results():
-    """The Triton reads are custom ops: torch.compile keeps them in its graph (fullgraph=True
-    raises on a graph break) and AOT autograd, through their fake versions and registered
-    backward, gives the eager kernels' values and gradients exactly (same kernels, same order)."""
+    """Under torch.compile the Triton reads are custom ops: the compiler keeps them in its graph
+    (fullgraph=True raises on a graph break) and AOT autograd, through their fake versions and
+    registered backward, gives the eager kernels' values and gradients exactly — eager reads chain
+    (a block's two gradients summed in the kernel), compiled ones do not (autograd sums them), and
+    a sum of two fp32 terms is the same either way."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     def reads(blocks, partial, queries):
-        out, lse = inter_block_read(blocks, queries, EPS)
-        return merge_partial(out[1], lse[1], partial, queries[1], EPS)
+        out, lse, blocks = inter_block_read_chained(blocks, queries, EPS)
+        h, partial = merge_partial_chained(out[1], lse[1], partial, queries[1], EPS)
+        nxt, _, _ = inter_block_read_chained([*blocks, partial], queries, EPS)
+        return h + nxt[1]
 
     torch.manual_seed(0)
     values = [torch.randn(2, 5, 16, device=DEVICE) for _ in range(5)]

@@ -78,7 +78,7 @@ def read_forward(w: Tensor, sources: list[Tensor], eps: float, outs: list[Tensor
     S, d = w.shape
     src0, m = sources[0], len(sources)
     N, device = src0.numel() // d, src0.device
-    logits, weighted = config.read_forward_variants(d, S, dtype_name(src0.dtype), True)
+    logits, weighted = config.read_forward_variants(d, S, dtype_name(src0.dtype))
     s_pad = logits.meta["S_PAD"]
     lse = torch.empty(S, *src0.shape[:-1], dtype=torch.float32, device=device)
     if N == 0:
@@ -116,7 +116,7 @@ def read_backward(
     d_srcs = [torch.empty_like(s) for s in sources]
     if N == 0:
         return torch.zeros_like(w), d_srcs
-    logits, weights, grads = config.read_backward_variants(d, S, dtype_name(src0.dtype), True)
+    logits, weights, grads = config.read_backward_variants(d, S, dtype_name(src0.dtype))
     s_pad = logits.meta["S_PAD"]
     zn = _rows(N, m, s_pad)
     w_pad = torch.zeros(s_pad, d, dtype=torch.float32, device=device)
@@ -148,7 +148,7 @@ def merge_forward(o: Tensor, lse: Tensor, p: Tensor, w: Tensor, eps: float) -> T
     h = torch.empty_like(p)
     if N == 0:
         return h
-    variant = config.merge_forward_variant(d, dtype_name(p.dtype), dtype_name(o.dtype), True)
+    variant = config.merge_forward_variant(d, dtype_name(p.dtype), dtype_name(o.dtype))
     blocks = triton.cdiv(N, variant.meta["BLOCK_N"])
     _launch(variant, blocks, o, lse, p, w, h, N, d, eps)
     return h
@@ -164,7 +164,7 @@ def merge_backward(
     d_o, d_lse, d_p = torch.empty_like(o), torch.empty_like(lse), torch.empty_like(p)
     if N == 0:
         return d_o, d_lse, d_p, torch.zeros_like(w)
-    variant = config.merge_backward_variant(d, dtype_name(p.dtype), dtype_name(o.dtype), True)
+    variant = config.merge_backward_variant(d, dtype_name(p.dtype), dtype_name(o.dtype))
     n_blocks = triton.cdiv(N, variant.meta["BLOCK_N"])
     n_progs = config.programs(n_blocks, _sms(p.device))
     dw = torch.empty(n_progs, d, dtype=torch.float32, device=p.device)
