@@ -375,6 +375,7 @@ def _dense(q, k, v, window):
     )
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_window_block_mask_is_the_window():
     """FlexAttention over the sliding-window block mask (uncompiled: its reference) equals SDPA
     with the dense window mask, for a length that is not a multiple of flex's 128-row blocks and
@@ -387,6 +388,24 @@ def test_flex_window_block_mask_is_the_window():
     want = _dense(q.double(), k.double(), v.double(), window)
     check(scaled_err(got, want), fp32_sum_bound(2 * (T + 16)), "flex window")
     assert wa._window_block_mask(T, window, q.device) is wa._window_block_mask(T, window, q.device)
+
+
+def test_a_compiled_cpu_window_is_one_graph(cpu_ops):
+    """While torch.compile traces, a CPU window takes torch's flash kernel per tile, not the
+    banded kernel (its op has no fake kernel: tracing it failed), in one graph, with the same
+    result (fp32 bound of the softmax chain, as tests/unit/test_window_attention.py)."""
+    g = torch.Generator().manual_seed(6)
+    T, window = 48, 8
+    q = torch.randn(1, 4, T, 16, generator=g)
+    k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(2))
+    assert wa.path(q) == "cpu_band"
+
+    def layer(q, k, v):
+        return wa.window_attention(q, k, v, window)
+
+    got = torch.compile(layer, backend="eager", fullgraph=True)(q, k, v)
+    want = _dense(q.double(), k.double(), v.double(), window)
+    check(scaled_err(got, want), fp32_sum_bound(2 * (window + 16)), "compiled window")
 
 
 # -------------------------------------------------------------------- the real kernels (CUDA)

@@ -75,8 +75,9 @@ def window_attention(
 
 
 def path(q: Tensor) -> dispatch.WindowPath:
-    """The kernel a window over `q` runs on (see `attention_dispatch.window_path`)."""
-    band = q.device.type == "cpu" and _band_ops() is not None
+    """The kernel a window over `q` runs on (see `attention_dispatch.window_path`). Not the banded
+    CPU kernel while torch.compile traces: its op has no fake kernel (as for the AttnRes reads)."""
+    band = q.device.type == "cpu" and not torch.compiler.is_compiling() and _band_ops() is not None
     caps = dispatch.capabilities(q.device)
     return dispatch.window_path(q.device.type, q.dtype, q.shape[-1], caps, band)
 
