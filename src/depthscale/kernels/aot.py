@@ -13,6 +13,9 @@ and `GPUTarget(backend, arch, warp_size)`. The kernels are compiled from a fresh
 `attnres_triton_jit`, loaded with the interpreter off, because under TRITON_INTERPRET=1 (the
 tests) `@triton.jit` makes interpreter functions, which cannot be compiled. Nothing is cached:
 each call compiles into a temporary cache directory and removes it.
+
+`python -m depthscale.kernels.aot [90 80]` prints one JSON line per grid variant and architecture;
+benchmarks/results/attnres_triton_aot.jsonl holds its output for Triton 3.6 and 3.9.
 """
 
 from __future__ import annotations
@@ -224,6 +227,8 @@ def main(argv: list[str]) -> int:
     """Print one JSON line per grid variant and architecture; exit 1 if any breaks a limit."""
     import json
 
+    import triton
+
     from depthscale.kernels.attnres_triton_config import grid_variants
 
     archs = tuple(int(a) for a in argv) or (90, 80)
@@ -231,7 +236,8 @@ def main(argv: list[str]) -> int:
     failed = False
     for variant, arch, usage in compile_many(list(grid), archs):
         d, S, dtype = grid[variant]
-        record = {"variant": variant.describe(), "first_shape": {"d": d, "S": S, "dtype": dtype}}
+        record = {"triton": triton.__version__, "variant": variant.describe(),
+                  "first_shape": {"d": d, "S": S, "dtype": dtype}}  # fmt: skip
         if isinstance(usage, str):
             record |= {"arch": arch, "problems": [usage]}
         else:

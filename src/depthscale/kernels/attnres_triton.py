@@ -41,6 +41,9 @@ Design, and why:
   finishes — deterministic, no atomics, and bounded: n_programs × n_chunks ≈ 4 programs per SM,
   so the partials are ~4·SMs·S_PAD·BLOCK_D·4 bytes (~4 MB at S = 32 on an H100) whatever d is;
   the first design wrote one [S_PAD, next_pow2(d)] partial per program, 0.3–0.5 GB at d = 8192.
+  The merge's backward needs whole-d dots per token before its pass over d, so it keeps one grid
+  of ~4 programs per SM striding over token blocks, each accumulating its own [d] row of the
+  partials in place (17 MB at d = 8192 on an H100).
 - Gradient chaining: a chained read (`attnres_ops.inter_block_read_chained`) returns the sources
   again as aliases, and its backward writes each source's gradient once as the aliases' gradient
   (the later reads' sum) plus its own, rounded as autograd would add them — instead of autograd

@@ -84,8 +84,7 @@ def read_forward(w: Tensor, sources: list[Tensor], eps: float, outs: list[Tensor
     if N == 0:
         return lse
     zn = _rows(N, m, s_pad)
-    w_pad = torch.zeros(s_pad, d, dtype=torch.float32, device=device)
-    w_pad[:S] = w
+    w_pad = torch.nn.functional.pad(w, (0, 0, 0, s_pad - S))  # zero queries: no query masks
     z = torch.empty(m, s_pad, zn, dtype=torch.float32, device=device)
     table = address_table([*sources, *outs], device)
     blocks = triton.cdiv(N, logits.meta["BLOCK_N"])
@@ -119,8 +118,7 @@ def read_backward(
     logits, weights, grads = config.read_backward_variants(d, S, dtype_name(src0.dtype))
     s_pad = logits.meta["S_PAD"]
     zn = _rows(N, m, s_pad)
-    w_pad = torch.zeros(s_pad, d, dtype=torch.float32, device=device)
-    w_pad[:S] = w
+    w_pad = torch.nn.functional.pad(w, (0, 0, 0, s_pad - S))
     if d_lse is None:
         d_lse = torch.zeros(S, N, dtype=torch.float32, device=device)
     z = torch.empty(m, s_pad, zn, dtype=torch.float32, device=device)
