@@ -132,11 +132,13 @@ def test_choosing_a_cuda_path_does_not_break_a_compiled_graph(monkeypatch):
 def test_the_fused_ops_schemas_are_the_ones_our_calls_are_written_for():
     """Pinned for this torch (2.13 here; the same names in 2.11): were an argument renamed or moved,
     `capabilities` would drop that op (falling back) instead of calling it wrongly."""
-    for name, args in dispatch.SCHEMAS.items():
-        assert dispatch.schema_matches(name, args), name
-    flash = dispatch.SCHEMAS["_scaled_dot_product_flash_attention"]
-    assert not dispatch.schema_matches("_scaled_dot_product_flash_attention", flash[1:])
-    assert not dispatch.schema_matches("_no_such_attention_op", flash)
+    for name, (positional, keywords) in dispatch.SCHEMAS.items():
+        assert dispatch.schema_matches(name, positional, keywords), name
+    positional, keywords = dispatch.SCHEMAS["_scaled_dot_product_flash_attention"]
+    op = "_scaled_dot_product_flash_attention"
+    assert not dispatch.schema_matches(op, positional[1:], keywords)  # an argument moved
+    assert not dispatch.schema_matches(op, positional, ("window_size_left",))  # one missing
+    assert not dispatch.schema_matches("_no_such_attention_op", positional, keywords)
 
 
 @pytest.mark.parametrize("window", [0, 24])

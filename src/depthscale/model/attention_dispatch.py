@@ -36,33 +36,34 @@ MaskKind = Literal["none", "causal", "masked"]
 TilePath = Literal["cpu_flash", "cuda_flash", "cuda_efficient", "reference"]
 WindowPath = Literal["cpu_band", "cpu_tiles", "cuda_flash_window", "flex", "sdpa_blocks"]
 
-SCHEMAS = {
+SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "_scaled_dot_product_flash_attention": (
-        "query", "key", "value", "dropout_p", "is_causal", "return_debug_mask", "scale",
+        ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"), ("scale",),
     ),
     "_scaled_dot_product_flash_attention_backward": (
-        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
-        "max_q", "max_k", "dropout_p", "is_causal", "philox_seed", "philox_offset", "scale",
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+         "max_q", "max_k", "dropout_p", "is_causal", "philox_seed", "philox_offset"),
+        ("scale",),
     ),
     "_scaled_dot_product_efficient_attention": (
-        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
-        "scale",
+        ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"),
+        ("scale",),
     ),
     "_scaled_dot_product_efficient_attention_backward": (
-        "grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed",
-        "philox_offset", "dropout_p", "grad_input_mask", "is_causal", "scale",
+        ("grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed",
+         "philox_offset", "dropout_p", "grad_input_mask", "is_causal"),
+        ("scale",),
     ),
     "_flash_attention_forward": (
-        "query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
-        "is_causal", "return_debug_mask", "scale", "window_size_left", "window_size_right",
+        ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p",
+         "is_causal", "return_debug_mask"),
+        ("scale", "window_size_left", "window_size_right"),
     ),
-    "_flash_attention_backward": (
-        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
-        "max_q", "max_k", "dropout_p", "is_causal", "rng_state", "unused", "scale",
-        "window_size_left", "window_size_right",
-    ),
+    # called by autograd, not by us: only its window must exist, or the backward would be full
+    "_flash_attention_backward": ((), ("window_size_left", "window_size_right")),
 }  # fmt: skip
-"""The leading arguments (by name, in order) each fused op must have for our calls to be right."""
+"""Per fused op: the arguments we pass by position (their names, in order) and those we pass by
+name. An op whose schema lacks them is not used."""
 
 
 @dataclass(frozen=True)
@@ -79,19 +80,20 @@ class Capabilities:
     """FlexAttention, compiled by Triton (block-sparse: a window costs what it covers)."""
 
 
-def schema_matches(op_name: str, names: tuple[str, ...]) -> bool:
-    """Whether `aten.<op_name>` exists and its arguments start with `names`, in order."""
+def schema_matches(op_name: str, positional: tuple[str, ...], keywords: tuple[str, ...]) -> bool:
+    """Whether `aten.<op_name>` exists, its arguments start with `positional` in that order and
+    include every one of `keywords`."""
     packet = getattr(torch.ops.aten, op_name, None)
     overload = getattr(packet, "default", None) if packet is not None else None
     if overload is None:
         return False
     got = tuple(a.name for a in overload._schema.arguments)
-    return got[: len(names)] == names
+    return got[: len(positional)] == positional and set(keywords) <= set(got)
 
 
 @lru_cache(maxsize=1)
 def _schemas() -> dict[str, bool]:
-    return {name: schema_matches(name, args) for name, args in SCHEMAS.items()}
+    return {name: schema_matches(name, *args) for name, args in SCHEMAS.items()}
 
 
 @lru_cache(maxsize=8)
