@@ -392,6 +392,7 @@ def test_flex_window_block_mask_is_the_window():
     assert wa._window_block_mask(T, window, q.device) is wa._window_block_mask(T, window, q.device)
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_a_compiled_cpu_window_is_one_graph(cpu_ops):
     """While torch.compile traces, a CPU window takes torch's flash kernel per tile, not the
     banded kernel (its op has no fake kernel: tracing it failed), in one graph, with the same
