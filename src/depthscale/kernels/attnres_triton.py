@@ -76,7 +76,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from depthscale.kernels import attnres_triton_launch as launch
+import depthscale.kernels.attnres_triton_launch as launch
 from depthscale.kernels.attnres_triton_launch import aligned
 
 

@@ -8,8 +8,8 @@ import torch
 import triton
 from torch import Tensor
 
-from depthscale.kernels import attnres_triton_config as config
-from depthscale.kernels import attnres_triton_jit as jit
+import depthscale.kernels.attnres_triton_config as config
+import depthscale.kernels.attnres_triton_jit as jit
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
