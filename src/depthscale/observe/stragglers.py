@@ -13,8 +13,9 @@ The rules, and why:
   the part that grew most against the peers. Data is the wait for the next batch.
 - **Robust, sustained.** A rank's recent value is the median of its last `window` steps (one
   slow step — a page fault, a preempted core — moves no median); it is flagged once that value
-  exceeds the reference by `threshold` *and* by `floor_ns` (microsecond phases cannot flag on
-  jitter) for `sustain` steps in a row, and flagged once until it recovers.
+  exceeds the reference by `threshold`, by `floor_ns` and by `min_share` of the peers' whole
+  step (microsecond phases cannot flag on jitter: a data wait of 0.05 → 0.57 ms in a 200 ms step,
+  a busy core's hiccup, named a false straggler in a clean 1,000-step run) for `sustain` steps in a row, and flagged once until it recovers.
 - **The reference is the lower median of the peers' recent values** (of two peers: the faster), so
   one slow rank of two stands out instead of pulling the reference up with it.
 - **Waiting is not blamed.** A rank that waits for a slow peer is not busy while it waits, so its
@@ -98,9 +99,11 @@ class StragglerDetector:
         sustain: int = 2,
         floor_ns: float = 0.5e6,
         warmup: int = 3,
+        min_share: float = 0.02,
     ) -> None:
         self.coords, self.threshold, self.window = coords, threshold, window
         self.sustain, self.floor_ns, self.warmup = sustain, floor_ns, warmup
+        self.min_share = min_share
         self.phases = VERDICTS
         self.seen = 0
         self.history: list[deque[list[float]]] = [deque(maxlen=window) for _ in coords]
@@ -145,8 +148,11 @@ class StragglerDetector:
         if len(peers) > 1:
             values = sorted(recent[p][i] for p in peers)
             reference, against = values[(len(values) - 1) // 2], "peers"
+            steps = sorted(sum(recent[p]) for p in peers)
+            step_ns = steps[(len(steps) - 1) // 2]
         else:
             reference, against = self.best[rank][i], "own history"
+            step_ns = sum(self.best[rank])
         if phase == "compute" and len(peers) > 1:
             grown = [
                 self._parts[rank][j]
@@ -157,7 +163,7 @@ class StragglerDetector:
         slow = (
             reference != float("inf")
             and value >= (1 + self.threshold) * reference
-            and value - reference >= self.floor_ns
+            and value - reference >= max(self.floor_ns, self.min_share * step_ns)
         )
         self.slow_for[rank][i] = self.slow_for[rank][i] + 1 if slow else 0
         flagged = self.flagged[rank][i]
