@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from watch_fakes import FakeGroup, FakeStore
 
 from depthscale.config.schema import ResilienceConfig
 from depthscale.data.loader import PackedBatches
@@ -143,28 +144,6 @@ def test_heartbeat_sees_the_main_thread_blocked_in_torch_distributed(filename, b
         assert seen[0].startswith("torch.distributed distributed_c10d.py:2 wait")
 
 
-class _Group:
-    """A worker group as the watch sees it: heartbeats in a dict, nothing exits."""
-
-    def __init__(self, n: int) -> None:
-        self.subprocess_handlers: dict = {}
-        self.n = n
-
-    def pids(self) -> dict[int, int]:
-        return dict.fromkeys(range(self.n), 0)
-
-
-class _Store:
-    def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
-
-    def check(self, keys) -> bool:
-        return all(k in self.kv for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.kv[key].encode()
-
-
 class _Log:
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
@@ -173,10 +152,10 @@ class _Log:
         self.events.append((event, text))
 
 
-def _watched(published: list[int], **heartbeat) -> tuple[Watch, _Store]:
-    store = _Store()
+def _watched(published: list[int], **heartbeat) -> tuple[Watch, FakeStore]:
+    store = FakeStore()
     r = ResilienceConfig(hang_floor_s=1.5, hang_factor=2.0, long_phase_s=300.0)
-    watch = Watch(_Group(2), store, 0, r, ["n0", "n0"], published=lambda: published[0])
+    watch = Watch(FakeGroup(2), store, 0, r, ["n0", "n0"], published=lambda: published[0])
     marks = {"first_step": 1.0}
     for rank in range(2):
         hb = {"seq": 1, "progress": 10, "step": 5, "step_p99_s": 0.2, "marks": marks, **heartbeat}
@@ -186,7 +165,7 @@ def _watched(published: list[int], **heartbeat) -> tuple[Watch, _Store]:
     return watch, store
 
 
-def _beat(store: _Store) -> None:
+def _beat(store: FakeStore) -> None:
     for key, value in store.kv.items():
         hb = json.loads(value)
         store.kv[key] = json.dumps({**hb, "seq": hb["seq"] + 1})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from watch_fakes import FakeGroup, FakeStore
 
 from depthscale.config.schema import ResilienceConfig
 from depthscale.resilience import compile_watch
@@ -15,32 +16,10 @@ from depthscale.resilience.startup_watch import StartupProgress, start_phases
 from depthscale.resilience.watch import SILENT_FLOOR_S, Watch
 
 
-class _Group:
-    def __init__(self, n: int) -> None:
-        self.subprocess_handlers: dict = {}
-        self.n = n
-
-    def pids(self) -> dict[int, int]:
-        return dict.fromkeys(range(self.n), 0)
-
-
-class _Store:
-    def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
-        self.gets = 0
-
-    def check(self, keys) -> bool:
-        return all(k in self.kv for k in keys)
-
-    def get(self, key: str) -> bytes:
-        self.gets += 1
-        return self.kv[key].encode()
-
-
 class _Ranks:
     """Two ranks' heartbeats, written as their workers would."""
 
-    def __init__(self, store: _Store, period: float = 0.25) -> None:
+    def __init__(self, store: FakeStore, period: float = 0.25) -> None:
         self.store, self.seq, self.period = store, 0, period
         self.hb = {
             r: {"marks": {}, "progress": 0, "compiles": 0, "compiling": False} for r in (0, 1)
@@ -54,10 +33,10 @@ class _Ranks:
             self.store.kv[f"hb/0/{rank}"] = json.dumps(record)
 
 
-def _watch(startup_timeout_s: float = 300.0, heartbeat_s: float = 0.25) -> tuple[Watch, _Store]:
-    store = _Store()
+def _watch(startup_timeout_s: float = 300.0, heartbeat_s: float = 0.25) -> tuple[Watch, FakeStore]:
+    store = FakeStore()
     r = ResilienceConfig(startup_timeout_s=startup_timeout_s, heartbeat_s=heartbeat_s)
-    watch = Watch(_Group(2), store, 0, r, ["n0", "n0"])
+    watch = Watch(FakeGroup(2), store, 0, r, ["n0", "n0"])
     for rank in watch.ranks:
         rank.exit = None
     return watch, store
