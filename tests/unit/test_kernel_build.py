@@ -6,6 +6,7 @@ stand-in build function replaces the compile (which takes ~40 s; the suite compi
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -172,3 +173,51 @@ def test_the_library_name_keys_the_interpreter_torch_and_flags(monkeypatch, tmp_
         assert library_name(build_env(), CFLAGS, []) != base
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert attnres_cpu.build_directory(base) == tmp_path / base
+
+
+# A compiler that takes forever to compile (and answers version queries as the real one does), so
+# the build can be interrupted by a real Ctrl-C: SIGINT to the whole process group, ninja included.
+SLOW_CXX = """#!/bin/sh
+case " $* " in
+  *" -c "*) echo "$*" >> "$SLOW_CXX_LOG"; exec sleep 300 ;;
+esac
+exec c++ "$@"
+"""
+
+INTERRUPTED = """
+import signal, sys, time
+from depthscale.kernels import attnres_cpu
+signal.signal(signal.SIGINT, lambda *_: None)  # the trainer's handler: stop at a step boundary
+print("loaded", attnres_cpu.load(), time.monotonic(), flush=True)
+"""
+
+
+def test_ctrl_c_during_the_build_stops_it_without_building_another_variant(tmp_path):
+    """Before, an interrupted build fell through to the next variant, whose compile (~40 s) the
+    user who pressed Ctrl-C waited out in silence before the run could stop."""
+    cxx, log = tmp_path / "slow-c++", tmp_path / "compiles.log"
+    cxx.write_text(SLOW_CXX)
+    cxx.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "DEPTHSCALE_CPU_KERNELS")}
+    env.update(CXX=str(cxx), SLOW_CXX_LOG=str(log), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        bufsize=0, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(proc, proc.stderr, "compiling the CPU kernels")
+        deadline = time.monotonic() + 120
+        while not log.exists() and time.monotonic() < deadline:  # ninja has started the compiler
+            time.sleep(0.05)
+        interrupted_at = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        loaded = _wait_for(proc, proc.stdout, r"loaded (\S+) (\S+)\n")
+        assert loaded[1] == "None" and float(loaded[2]) - interrupted_at < PROMPT_S
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read().decode()
+        assert "the CPU kernel build was interrupted" in err, err
+        assert err.count("compiling the CPU kernels") == 0  # the first was read by _wait_for
+        built = set(re.findall(r"-DTORCH_EXTENSION_NAME=(\S+)", log.read_text()))
+        assert len(built) == 1, built  # the first variant's sources, no other's
+    finally:
+        _reap(proc)

@@ -30,7 +30,8 @@ Where -fopenmp does not build (e.g. Apple clang) a single-threaded variant is tr
 for the determinism contract.
 
 Any failure (no compiler, no ninja, a compile or load error) is logged once and `load()` returns
-None: the PyTorch ops in `model/attnres_ops.py` run instead. DEPTHSCALE_CPU_KERNELS=0 skips the
+None: the PyTorch ops in `model/attnres_ops.py` run instead. A build interrupted by Ctrl-C (which
+reaches ninja too) tries no other variant: the user asked to stop, not to wait for another build. DEPTHSCALE_CPU_KERNELS=0 skips the
 kernels (and the build) altogether.
 """
 
@@ -185,6 +186,12 @@ def build_locked(directory: Path, library: Path, build: Callable[[], _T]) -> _T:
         return result
 
 
+def interrupted(exc: Exception) -> bool:
+    """Whether a build failed because ninja was stopped by a signal (SIGINT, SIGTERM, SIGHUP: a
+    Ctrl-C on the terminal reaches the whole foreground group), not because it cannot build."""
+    return "interrupted by user" in str(exc)
+
+
 def _summary(exc: Exception) -> str:
     """One line of a build error: the first compiler diagnostic ("error:") if there is one."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -211,6 +218,10 @@ def load() -> Any:
             errors.append(f"{name}: {_summary(exc)}")
             if isinstance(exc, _LoadedIncomplete):
                 break
+            if interrupted(exc):  # a Ctrl-C asks to stop, not to wait for the next variant
+                _say("depthscale: the CPU kernel build was interrupted: this process runs the "
+                     "PyTorch ops; the next one builds the kernels")  # fmt: skip
+                return None
             continue
         build_seconds = time.perf_counter() - start
         log.info("CPU kernels (%s) ready in %.1f s", name, build_seconds)
