@@ -80,13 +80,14 @@ def test_no_flag_in_a_thousand_clean_steps(coords):
 
 
 def test_a_slow_data_loader_is_blamed_on_its_rank_and_phase_only():
-    """Rank 2's batches arrive 3 ms late; its peers wait for it in their backward's all-reduce,
-    but waiting is not busy time, so only contention (+3 %) reaches their numbers."""
+    """Rank 2's batches arrive 6 ms late (10 % of the step); its peers wait for it in their
+    backward's all-reduce, but waiting is not busy time, so only contention (+3 %) reaches their
+    numbers."""
     rng = random.Random(7)
     detector, flags = StragglerDetector(DP4), []
     for step, rows in _steps(DP4, rng, steps=40):
         if step >= 20:
-            rows[2][0] += 3e6
+            rows[2][0] += 6e6
             for r in (0, 1, 3):
                 rows[r][2] *= 1.03
         flags += [f for f in detector.update(step, rows) if not f.recovered]
@@ -134,3 +135,18 @@ def test_a_sub_millisecond_data_hiccup_in_a_long_step_is_no_straggler():
             rows[3][0] = 0.57e6
         flags += detector.update(step, rows)
     assert flags == []
+
+
+def test_a_data_wait_beside_a_checkpoint_writer_is_no_straggler():
+    """A loaded 4-rank run named rank 0 "4273 % slower in data" for 1.6 ms against 0.04 ms in a
+    step of ~70 ms busy time (its background writer hashing checkpoints): under 5 % of the step.
+    A data wait of a third of the step is still named."""
+    detector, flags = StragglerDetector(DP4), []
+    for step in range(1, 61):
+        rows = [[0.04e6, 20e6, 45e6, 5e6] for _ in range(4)]
+        if step >= 20:
+            rows[0][0] = 1.6e6
+        if step >= 40:
+            rows[2][0] = 40e6
+        flags += detector.update(step, rows)
+    assert [(f.rank, f.phase) for f in flags] == [(2, "data")]
