@@ -96,6 +96,8 @@ CONFIG_CASES = [
     (["--train.run_dir", "runs/{nope}"], "train.run_dir='runs/{nope}' is not a valid path"),
     (["--train.run_dir", FILE + "/run"], "cannot be created because"),
     (["--train.run_dir", FILE], "is a file; allowed: a directory path"),
+    # os.access tells root yes here; the first write at the end of the run said no
+    (["--train.run_dir", "/proc/depthscale-run"], "cannot be written ('/proc' is not writable)"),
     (["--data.cache_dir", FILE + "/cache"], "data.cache_dir"),
     (["--data.tokenizer", "bpe", "--data.bpe_vocab_size", "100"], "data.bpe_vocab_size=100"),
     (["--data.bin_dtype", "int8"], "data.bin_dtype: 'int8' is not allowed"),

@@ -3,9 +3,11 @@ message that names the key and what is allowed (`Config.validate` calls `validat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -311,10 +313,26 @@ def check_dir_creatable(key: str, path: Path) -> None:
             f"{key}: {str(path)!r} cannot be created because {str(existing)!r} is a file; "
             "allowed: a path whose parents are directories"
         )
-    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+    if existing.is_dir() and not _can_create_in(existing):
         raise ConfigError(
             f"{key}: {str(path)!r} cannot be written ({str(existing)!r} is not writable)"
         )
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be made in `directory`, tried rather than asked: `os.access` says yes
+    to root on a read-only or virtual file system (/proc, a read-only mount), where the first
+    write then fails at the end of the work."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".depthscale-probe-", dir=directory)
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return True
 
 
 def _check_resilience(cfg: Config) -> None:
