@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,8 @@ def _hang_drill(tmp_path: Path, kind: str) -> None:
     )  # fmt: skip
     assert proc.returncode != 0
     assert "depthscale trace hang --run" in proc.stderr + proc.stdout
+    # the stopped culprit never answers torch's SIGTERM: its 30 s wait is named, not silent
+    assert re.search(r"rank \d+ failed 5 s ago; waiting for the other workers to stop", proc.stderr)
     assert not (run / "trace" / "hang" / f"rank{culprit:05d}.json").exists()
     source, report = depthscale("trace", "hang", "--run", str(run), cwd=tmp_path).stdout.split(
         "\n", 1

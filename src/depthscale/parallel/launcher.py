@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +145,7 @@ def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
     ]
     with tempfile.TemporaryDirectory(prefix="depthscale-errors-") as directory:
         os.environ[ERROR_DIR_ENV] = directory
+        notice = _ShutdownNotice(Path(directory))
         try:
             run(get_args_parser().parse_args(argv))
             return 0
@@ -154,9 +156,40 @@ def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
             # run stopped and resumes; exit as a process stopped by that signal would.
             return 128 + int(stop.sigval)
         finally:
+            notice.stop()
             os.environ.pop(ERROR_DIR_ENV, None)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+class _ShutdownNotice:
+    """Once a worker has failed, torch's agent stops the others with SIGTERM and waits up to its
+    shutdown timeout (30 s) before it kills them: a hung or stopped rank never answers, so the
+    whole wait passed in silence. A thread says so once the wait has lasted `after_s`; a group
+    that ends sooner (bad input in a worker: one line, then exit) prints nothing more."""
+
+    def __init__(self, directory: Path, after_s: float = 5.0, poll_s: float = 0.5) -> None:
+        self.directory, self.after_s, self.poll_s = directory, after_s, poll_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shutdown-notice", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll_s):
+            cause = root_cause(read_worker_errors(self.directory))
+            if cause is not None and time.time() - cause.time >= self.after_s:
+                print(
+                    f"depthscale: rank {cause.rank} failed {self.after_s:.0f} s ago; waiting for "
+                    "the other workers to stop (torch's agent kills those still running after its "
+                    "shutdown timeout, 30 s by default)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _report_failure(failed, directory: Path) -> int:
