@@ -204,3 +204,50 @@ def test_a_launch_is_matched_by_every_pid_it_started(tmp_path):
     assert supervised_launch(tmp_path, {0: 5, 1: 6}).faults == []
     assert supervised_launch(tmp_path, {0: 1, 1: 2}).fault_of(1)["kind"] == "dead"
     assert supervised_launch(tmp_path, {0: 1, 1: 7}) is None  # pid 2 wrote no trace here
+
+
+def test_ranks_the_supervisor_stopped_after_a_death_are_not_culprits(tmp_path, capsys):
+    """A loaded 4-rank tour: rank 2 SIGKILLed; the supervisor stopped ranks 0 and 3 before they
+    wrote a dump, and rank 1's collective failed on the reset connection. Before, all three
+    silent ranks were named culprits ("is gone: its peers' connections to it closed")."""
+    pids = {0: 101, 1: 102, 2: 103, 3: 104}
+    _attempt(tmp_path / "trace", DP4, pids, {0: 5, 1: 5, 2: 4, 3: 5})
+    _dump(tmp_path / "trace", 1, DP4, CLOSED, at=5)
+    _log(
+        tmp_path / "supervisor" / "log.jsonl",
+        _launch(0, pids),
+        _fault("dead", [2], "killed by SIGKILL (pid 103)"),
+    )
+    lines = _report(tmp_path, capsys).splitlines()[1:]
+    assert [ln for ln in lines if ln.startswith("culprit:")] == [
+        "culprit: rank 2 (pp0 dp2 cp0 tp0) on node vm died: killed by SIGKILL (pid 103), as the "
+        "supervisor recorded"
+    ]
+    for rank in (0, 3):
+        assert (
+            f"  rank {rank} (pp0 dp{rank} cp0 tp0) on node vm wrote no dump: the supervisor "
+            "stopped it after that fault"
+        ) in lines
+
+
+def test_a_node_its_peers_supervisor_found_lost(tmp_path, capsys):
+    """Node 1's supervisor killed: node 0's recorded it lost (ranks 2, 3); rank 2 noticed and
+    wrote a dump, rank 3 did not. Before, rank 3 was "gone" with "the supervisor on vm recorded
+    no fault for this attempt", though node 0's had."""
+    pids = {0: 101, 1: 102, 2: 103, 3: 104}
+    _attempt(tmp_path / "trace", DP4, pids, {0: 4, 1: 4, 2: 4, 3: 3})
+    for rank in (0, 1, 2):
+        _dump(tmp_path / "trace", rank, DP4, CLOSED, at=4)
+    lost = "its supervisor has not beaten in node 0's store for 5.0 s"
+    _log(
+        tmp_path / "supervisor" / "node0" / "log.jsonl",
+        _launch(0, {0: 101, 1: 102}, "node0"),
+        _fault("lost", [2, 3], lost, "node1"),
+    )
+    _log(tmp_path / "supervisor" / "node1" / "log.jsonl", _launch(0, {0: 103, 1: 104}, "node1"))
+    text = _report(tmp_path, capsys)
+    assert (
+        f"culprit: rank 3 (pp0 dp3 cp0 tp0) on node node1 is gone with its node: {lost}, as the "
+        "supervisor recorded"
+    ) in text
+    assert "recorded no fault" not in text

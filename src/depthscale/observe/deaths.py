@@ -26,19 +26,27 @@ GONE = re.compile(
     re.IGNORECASE,
 )
 """Errors (gloo's, NCCL's, the OS's) that say the other end's process or host is gone."""
-VERBS = {"dead": "died", "hung": "hung", "error": "failed"}
+VERBS = {"dead": "died", "hung": "hung", "error": "failed", "lost": "is gone with its node"}
 """The supervisor's fault kinds that explain a silent rank, as the report words them."""
 
 
 def fates(silent: list[int], dumps: dict[int, dict], launch: Launch | None) -> dict[int, str]:
-    """Rank → why it wrote no dump, for the silent ranks some evidence explains."""
-    gone = next((short_error(d["error"]) for d in dumps.values() if _says_gone(d)), None)
-    out = {}
+    """Rank → why it wrote no dump, for the silent ranks some evidence explains. When the
+    supervisor recorded the death of some silent ranks, those are the culprits: the other silent
+    ranks are ones it stopped when it acted on that fault (their peers' closed connections say
+    nothing about them), and `stopped` lists them."""
+    recorded = {}
     for rank in silent:
         fault = launch.fault_of(rank) if launch is not None else None
         if fault is not None and fault.get("kind") in VERBS:
-            out[rank] = f"{VERBS[fault['kind']]}: {fault.get('detail')}, as the supervisor recorded"
-        elif gone is not None:
+            verb = VERBS[fault["kind"]]
+            recorded[rank] = f"{verb}: {fault.get('detail')}, as the supervisor recorded"
+    if recorded:
+        return recorded
+    gone = next((short_error(d["error"]) for d in dumps.values() if _says_gone(d)), None)
+    out = {}
+    for rank in silent:
+        if gone is not None:
             out[rank] = (
                 f"is gone: its peers' connections to it closed ({gone}); it died or its host "
                 "went away"
@@ -47,6 +55,12 @@ def fates(silent: list[int], dumps: dict[int, dict], launch: Launch | None) -> d
             if node is not None and node in launch.quiet:
                 out[rank] += f"; the supervisor on {node} recorded no fault for this attempt"
     return out
+
+
+def stopped(silent: list[int], fates: dict[int, str]) -> list[int]:
+    """The silent ranks with no fate of their own beside ranks whose death the supervisor
+    recorded: it stopped them (SIGTERM, then SIGKILL) before they wrote a dump."""
+    return [r for r in silent if r not in fates] if fates else []
 
 
 def _says_gone(dump: dict) -> bool:

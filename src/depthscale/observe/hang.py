@@ -38,7 +38,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from depthscale.observe.deaths import what_it_did
+from depthscale.observe.deaths import stopped, what_it_did
 from depthscale.observe.stragglers import where
 
 COMM_CATS = ("pp", "cp", "p2p", "collective")
@@ -462,6 +462,10 @@ def _lost_lines(report: HangReport, dumps: dict[int, dict]) -> list[str]:
     for rank in lost:
         lines.append(f"culprit: {_who(report, rank)} {_state(report, rank)}")
         lines += [f"  {report.ends[rank]}"] if rank in report.ends else []
+    for rank in stopped(report.silent, report.fates):
+        lines.append(
+            f"  {_who(report, rank)} wrote no dump: the supervisor stopped it after that fault"
+        )
     for rank, dump in sorted(dumps.items()):
         lines.append(f"  rank {rank} ({where(report.coords.get(rank, {}))}) {what_it_did(dump)}")
     return lines
