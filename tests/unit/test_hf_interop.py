@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from depthscale.config import ModelConfig, load_config
-from depthscale.errors import CheckpointError, ConfigError
+from depthscale.errors import CheckpointError
 from depthscale.interop.hf_llama import (
     config_from_hf,
     hf_config_from,
@@ -343,18 +343,3 @@ def test_exported_config_reads_the_same_in_transformers(rope):
         None if rope == "default" else {k: v for k, v in ROPE[rope].items() if k != "rope_theta"}
     )
     assert transformers.LlamaConfig.from_dict(exported).rope_parameters == ROPE[rope]
-
-
-def test_exporting_attnres_model_is_refused(tmp_path):
-    cfg = ModelConfig(
-        vocab_size=64,
-        dim=32,
-        n_layers=2,
-        n_heads=2,
-        max_seq_len=16,
-        residual="block",
-        attnres_n_blocks=2,
-    )
-    with pytest.raises(ConfigError, match="residual='block' has no Hugging Face"):
-        save_hf_checkpoint(Transformer(cfg), tmp_path)
-    assert not (tmp_path / "config.json").exists()

@@ -25,6 +25,12 @@ from torch import Tensor
 
 from depthscale.config import ModelConfig
 from depthscale.errors import CheckpointError, ConfigError
+from depthscale.interop.hf_depthscale import (
+    MODEL_TYPE,
+    load_remote_checkpoint,
+    needs_remote_code,
+    save_remote_checkpoint,
+)
 from depthscale.model.transformer import Transformer
 
 __all__ = [
@@ -431,8 +437,11 @@ def load_hf_checkpoint(path: str | Path) -> Transformer:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} is not a Hugging Face model directory: no config.json")
+    config = _read_json(config_file, "a Hugging Face Llama config")
+    if config.get("model_type") == MODEL_TYPE:  # our remote-code export of an AttnRes model
+        return load_remote_checkpoint(path, config, _load_weights(path))
     try:
-        cfg = config_from_hf(_read_json(config_file, "a Hugging Face Llama config"))
+        cfg = config_from_hf(config)
     except ConfigError as err:
         raise ConfigError(f"{config_file}: {err}") from None
     model = Transformer(cfg)
@@ -454,9 +463,13 @@ def load_hf_checkpoint(path: str | Path) -> Transformer:
 def save_hf_checkpoint(
     model: Transformer, path: str | Path, token_ids: Mapping[str, int] | None = None
 ) -> None:
-    """Write `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads;
+    """Write `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads
+    (a model Llama cannot express: the remote-code export of interop/hf_depthscale.py instead);
     with `token_ids` ({"bos_token_id": ..., "eos_token_id": ...}, from the exported tokenizer)
     also in config.json and a generation_config.json, so `generate()` stops at EOS."""
+    if needs_remote_code(model.cfg):
+        save_remote_checkpoint(model, path, token_ids)
+        return
     path = Path(path)
     dtype = model.tok_embeddings.weight.dtype
     config = hf_config_from(model.cfg, dtype) | dict(token_ids or {})

@@ -4,7 +4,10 @@ An exported model is only usable with the tokenizer it was trained with, so `con
 writes it beside the weights: `tokenizer.json` (the `tokenizers` model itself),
 `tokenizer_config.json` (which class to build, BOS/EOS, context length) and
 `special_tokens_map.json`, and the BOS/EOS ids go into config.json and generation_config.json so
-`generate()` stops where training put document ends.
+`generate()` stops where training put document ends. Training puts EOS before every document
+(`depthscale generate` starts prompts with it too), so a tokenizer of ours encodes a text with that
+EOS in front (`add_special_tokens=True`, transformers' default): the exported model then continues a
+prompt as depthscale does. A tokenizer imported with a model keeps its own post-processor.
 
 A trained or loaded tokenizer is already a `tokenizers` model and is written as it is. The byte
 tokenizer is not one: it is written as the byte-level BPE with no merges that encodes exactly as
@@ -18,7 +21,7 @@ import json
 from pathlib import Path
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 from depthscale.data.tokenizer import BPE_BOS, BPE_EOS, ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -29,8 +32,12 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> dict[str
     """Write the three tokenizer files into `out`; returns the special token ids that config.json
     and generation_config.json carry ({"bos_token_id": ..., "eos_token_id": ...})."""
     tok = _as_tokenizers(tokenizer)
-    tok.save(str(out / "tokenizer.json"))
     bos, eos = tok.id_to_token(tokenizer.bos_id), tok.id_to_token(tokenizer.eos_id)
+    if tok.post_processor is None:  # ours: a text starts as training started every document
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{eos} $A", pair=f"{eos} $A {eos} $B", special_tokens=[(eos, tokenizer.eos_id)]
+        )
+    tok.save(str(out / "tokenizer.json"))
     special = {"bos_token": bos, "eos_token": eos}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -44,8 +51,9 @@ def save_hf_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> dict[str
 
 
 def _as_tokenizers(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
+    """A `tokenizers` copy of the run's tokenizer (the export changes its post-processor)."""
     if isinstance(tokenizer, HFTokenizer):
-        return tokenizer.tok
+        return tokenizers.Tokenizer.from_str(tokenizer.tok.to_str())
     if isinstance(tokenizer, ByteTokenizer):
         return _byte_level()
     raise TypeError(f"no Hugging Face form for {tokenizer!r}")

@@ -112,8 +112,8 @@ def hf_to_run(hf_dir: Path, out: Path) -> Path:
 
 
 def run_to_hf(run: Path, out: Path, checkpoint: str | None = None) -> Path:
-    """Export a run's model (standard residual only) as a Hugging Face Llama directory `out` (new
-    or empty), with the run's tokenizer in the files `AutoTokenizer` reads and its BOS/EOS ids in
+    """Export a run's model as a Hugging Face directory `out` (new or empty): plain Llama when it
+    is one, else remote code (`interop/hf_depthscale.py`), with the run's tokenizer in the files `AutoTokenizer` reads and its BOS/EOS ids in
     config.json and generation_config.json (`interop/hf_tokenizer.py`)."""
     from depthscale.interop.hf_llama import save_hf_checkpoint
     from depthscale.interop.hf_tokenizer import save_hf_tokenizer
