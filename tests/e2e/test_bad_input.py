@@ -426,10 +426,16 @@ OUTPUTS = [
     (["convert", "ds-to-hf", "--run", "{run}", "--out", "{file}/hf"], "'{file}' is a file"),
     (["diagnose", "--nproc", "1", "--run", "{file}/run"], "'{file}' is a file"),
     (["plan", "--calibrate", "{tmp}"], "--calibrate '{tmp}' is a directory"),
+    (
+        ["convert", "ds-to-hf", "--run", "{run}", "--out", "{tmp}/hf", "--max-shard-size", "5XB"],
+        "--max-shard-size '5XB' is not a size",
+    ),
 ]
 
 
-@pytest.mark.parametrize("argv, message", OUTPUTS, ids=[" ".join(a[:2]) for a, _ in OUTPUTS])
+@pytest.mark.parametrize(
+    "argv, message", OUTPUTS, ids=[" ".join(a[:2] + a[6:]) for a, _ in OUTPUTS]
+)
 def test_output_paths_that_cannot_be_created(small_run, tmp_path, capsys, argv, message):
     file = tmp_path / "file"
     file.write_text("mine\n")

@@ -17,8 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from depthscale.config import ModelConfig
+from depthscale.errors import ConfigError
 from depthscale.interop.hf_depthscale import MODEL_TYPE
 from depthscale.interop.hf_llama import hf_config_from, load_hf_checkpoint, save_hf_checkpoint
+from depthscale.interop.safetensors_shards import parse_size
 from depthscale.model.generate import generate
 from depthscale.model.transformer import Transformer
 
@@ -39,7 +41,10 @@ ARCHITECTURES = {
         **{"tie_embeddings": True, "n_kv_heads": 2, "rope_scaling": "llama3"},
         **{"rope_scaling_factor": 8.0, "rope_original_max_len": 16},
     },
+    "block, sharded": {"residual": "block", "attnres_n_blocks": 2},
 }
+SHARD_BYTES = {"block, sharded": 20_000}
+"""Exports written in shards of at most this many bytes (an index maps tensors to files)."""
 VOCAB, PAD, PROMPT, NEW = 64, 4, 6, 10
 
 # What the fresh process does with each export: depthscale is made unimportable first, so the
@@ -91,7 +96,8 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("remote")
     models = {name: _model(arch, seed) for seed, (name, arch) in enumerate(ARCHITECTURES.items())}
     for name, model in models.items():
-        save_hf_checkpoint(model, root / name, {"bos_token_id": 1, "eos_token_id": 2})
+        shards = {"max_shard_bytes": SHARD_BYTES[name]} if name in SHARD_BYTES else {}
+        save_hf_checkpoint(model, root / name, {"bos_token_id": 1, "eos_token_id": 2}, **shards)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, VOCAB, (2, 16), generator=g)
     padded, mask = tokens.clone(), torch.ones_like(tokens)
@@ -164,6 +170,13 @@ def test_the_export_reads_back_exactly_and_plain_llama_stays_plain(exported, tmp
         config = json.loads((root / name / "config.json").read_text())
         assert config["model_type"] == MODEL_TYPE and "auto_map" in config
         assert (root / name / "modeling_depthscale.py").is_file()
+        index = root / name / "model.safetensors.index.json"
+        assert index.is_file() is (name in SHARD_BYTES)
+        if name in SHARD_BYTES:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+            assert len(files) > 3 and all(
+                (root / name / f).stat().st_size < 2 * 20_000 for f in files
+            )
         back = load_hf_checkpoint(root / name).eval()
         assert back.cfg == model.cfg
         assert (back.output.weight is back.tok_embeddings.weight) is model.cfg.tie_embeddings
@@ -177,6 +190,30 @@ def test_the_export_reads_back_exactly_and_plain_llama_stays_plain(exported, tmp
     assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
     assert not (tmp_path / "llama" / "modeling_depthscale.py").exists()
     assert "lm_head.weight" in load_file(tmp_path / "llama" / "model.safetensors")
+    save_hf_checkpoint(plain, tmp_path / "sharded", max_shard_bytes=10_000)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    from transformers import LlamaForCausalLM
+
+    whole = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
+    sharded = LlamaForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    with torch.no_grad():
+        assert torch.equal(whole(tokens).logits, sharded(tokens).logits)
+        assert torch.equal(load_hf_checkpoint(tmp_path / "sharded")(tokens), plain(tokens))
+
+
+@pytest.mark.parametrize(
+    "text, size", [("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2 * 2**30), ("1234", 1234)]
+)
+def test_shard_sizes_read_as_transformers_writes_them(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["0", "-1GB", "5XB", "GB", "0.1B"])
+def test_a_shard_size_that_is_no_size_is_named(text):
+    with pytest.raises(
+        ConfigError, match=r"--max-shard-size .* is not a size; allowed: a positive"
+    ):
+        parse_size(text)
 
 
 def test_the_modeling_file_imports_no_depthscale():

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    conv = sub.add_parser("convert", help="convert between Hugging Face Llama and depthscale runs")
+    conv = sub.add_parser("convert", help="convert between Hugging Face and depthscale runs")
     conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])
     conv.add_argument(
         "--hf", help="hf-to-ds: Hugging Face model directory (config.json + safetensors)"
@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--run", help="ds-to-hf: depthscale run directory")
     conv.add_argument("--checkpoint", help="ds-to-hf: a step_* directory (default: the newest)")
     conv.add_argument("--out", required=True, help="output directory")
+    conv.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="ds-to-hf: weights past this size go into numbered shards and an index (default 5GB)",
+    )
     return parser
 
 

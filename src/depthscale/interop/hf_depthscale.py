@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from depthscale.config import ModelConfig
 from depthscale.errors import CheckpointError, ConfigError
+from depthscale.interop.safetensors_shards import DEFAULT_SHARD_BYTES, save_weights
 from depthscale.model.residual import block_assignment
 from depthscale.model.transformer import Transformer
 
@@ -84,10 +84,14 @@ def remote_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[
 
 
 def save_remote_checkpoint(
-    model: Transformer, path: str | Path, token_ids: Mapping[str, int] | None = None
+    model: Transformer,
+    path: str | Path,
+    token_ids: Mapping[str, int] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
-    """config.json, modeling_depthscale.py and model.safetensors (a tied embedding stored twice:
-    safetensors keeps no shared tensors, and the remote model ties nothing)."""
+    """config.json, modeling_depthscale.py and the safetensors (sharded past `max_shard_bytes`; a
+    tied embedding stored twice: safetensors keeps no shared tensors, the remote model ties
+    nothing)."""
     path = Path(path)
     dtype = model.tok_embeddings.weight.dtype
     config = remote_config(model.cfg, dtype) | dict(token_ids or {})
@@ -98,7 +102,7 @@ def save_remote_checkpoint(
         generation = {**token_ids, "_from_model_config": True}
         (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tensors = {n: t.detach().cpu().clone().contiguous() for n, t in model.state_dict().items()}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    save_weights(tensors, path, max_shard_bytes)
 
 
 def model_config_of(config: Mapping[str, Any], where: Path) -> ModelConfig:

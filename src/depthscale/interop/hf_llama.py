@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from depthscale.config import ModelConfig
@@ -31,6 +31,7 @@ from depthscale.interop.hf_depthscale import (
     needs_remote_code,
     save_remote_checkpoint,
 )
+from depthscale.interop.safetensors_shards import DEFAULT_SHARD_BYTES, save_weights
 from depthscale.model.transformer import Transformer
 
 __all__ = [
@@ -461,14 +462,18 @@ def load_hf_checkpoint(path: str | Path) -> Transformer:
 
 
 def save_hf_checkpoint(
-    model: Transformer, path: str | Path, token_ids: Mapping[str, int] | None = None
+    model: Transformer,
+    path: str | Path,
+    token_ids: Mapping[str, int] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
-    """Write `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads
-    (a model Llama cannot express: the remote-code export of interop/hf_depthscale.py instead);
+    """Write `config.json` + `model.safetensors` (shards and their index past `max_shard_bytes`)
+    that `LlamaForCausalLM.from_pretrained` loads (a model Llama cannot express: the remote-code
+    export of interop/hf_depthscale.py instead);
     with `token_ids` ({"bos_token_id": ..., "eos_token_id": ...}, from the exported tokenizer)
     also in config.json and a generation_config.json, so `generate()` stops at EOS."""
     if needs_remote_code(model.cfg):
-        save_remote_checkpoint(model, path, token_ids)
+        save_remote_checkpoint(model, path, token_ids, max_shard_bytes)
         return
     path = Path(path)
     dtype = model.tok_embeddings.weight.dtype
@@ -480,4 +485,4 @@ def save_hf_checkpoint(
         generation = {**token_ids, "_from_model_config": True}
         (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    save_weights(tensors, path, max_shard_bytes)

@@ -111,10 +111,14 @@ def hf_to_run(hf_dir: Path, out: Path) -> Path:
     return out
 
 
-def run_to_hf(run: Path, out: Path, checkpoint: str | None = None) -> Path:
+def run_to_hf(
+    run: Path, out: Path, checkpoint: str | None = None, max_shard_bytes: int | None = None
+) -> Path:
     """Export a run's model as a Hugging Face directory `out` (new or empty): plain Llama when it
-    is one, else remote code (`interop/hf_depthscale.py`), with the run's tokenizer in the files `AutoTokenizer` reads and its BOS/EOS ids in
-    config.json and generation_config.json (`interop/hf_tokenizer.py`)."""
+    is one, else remote code (`interop/hf_depthscale.py`); weights sharded past
+    `max_shard_bytes` (default 5 GB, as transformers); the run's tokenizer in the files
+    `AutoTokenizer` reads and its BOS/EOS ids in config.json and generation_config.json
+    (`interop/hf_tokenizer.py`)."""
     from depthscale.interop.hf_llama import save_hf_checkpoint
     from depthscale.interop.hf_tokenizer import save_hf_tokenizer
 
@@ -123,5 +127,6 @@ def run_to_hf(run: Path, out: Path, checkpoint: str | None = None) -> Path:
         token_ids = None
         if tokenizer is not None:
             token_ids = save_hf_tokenizer(tokenizer, tmp, model.cfg.max_seq_len)
-        save_hf_checkpoint(model, tmp, token_ids)
+        shards = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+        save_hf_checkpoint(model, tmp, token_ids, **shards)
     return out
