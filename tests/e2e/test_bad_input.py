@@ -133,6 +133,10 @@ CONFIG_CASES = [
     (["--parallel.pp_virtual", "2"], "parallel.pp_virtual=2 needs parallel.pp > 1"),
     (["--nproc", "2", "--parallel.tp", "2", "--data.seq_len", "33"], "seq_len=33"),
     (["--data.path", "/no/such/corpus.txt"], "data.path='/no/such/corpus.txt' does not exist"),
+    (["--logging.profile_steps", "5-3"], "logging.profile_steps='5-3' is not allowed"),
+    (["--logging.profile_steps", "x"], "allowed: 'FIRST-LAST' or one step"),
+    (["--logging.profile_steps", "9000"], "logging.profile_steps='9000' ends after train.steps"),
+    (["--logging.profile_ranks", "0,x"], "logging.profile_ranks='0,x' is not allowed"),
 ]
 
 

@@ -357,3 +357,25 @@ def test_pipeline_run_resumes_where_it_stopped(tmp_path):
     resumed = losses("resumed", 4)
     assert sorted(resumed) == [3, 4]
     assert resumed == {k: straight[k] for k in (3, 4)}
+
+
+def test_a_profile_window_is_written_for_the_steps_and_ranks_asked(tmp_path, one_process_run):
+    """`--logging.profile_steps 2-3 --logging.profile_ranks 1` on two ranks: rank 1 writes a
+    Chrome trace of steps 2-3 (ops and shapes) and says where; rank 0 writes none; a run without
+    the option has no profile folder (the one-process run of the parity tests)."""
+    proc = cli(
+        "train", *TINY, "--nproc", "2", "--parallel.dp_shard", "2",
+        *("--train.steps", "4", "--optim.warmup_steps", "1", "--logging.progress", "false"),
+        *("--logging.profile_steps", "2-3", "--logging.profile_ranks", "1"),
+        *("--data.max_bytes", "300000", "--train.run_dir", str(tmp_path / "run")),
+        cwd=tmp_path,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    folder = tmp_path / "run" / "trace" / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank00001-steps2-3.json"]
+    assert f"rank 1: profile of the steps written to {folder / 'rank00001-steps2-3.json'}" in out
+    events = json.loads((folder / "rank00001-steps2-3.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {}) for e in events)
+    assert "USDT" not in out
+    runs = list(tmp_path.parent.glob("one*/run"))
+    assert runs and not any((r / "trace" / "profile").exists() for r in runs)

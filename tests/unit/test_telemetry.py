@@ -4,6 +4,7 @@ import gc
 import json
 
 import pytest
+import torch
 from test_trainer import make_cfg
 
 from depthscale.errors import PeersFailed, TrainingError
@@ -113,3 +114,28 @@ def test_only_a_hang_writes_a_hang_dump(tmp_path, caplog, error, hang):
         trainer.fit()
     assert hang_path(trainer.run_dir, 0).is_file() == hang
     assert ("wrote its hang dump" in caplog.text) == hang
+
+
+def test_a_profile_window_stopped_inside_writes_the_steps_it_saw(tmp_path):
+    """logging.profile_steps=3-5, and the run stops after step 3 (a signal, an error): the trace
+    is written at close, named by the steps it covers; outside the window nothing starts."""
+    from depthscale.config import Config
+    from depthscale.observe.profile_window import ProfileWindow
+
+    cfg = Config()
+    cfg.logging.profile_steps = "3-5"
+    window = ProfileWindow(cfg, tmp_path, rank=0, world=1, device_type="cpu")
+    for step in (1, 2):
+        window.begin(step)
+        assert window.end(step) == [] and window._profiler is None
+    window.begin(3)
+    torch.ones(8, 8) @ torch.ones(8, 8)
+    assert window.end(3) == []
+    (written,) = window.close()
+    assert written == tmp_path / "trace" / "profile" / "rank00000-steps3-3.json"
+    events = json.loads(written.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    assert window.close() == [] and window.end(4) == []  # once per run
+    other = ProfileWindow(cfg, tmp_path / "r1", rank=1, world=2, device_type="cpu")
+    other.begin(3)
+    assert other.end(5) == [] and not (tmp_path / "r1").exists()  # rank 1 is not profiled

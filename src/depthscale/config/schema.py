@@ -299,6 +299,15 @@ class LoggingConfig:
     mfu_alarm: float = 0.1
     """Warn when the rolling MFU falls this fraction below its best, naming the phase that grew;
     0 = off."""
+    profile_steps: str = ""
+    """Take a torch.profiler trace of these steps ("20-22", or one step: "20") on
+    `profile_ranks` into RUN/trace/profile/ (Chrome trace format: ui.perfetto.dev opens it beside
+    `depthscale trace timeline`); "" = off."""
+    profile_ranks: str = "0"
+    """The ranks that profile: "0", a comma list ("0,7") or "all"."""
+    memory_snapshot: bool = False
+    """With profile_steps, on CUDA: also a CUDA memory snapshot of the window (a .pickle that
+    pytorch.org/memory_viz reads)."""
 
 
 @dataclass

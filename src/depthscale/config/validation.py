@@ -156,6 +156,12 @@ def validate(cfg: Config) -> Config:
         )
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
+    window = profile_window_steps(cfg.logging.profile_steps)
+    if window is not None and window[1] > t.steps:
+        raise ConfigError(
+            f"logging.profile_steps={cfg.logging.profile_steps!r} ends after train.steps={t.steps}"
+        )
+    profile_window_ranks(cfg.logging.profile_ranks)
     if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
         raise ConfigError(
             f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "
@@ -170,6 +176,41 @@ def validate(cfg: Config) -> Config:
             "allowed: 'auto', 'none' or an existing checkpoint directory"
         )
     return cfg
+
+
+def profile_window_steps(text: str) -> tuple[int, int] | None:
+    """`logging.profile_steps` as (first, last) steps, 1-based and inclusive; None when off."""
+    if not text.strip():
+        return None
+    first, _, last = text.strip().partition("-")
+    try:
+        window = int(first), int(last or first)
+    except ValueError:
+        window = (0, 0)
+    if not 1 <= window[0] <= window[1]:
+        raise ConfigError(
+            f"logging.profile_steps={text!r} is not allowed; allowed: 'FIRST-LAST' or one step, "
+            "steps from 1 with FIRST <= LAST (e.g. '20-22'), or '' (off)"
+        )
+    return window
+
+
+def profile_window_ranks(text: str, world: int | None = None) -> set[int] | None:
+    """`logging.profile_ranks` as a set of ranks (None: every rank); with `world`, each must be a
+    rank of the job."""
+    if text.strip() == "all":
+        return None
+    try:
+        ranks = {int(r) for r in text.split(",")}
+    except ValueError:
+        ranks = {-1}
+    if min(ranks) < 0 or (world is not None and max(ranks) >= world):
+        within = f" below the world size {world}" if world is not None else ""
+        raise ConfigError(
+            f"logging.profile_ranks={text!r} is not allowed; allowed: 'all' or ranks{within}, "
+            "comma separated (e.g. '0' or '0,7')"
+        )
+    return ranks
 
 
 def _check_pipeline_micro_batches(cfg: Config) -> None:

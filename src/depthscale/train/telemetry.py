@@ -26,6 +26,7 @@ import torch
 from depthscale.config import Config
 from depthscale.observe import flight_recorder, spans
 from depthscale.observe.attempts import ARCHIVE, archive_name
+from depthscale.observe.profile_window import ProfileWindow
 from depthscale.observe.spans import BUSY_PHASES, Slowdown, SpanRecorder, trace_path
 from depthscale.observe.stragglers import StragglerDetector
 from depthscale.observe.watchdog import Watchdog, write_hang_dump
@@ -65,6 +66,7 @@ class Telemetry:
         self._busy = dict.fromkeys(BUSY_PHASES, 0)
         self.mfu = MfuAlarm(cfg.logging.mfu_alarm)
         self.gc_interval = cfg.train.gc_interval
+        self.profile = ProfileWindow(cfg, run_dir, env.rank, env.world_size, device.type)
         if not cfg.logging.trace or idle:
             if not idle:
                 flight_recorder.make_dump_dir()  # NCCL's own dumps (CUDA), traced or not
@@ -120,6 +122,7 @@ class Telemetry:
         try:
             yield
         finally:
+            self._said_profile(self.profile.close())
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
@@ -139,6 +142,7 @@ class Telemetry:
             with spans.span("gc", "compute"):
                 gc.collect()  # the same step on every rank: no rank launches collectives late
         self._step_span = spans.begin("step", "step")
+        self.profile.begin(step)
 
     def busy_row(self) -> list[float]:
         """This rank's busy milliseconds per phase in the step that just ran (zeros untraced)."""
@@ -159,6 +163,7 @@ class Telemetry:
         if self._step_span is not None:
             spans.end(self._step_span)
             self._step_span = None
+        self._said_profile(self.profile.end(step))
         notices = []
         if self.recorder is not None:
             self.recorder.put(
@@ -175,6 +180,12 @@ class Telemetry:
         if alarm:
             notices.append(("mfu_alarm", alarm[0], alarm[1]))
         return notices
+
+    def _said_profile(self, files: list[Path]) -> None:
+        opens = {".json": "ui.perfetto.dev", ".pickle": "pytorch.org/memory_viz"}
+        for f in files:
+            print(f"depthscale: rank {self.rank}: profile of the steps written to {f} (open it in "
+                  f"{opens[f.suffix]})", flush=True)  # fmt: skip
 
     def abandon_step(self) -> None:
         """The step was given up (rolled back): close its span, record nothing of it."""
