@@ -259,6 +259,51 @@ def small_run(tmp_path_factory):
     return root / "run"
 
 
+def test_eval_scores_a_task_file_as_the_evaluator_does(small_run, tmp_path, capsys):
+    """`depthscale eval` on a run: the table and --json hold the evaluator's own acc/acc_norm."""
+    from depthscale.evaluation.multiple_choice import read_task, score
+    from depthscale.interop.run_dir import load_run
+
+    task = tmp_path / "arith.jsonl"
+    task.write_text(
+        '{"context": "1 + 1 =", "choices": [" 2", " 3", " 11"], "gold": 0}\n'
+        '{"context": "def main", "choices": ["(", " zq"], "gold": 0}\n'
+    )
+    code, out, err = run_main(
+        capsys, "eval", "--run", str(small_run), "--tasks", str(task), "--json", str(tmp_path / "r")
+    )
+    assert code == 0, err
+    model, tokenizer = load_run(small_run)
+    expected = score(model, tokenizer, read_task(task))
+    assert json.loads((tmp_path / "r").read_text()) == [expected]
+    assert out.splitlines()[1].split() == ["arith", "2", f"{expected['acc']:.4f}",
+                                           f"{expected['acc_norm']:.4f}"]  # fmt: skip
+
+
+EVAL_CASES = [
+    (["--tasks", "{tmp}/none.jsonl"], "task file {tmp}/none.jsonl does not exist"),
+    (["--tasks", "{bad}"], "{bad}:1: 'gold'=5 must index 'choices' (0..1)"),
+    (["--tasks", "{good}", "--json", "{file}/r.json"], "'{file}' is a file"),
+]
+
+
+@pytest.mark.parametrize("args, message", EVAL_CASES, ids=[a[1] + a[-1] for a, _ in EVAL_CASES])
+def test_eval_refuses_bad_task_files_before_loading_the_model(
+    small_run, tmp_path, capsys, args, message
+):
+    bad, good, file = tmp_path / "bad.jsonl", tmp_path / "good.jsonl", tmp_path / "file"
+    bad.write_text('{"context": "x", "choices": ["a", "b"], "gold": 5}\n')
+    good.write_text('{"context": "x", "choices": ["a", "b"], "gold": 1}\n')
+    file.write_text("mine\n")
+    fill = {"tmp": tmp_path, "bad": bad, "good": good, "file": file}
+    before = tree_digest(small_run)
+    code, _, err = run_main(
+        capsys, "eval", "--run", str(small_run), *[a.format(**fill) for a in args]
+    )
+    assert_one_line_error(code, err, message.format(**fill))
+    assert tree_digest(small_run) == before and file.read_text() == "mine\n"
+
+
 GENERATE_CASES = [
     (["--temperature", "-1"], "--temperature: '-1' is not allowed; allowed: a finite number >= 0"),
     (["--temperature", "nan"], "--temperature: 'nan' is not allowed"),

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 
-from depthscale.cli import convert, diagnose, generate, plan, trace, train
+from depthscale.cli import convert, diagnose, evaluate, generate, plan, trace, train
 from depthscale.cli.parser import build_parser
 from depthscale.errors import ConfigError, DepthscaleError, PeersFailed
 from depthscale.parallel.launcher import (
@@ -74,6 +74,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         return trace.run(args)
     if args.command == "diagnose":
         return diagnose.run(args)
+    if args.command == "eval":
+        return evaluate.run(args)
     if args.direction == "hf-to-ds" and not args.hf:
         parser.error("convert hf-to-ds needs --hf DIR")
     if args.direction == "ds-to-hf" and not args.run:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import math
 
-USAGE = """depthscale command line: train, generate, convert, trace, diagnose.
+USAGE = """depthscale command line: train, generate, eval, convert, trace, diagnose, plan.
 
 depthscale train -c configs/tiny.toml --model.residual block --train.steps 100
 depthscale generate --run runs/tiny --prompt "def main("
 depthscale convert hf-to-ds --hf path/to/llama --out runs/llama
 depthscale convert ds-to-hf --run runs/tiny --out exported/
+depthscale eval --run runs/tiny --tasks my_task.jsonl
 depthscale trace depth --run runs/tiny
 depthscale diagnose --nproc 4 --run runs/tiny
 """
@@ -168,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens", type=_positive_float, help="token budget: print the days it takes"
     )
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    ev = sub.add_parser(
+        "eval", help="score multiple-choice tasks (local JSONL) on a run: acc, acc_norm"
+    )
+    ev.add_argument("--run", required=True, help="run directory")
+    ev.add_argument(
+        "--tasks", nargs="+", required=True,
+        help='JSONL files, a question a line: {"context": ..., "choices": [...], "gold": index}',
+    )  # fmt: skip
+    ev.add_argument("--checkpoint", help="a step_* directory (default: the newest in the run)")
+    ev.add_argument("--batch-size", type=_positive_int, default=16)
+    ev.add_argument("--json", help="also write the results to this file")
 
     conv = sub.add_parser("convert", help="convert between Hugging Face and depthscale runs")
     conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])
