@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,8 +43,8 @@ TINY = [
 CLI_TIMEOUT_S = float(os.environ.get("DEPTHSCALE_E2E_TIMEOUT_S", "900"))
 
 
-def cli(*args, cwd, check=True):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+def cli(*args, cwd, check=True, env=None):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **(env or {}))
     proc = subprocess.run(
         [sys.executable, "-m", "depthscale.cli", *args],
         cwd=cwd,
@@ -379,3 +380,69 @@ def test_a_profile_window_is_written_for_the_steps_and_ranks_asked(tmp_path, one
     assert "USDT" not in out
     runs = list(tmp_path.parent.glob("one*/run"))
     assert runs and not any((r / "trace" / "profile").exists() for r in runs)
+
+
+def _wandb_records(path: Path) -> list:
+    """The records of a W&B transaction log (RUN/wandb/offline-run-*/run-ID.wandb): a 7-byte
+    header (":W&B", magic, version), then LevelDB-log records in 32 KiB blocks (crc32c, length,
+    type: 1 full, 2 first, 3 middle, 4 last), each a `wandb_internal_pb2.Record`."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, pending, records = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left  # a block's zero-filled tail
+            continue
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_gets_the_scalars_and_a_resumed_run_continues_it(tmp_path, one_process_run):
+    """Offline W&B: the logged train/loss of every logged step (equal to metrics.jsonl's), the
+    config, and after a rerun to more steps the same W&B run id. Off, a run writes nothing of
+    W&B and never imports it."""
+    run = tmp_path / "run"
+    args = [
+        "train", *TINY, "--train.steps", "4", "--optim.warmup_steps", "1",
+        *("--logging.log_every", "2", "--logging.progress", "false", "--logging.wandb", "true"),
+        *("--logging.wandb_project", "proj", "--train.run_dir", str(run)),
+    ]  # fmt: skip
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path)}
+    cli(*args, cwd=tmp_path, env=env)
+    cli(*[a if a != "4" else "6" for a in args], cwd=tmp_path, env=env)
+    run_id = (run / "wandb_id").read_text().strip()
+    logs = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 2 and all(p.name == f"run-{run_id}.wandb" for p in logs)
+    logged = {}
+    for log in logs:
+        for record in _wandb_records(log):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                assert record.run.run_id == run_id and record.run.project == "proj"
+            if kind == "history":
+                items = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+                if "train/loss" in items:
+                    logged[items["step"]] = items["train/loss"]
+    ours = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == {r["step"]: r["loss"] for r in ours if r["split"] == "train"}
+    assert sorted(logged) == [2, 4, 6]
+    plain = next(iter(tmp_path.parent.glob("one*/run")))
+    assert not (plain / "wandb").exists() and not (plain / "wandb_id").exists()
+    code = (
+        "import sys, tempfile; from depthscale.observe.metrics_log import MetricsLogger; "
+        "MetricsLogger(tempfile.mkdtemp(), False).close(); print('wandb' in sys.modules)"
+    )
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert imported.stdout.strip() == "False", imported.stderr

@@ -222,3 +222,17 @@ def test_missing_file():
 
 def test_parse_overrides():
     assert parse_overrides(["--a.b", "1", "--c.d=x=y"]) == [("a.b", "1"), ("c.d", "x=y")]
+
+
+def test_wandb_without_its_package_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    with pytest.raises(
+        ConfigError, match=r"logging.wandb=true needs the wandb package.*depthscale\[wandb\]"
+    ):
+        load_config(None, ["--logging.wandb", "true"])
+    load_config(None, ["--logging.wandb", "false"])  # off: the package is never asked for

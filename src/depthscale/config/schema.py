@@ -308,6 +308,15 @@ class LoggingConfig:
     memory_snapshot: bool = False
     """With profile_steps, on CUDA: also a CUDA memory snapshot of the window (a .pickle that
     pytorch.org/memory_viz reads)."""
+    wandb: bool = False
+    """Also send the scalars TensorBoard gets to Weights & Biases (`pip install
+    'depthscale[wandb]'`; WANDB_MODE=offline writes RUN/wandb/ with no account). A resumed run
+    continues the same W&B run: its id is kept in RUN/wandb_id."""
+    wandb_project: str = "depthscale"
+    wandb_entity: str = ""
+    """The W&B team or user; "" = your W&B default."""
+    wandb_name: str = ""
+    """The W&B run's name; "" = train.name."""
 
 
 @dataclass

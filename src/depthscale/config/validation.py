@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
 import tempfile
@@ -162,6 +163,11 @@ def validate(cfg: Config) -> Config:
             f"logging.profile_steps={cfg.logging.profile_steps!r} ends after train.steps={t.steps}"
         )
     profile_window_ranks(cfg.logging.profile_ranks)
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb=true needs the wandb package, which is not installed; allowed: "
+            "pip install 'depthscale[wandb]', or logging.wandb=false"
+        )
     if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
         raise ConfigError(
             f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "

@@ -1,4 +1,5 @@
-"""The metrics log: `RUN/metrics.jsonl` (one JSON object a line) and TensorBoard under `RUN/tb`.
+"""The metrics log: `RUN/metrics.jsonl` (one JSON object a line), TensorBoard under `RUN/tb`, and
+Weights & Biases when asked for (`observe/wandb_sink.py`).
 
 A run that resumes from a checkpoint, or rolls back to one after a non-finite step, trains the
 steps after it again. Their first records describe a timeline that no longer exists, and kept
@@ -20,6 +21,8 @@ from types import TracebackType
 from typing import IO, Any
 
 import torch
+
+from depthscale.config import Config
 
 METRICS = "metrics.jsonl"
 SUPERSEDED = "metrics.superseded.jsonl"
@@ -66,13 +69,24 @@ class MetricsLogger:
 
     RESERVED = ("step", "split", "time")
 
-    def __init__(self, run_dir: Path, tensorboard: bool, start_step: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: bool,
+        start_step: int | None = None,
+        wandb: Config | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tensorboard = tensorboard
         self._file: IO[str] | None = None
         self._writer: Any = None
         self._open(start_step)
+        self._wandb = None
+        if wandb is not None:  # the config to send; the package is imported only here
+            from depthscale.observe.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(self.run_dir, wandb)
 
     def _open(self, start_step: int | None) -> None:
         if start_step is not None:
@@ -86,7 +100,7 @@ class MetricsLogger:
 
     def supersede(self, step: int) -> None:
         """The run went back to `step` (a rollback): later records are superseded."""
-        self.close()
+        self._close_files()
         self._open(step)
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "train") -> None:
@@ -106,6 +120,8 @@ class MetricsLogger:
                 if value is not None:
                     self._writer.add_scalar(f"{prefix}/{key}", value, step)
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, values, prefix)
 
     def event(self, step: int, kind: str, fields: dict[str, Any]) -> None:
         """One structured event (a straggler, an alarm) as its own metrics.jsonl line, with
@@ -117,6 +133,12 @@ class MetricsLogger:
         self._file.flush()
 
     def close(self) -> None:
+        self._close_files()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
+
+    def _close_files(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -15,7 +15,8 @@ def metrics_logger(run_dir: Path, cfg: Config, is_main: bool, start_step: int):
     """Rank 0 writes metrics, superseding those of steps after `start_step` (the run trains them
     again); the others get a logger that drops them."""
     if is_main:
-        return MetricsLogger(run_dir, cfg.logging.tensorboard, start_step)
+        wandb = cfg if cfg.logging.wandb else None
+        return MetricsLogger(run_dir, cfg.logging.tensorboard, start_step, wandb)
     return contextlib.nullcontext(_NullLogger())
 
 
