@@ -42,16 +42,9 @@ def needs_remote_code(cfg: ModelConfig) -> bool:
     return cfg.residual != "standard" or cfg.parallel_block or cfg.sliding_window > 0
 
 
-def remote_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """config.json of a remote-code export: what modeling_depthscale.DepthscaleConfig reads, plus
-    depthscale's `[model]` table for the way back."""
-    if cfg.vocab_size <= 0:
-        raise ConfigError("model.vocab_size must be resolved (> 0) before exporting")
-    attnres = cfg.residual != "standard"
+def hf_dimensions(cfg: ModelConfig) -> dict[str, Any]:
+    """The sizes every HF decoder config names the same way (Llama's and ours)."""
     return {
-        "architectures": ["DepthscaleForCausalLM"],
-        "model_type": MODEL_TYPE,
-        "auto_map": AUTO_MAP,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.hidden_dim,
@@ -62,6 +55,20 @@ def remote_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
+    }
+
+
+def remote_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """config.json of a remote-code export: what modeling_depthscale.DepthscaleConfig reads, plus
+    depthscale's `[model]` table for the way back."""
+    if cfg.vocab_size <= 0:
+        raise ConfigError("model.vocab_size must be resolved (> 0) before exporting")
+    attnres = cfg.residual != "standard"
+    return {
+        "architectures": ["DepthscaleForCausalLM"],
+        "model_type": MODEL_TYPE,
+        "auto_map": AUTO_MAP,
+        **hf_dimensions(cfg),
         "rope_kind": cfg.rope_scaling,
         "rope_factor": cfg.rope_scaling_factor,
         "rope_low_freq_factor": cfg.rope_low_freq_factor,
@@ -124,8 +131,14 @@ def model_config_of(config: Mapping[str, Any], where: Path) -> ModelConfig:
 
 def load_remote_checkpoint(path: Path, config: Mapping[str, Any], weights) -> Transformer:
     """A depthscale Transformer from a remote-code export (`weights`: its tensors by name)."""
-    cfg = model_config_of(config, path / "config.json")
-    model = Transformer(cfg)
+    model = Transformer(model_config_of(config, path / "config.json"))
+    load_exactly(model, weights, path)
+    return model
+
+
+def load_exactly(model: Transformer, weights: Mapping[str, Any], path: Path) -> None:
+    """Every tensor of `model` from `weights`, none left over, shapes equal; else CheckpointError
+    naming what differs (a partly loaded model would silently keep random weights)."""
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:
@@ -135,6 +148,5 @@ def load_remote_checkpoint(path: Path, config: Mapping[str, Any], weights) -> Tr
         )
     try:
         model.load_state_dict(dict(weights), strict=True)
-    except RuntimeError as err:
+    except RuntimeError as err:  # shape mismatches
         raise CheckpointError(f"{path} does not match its config.json: {err}") from err
-    return model

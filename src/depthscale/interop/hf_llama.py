@@ -27,6 +27,8 @@ from depthscale.config import ModelConfig
 from depthscale.errors import CheckpointError, ConfigError
 from depthscale.interop.hf_depthscale import (
     MODEL_TYPE,
+    hf_dimensions,
+    load_exactly,
     load_remote_checkpoint,
     needs_remote_code,
     save_remote_checkpoint,
@@ -283,17 +285,8 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
+        **hf_dimensions(cfg),
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
         "rope_parameters": scaling | {"rope_theta": cfg.rope_theta},
         "rope_scaling": scaling if cfg.rope_scaling != "none" else None,
         "attention_bias": False,
@@ -447,17 +440,7 @@ def load_hf_checkpoint(path: str | Path) -> Transformer:
         raise ConfigError(f"{config_file}: {err}") from None
     model = Transformer(cfg)
     sd = state_dict_from_hf(_load_weights(path), tie_embeddings=cfg.tie_embeddings)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path} does not match its config.json: missing tensors {missing or 'none'}; "
-            f"unexpected tensors {unexpected or 'none'}"
-        )
-    try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as err:  # shape mismatches
-        raise CheckpointError(f"{path} does not match its config.json: {err}") from err
+    load_exactly(model, sd, path)
     return model
 
 
