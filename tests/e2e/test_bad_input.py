@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from depthscale.cli import main
 from depthscale.data.sources import write_bin
@@ -285,6 +286,8 @@ EVAL_CASES = [
     (["--tasks", "{bad}"], "{bad}:1: 'gold'=5 must index 'choices' (0..1)"),
     (["--tasks", "{good}", "--json", "{file}/r.json"], "'{file}' is a file"),
 ]
+if not torch.cuda.is_available():
+    EVAL_CASES.append((["--tasks", "{good}", "--device", "cuda"], "--device cuda: no CUDA device"))
 
 
 @pytest.mark.parametrize("args, message", EVAL_CASES, ids=[a[1] + a[-1] for a, _ in EVAL_CASES])

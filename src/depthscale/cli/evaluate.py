@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from depthscale.cli.output_paths import check_output
-from depthscale.errors import CheckpointError
+from depthscale.errors import CheckpointError, ConfigError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,11 +18,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output("--json", Path(args.json))
     tasks = [read_task(Path(t)) for t in args.tasks]  # every file checked before the model loads
+    device = _device(args.device)
     model, tokenizer = load_run(Path(args.run), args.checkpoint)
     if tokenizer is None:
         raise CheckpointError(f"{args.run} has no tokenizer/ directory; evaluation needs one")
+    model.to(device)
     results = [score(model, tokenizer, task, args.batch_size) for task in tasks]
     print(as_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def _device(choice: str):
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here; allowed: cpu, or auto")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)

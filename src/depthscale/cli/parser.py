@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ev.add_argument("--checkpoint", help="a step_* directory (default: the newest in the run)")
     ev.add_argument("--batch-size", type=_positive_int, default=16)
+    ev.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help="where the model runs (auto: the GPU when there is one)",
+    )  # fmt: skip
     ev.add_argument("--json", help="also write the results to this file")
 
     conv = sub.add_parser("convert", help="convert between Hugging Face and depthscale runs")
