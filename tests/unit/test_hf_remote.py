@@ -223,7 +223,7 @@ def test_the_modeling_file_imports_no_depthscale():
         Path(__file__).parents[2] / "src/depthscale/interop/hf_remote/modeling_depthscale.py"
     ).read_text()
     assert "import depthscale" not in source and "from depthscale" not in source
-    with pytest.raises(Exception, match="has no Hugging Face Llama counterpart"):
+    with pytest.raises(ConfigError, match="has no Hugging Face Llama counterpart"):
         hf_config_from(ModelConfig(vocab_size=VOCAB, residual="block"))
 
 
