@@ -297,8 +297,8 @@ class LoggingConfig:
     """A rank that makes no progress inside a step for this many seconds writes its hang dump
     (RUN/trace/hang/; `depthscale trace hang` names the culprit); 0 = only on a timeout error."""
     mfu_alarm: float = 0.1
-    """Warn when the rolling MFU falls this fraction below its best, naming the phase that grew;
-    0 = off."""
+    """Warn when the rolling MFU stays this fraction below its best for a window (20 steps),
+    naming the phase that grew; 0 = off."""
     profile_steps: str = ""
     """Take a torch.profiler trace of these steps ("20-22", or one step: "20") on
     `profile_ranks` into RUN/trace/profile/ (Chrome trace format: ui.perfetto.dev opens it beside

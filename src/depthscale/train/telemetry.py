@@ -222,7 +222,8 @@ class Telemetry:
 
 
 class MfuAlarm:
-    """Warns when rolling MFU falls `drop` (fraction) below its best, naming the phase whose time
+    """Warns when rolling MFU stays `drop` (fraction) below its best for a window of steps, naming
+    the phase whose time
     grew most since the best window (MegaScale §6.3: MFU that declines over a long run) — or saying
     that none grew measurably (by more than `MEASURABLE` of the best window's step, and 0.05 ms),
     rather than name a phase that went from 0.0 to 0.0 ms."""
@@ -239,6 +240,11 @@ class MfuAlarm:
         self._phases: deque[dict[str, float]] = deque(maxlen=window)
         self.best: tuple[float, dict[str, float]] | None = None
         self._alarmed = False
+        self._below = 0
+        """Steps in a row whose rolling MFU was `drop` below the best: the alarm waits for a whole
+        window of them. The best is the highest of many noisy windows, so a loaded machine, a
+        background checkpoint writer or an evaluation dips under it for a few steps in almost
+        every run (a loaded 4-rank tour alarmed in each); a decline worth a line outlasts them."""
 
     def update(
         self, step: int, mfu: float | None, wall: dict[str, float]
@@ -253,10 +259,11 @@ class MfuAlarm:
         rolling = sum(self._mfu) / len(self._mfu)
         phases = {p: sum(d[p] for d in self._phases) / len(self._phases) for p in wall}
         if self.best is None or rolling > self.best[0]:
-            self.best, self._alarmed = (rolling, phases), False
+            self.best, self._alarmed, self._below = (rolling, phases), False, 0
             return None
         best, then = self.best
-        if rolling >= (1 - self.drop) * best or self._alarmed:
+        self._below = self._below + 1 if rolling < (1 - self.drop) * best else 0
+        if self._below < self.window or self._alarmed:
             return None
         self._alarmed = True
         grew = self.grown_phase(then, phases)
