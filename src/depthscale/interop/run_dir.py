@@ -15,6 +15,7 @@ from pathlib import Path
 from depthscale.config import Config, ModelConfig, load_config, to_toml
 from depthscale.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from depthscale.errors import CheckpointError, ConfigError
+from depthscale.interop.safetensors_shards import DEFAULT_SHARD_BYTES
 from depthscale.model.transformer import Transformer
 from depthscale.train.checkpoint import load_model, save_model
 from depthscale.train.manifest import newest_verified, verified
@@ -112,7 +113,7 @@ def hf_to_run(hf_dir: Path, out: Path) -> Path:
 
 
 def run_to_hf(
-    run: Path, out: Path, checkpoint: str | None = None, max_shard_bytes: int | None = None
+    run: Path, out: Path, checkpoint: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> Path:
     """Export a run's model as a Hugging Face directory `out` (new or empty): plain Llama when it
     is one, else remote code (`interop/hf_depthscale.py`); weights sharded past
@@ -127,6 +128,5 @@ def run_to_hf(
         token_ids = None
         if tokenizer is not None:
             token_ids = save_hf_tokenizer(tokenizer, tmp, model.cfg.max_seq_len)
-        shards = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        save_hf_checkpoint(model, tmp, token_ids, **shards)
+        save_hf_checkpoint(model, tmp, token_ids, max_shard_bytes)
     return out

@@ -31,8 +31,8 @@ for the determinism contract.
 
 Any failure (no compiler, no ninja, a compile or load error) is logged once and `load()` returns
 None: the PyTorch ops in `model/attnres_ops.py` run instead. A build interrupted by Ctrl-C (which
-reaches ninja too) tries no other variant: the user asked to stop, not to wait for another build. DEPTHSCALE_CPU_KERNELS=0 skips the
-kernels (and the build) altogether.
+reaches ninja too) tries no other variant: the user asked to stop, not to wait for another build.
+DEPTHSCALE_CPU_KERNELS=0 skips the kernels (and the build) altogether.
 """
 
 from __future__ import annotations

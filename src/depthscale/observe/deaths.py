@@ -44,16 +44,16 @@ def fates(silent: list[int], dumps: dict[int, dict], launch: Launch | None) -> d
     if recorded:
         return recorded
     gone = next((short_error(d["error"]) for d in dumps.values() if _says_gone(d)), None)
+    if gone is None:
+        return {}
     out = {}
     for rank in silent:
-        if gone is not None:
-            out[rank] = (
-                f"is gone: its peers' connections to it closed ({gone}); it died or its host "
-                "went away"
-            )
-            node = launch.node_of.get(rank) if launch is not None else None
-            if node is not None and node in launch.quiet:
-                out[rank] += f"; the supervisor on {node} recorded no fault for this attempt"
+        out[rank] = (
+            f"is gone: its peers' connections to it closed ({gone}); it died or its host went away"
+        )
+        node = launch.node_of.get(rank) if launch is not None else None
+        if node is not None and node in launch.quiet:
+            out[rank] += f"; the supervisor on {node} recorded no fault for this attempt"
     return out
 
 

@@ -27,11 +27,8 @@ class ProfileWindow:
         steps = profile_window_steps(cfg.logging.profile_steps)
         ranks = profile_window_ranks(cfg.logging.profile_ranks, world) if steps else None
         self.steps = steps if steps and (ranks is None or rank in ranks) else None
-        self.folder, self.rank, self.cuda = (
-            run_dir / "trace" / "profile",
-            rank,
-            device_type == "cuda",
-        )
+        self.folder = run_dir / "trace" / "profile"
+        self.rank, self.cuda = rank, device_type == "cuda"
         self.snapshot = cfg.logging.memory_snapshot and self.cuda
         self._profiler: torch.profiler.profile | None = None
         self._last_done = 0
