@@ -138,6 +138,14 @@ CONFIG_CASES = [
     (["--logging.profile_steps", "x"], "allowed: 'FIRST-LAST' or one step"),
     (["--logging.profile_steps", "9000"], "logging.profile_steps='9000' ends after train.steps"),
     (["--logging.profile_ranks", "0,x"], "logging.profile_ranks='0,x' is not allowed"),
+    # [[eval.tasks]]: the entry and key named, and the questions read before any work
+    (["--eval.tasks", '[{pth = "t.jsonl"}]'], "unknown key in [[eval.tasks]] (entry 0) 'pth'"),
+    (["--eval.tasks", '[{path = "/no/t.jsonl"}]'], "eval.tasks[0].path='/no/t.jsonl' does not"),
+    (["--eval.tasks", "t.jsonl"], "eval.tasks: 't.jsonl' is not an inline TOML array"),
+    (["--eval.tasks", f'[{{path = "{FILE}", limit = -1}}]'], "eval.tasks[0].limit=-1 must be"),
+    (["--eval.tasks", f'[{{path = "{FILE}", name = "a/b"}}]'], "eval.tasks[0].name='a/b' cannot"),
+    (["--eval.tasks", f'[{{path = "{FILE}"}}, {{path = "{FILE}"}}]'], "a second task named"),
+    (["--eval.tasks", f'[{{path = "{FILE}"}}]'], ":1: not JSON"),
 ]
 
 

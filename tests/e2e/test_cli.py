@@ -228,8 +228,27 @@ def test_trace_schedule_draws_png_and_reports_bubble(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 1000
 
 
+def _write_task(path: Path) -> None:
+    """A multiple-choice task file of 6 questions (`evaluation/multiple_choice.py`'s format)."""
+    questions = [
+        ("def f(x):\n    return", [" x", " None", " f(x)"], 0),
+        ("import", [" os", " sys", "ys"], 1),
+        ("for i in range(", ["10):", "n):", "len(x)):"], 2),
+        ("class A", ["(object):", ":", "(B):"], 1),
+        ("if __name__ ==", [' "__main__":', " 1:", " None:"], 0),
+        ("    self.", ["x = x", "assertEqual(", "name"], 2),
+    ]
+    path.write_text(
+        "".join(
+            json.dumps({"context": c, "choices": ch, "gold": g}) + "\n" for c, ch, g in questions
+        )
+    )
+
+
 def _train_short(tmp_path, *args):
-    """Four steps of the tiny config (block AttnRes); returns the logged losses and grad norms."""
+    """Four steps of the tiny config (block AttnRes), with a downstream task ("mc") evaluated at
+    step 4; returns the logged losses and grad norms, and the task's acc and acc_norm."""
+    _write_task(tmp_path / "task.jsonl")
     proc = cli(
         "train",
         "-c",
@@ -251,18 +270,25 @@ def _train_short(tmp_path, *args):
         "300000",
         "--train.run_dir",
         str(tmp_path / "run"),
+        "--eval.tasks",
+        f'[{{path = "{tmp_path / "task.jsonl"}", name = "mc"}}]',
         cwd=tmp_path,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step") and "| loss" in ln]
-    return [
+    logged = [
         (float(ln.split("loss ")[1].split()[0]), float(ln.split("grad_norm ")[1].split()[0]))
         for ln in lines
     ]
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(r) for r in records if '"split": "eval/mc"' in r]
+    assert [r["step"] for r in evals] == [4]
+    return logged, {k: evals[0][k] for k in ("acc", "acc_norm")}
 
 
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-    return _train_short(tmp_path_factory.mktemp("one"))
+    path = tmp_path_factory.mktemp("one")
+    return (*_train_short(path), path)
 
 
 @pytest.mark.parametrize(
@@ -292,12 +318,25 @@ def test_multi_process_training_from_the_command_line(tmp_path, layout, one_proc
     1e-3); the other half is for the layouts' fp32 reordering, carried through 4 free-running AdamW
     steps (no per-step resync from outside the CLI): ~2e-5 of a loss of ~5, far above the ~1e-7
     one step gives; a layout bug (a lost gradient or token) moves them by orders of magnitude more."""
-    logged = _train_short(tmp_path, "--nproc", "4", *layout)
+    logged, evals = _train_short(tmp_path, "--nproc", "4", *layout)
+    ref_logged, ref_evals, _ = one_process_run
     assert len(logged) == 2
-    for (loss, norm), (ref_loss, ref_norm) in zip(logged, one_process_run):
+    for (loss, norm), (ref_loss, ref_norm) in zip(logged, ref_logged):
         assert loss == pytest.approx(ref_loss, abs=2e-4)
         assert norm == pytest.approx(ref_norm, abs=2e-3)
+    assert evals == ref_evals  # the downstream task, scored in the layout
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer_state.json").is_file()
+
+
+def test_depthscale_eval_reports_what_training_evaluated(one_process_run):
+    """`depthscale eval` on the run's final checkpoint reports the acc and acc_norm that training
+    logged for the same task at that step (the layouts' runs above log them too)."""
+    _, evals, path = one_process_run
+    out = path / "eval.json"
+    cli("eval", "--run", "run", "--tasks", "task.jsonl", "--json", str(out), cwd=path)
+    (result,) = json.loads(out.read_text())
+    assert result["task"] == "task" and result["n"] == 6
+    assert {k: result[k] for k in ("acc", "acc_norm")} == evals
 
 
 def test_pipeline_trains_in_bf16_from_the_command_line(tmp_path):

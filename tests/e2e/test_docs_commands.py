@@ -21,7 +21,7 @@ from depthscale.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("train", "generate", "trace", "diagnose", "plan", "convert", "eval")
+SUBCOMMANDS = ("train", "generate", "trace", "diagnose", "plan", "convert", "eval", "lm-eval")
 PLACEHOLDERS = {"K": "0", "HEAD": "node0", "$SLURM_NNODES": "4", "$SLURM_NODEID": "0"}
 PLACEHOLDERS |= {"$head": "node0", "...": "-c configs/tiny.toml"}
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
@@ -76,6 +76,14 @@ def test_documented_command_runs_as_written(doc, command, monkeypatch, capsys):
         assert code == 0, f"{doc}: {command}\n{capsys.readouterr().err}"
     elif argv[0] == "plan" and "--layout" in argv:  # one layout: quick (a search takes seconds)
         assert main(argv) == 0, f"{doc}: {command}\n{capsys.readouterr().err}"
+    elif argv[0] == "lm-eval":  # every argument is the harness's: its own parser reads them
+        import sys
+
+        from lm_eval._cli import HarnessCLI
+
+        monkeypatch.setattr(sys, "argv", ["lm_eval", *argv[1:]])
+        args = HarnessCLI().parse_args()
+        assert args.model == "depthscale" and "run" in args.model_args, command
     else:
         args, rest = build_parser().parse_known_args(argv)
         if argv[0] == "plan":

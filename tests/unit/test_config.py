@@ -48,6 +48,27 @@ def test_toml_round_trip(tmp_path):
     assert again == cfg
 
 
+def test_lists_of_tables_load_round_trip_and_override(tmp_path):
+    """`[[eval.tasks]]` tables in a file, an inline TOML array on the command line (replacing the
+    file's list), written back as tables after the section's keys."""
+    task = tmp_path / "t.jsonl"
+    task.write_text('{"context": "a", "choices": ["b", "c"], "gold": 0}\n')
+    path = write(
+        tmp_path,
+        f'[eval]\n[[eval.tasks]]\npath = "{task}"\n[[eval.tasks]]\npath = "{task}"\n'
+        'name = "two"\nlimit = 3\n',
+    )
+    cfg = load_config(path)
+    assert [(t.path, t.label, t.limit) for t in cfg.eval.tasks] == [
+        (str(task), "t", 0),
+        (str(task), "two", 3),
+    ]
+    assert load_config(write(tmp_path, to_toml(cfg))) == cfg
+    cli = load_config(path, ["--eval.tasks", f'[{{path = "{task}", name = "only"}}]'])
+    assert [t.label for t in cli.eval.tasks] == ["only"]
+    assert load_config(path, ["--eval.tasks", "[]"]).eval.tasks == []
+
+
 @pytest.mark.parametrize(
     ("toml", "overrides", "message"),
     [

@@ -64,6 +64,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         return train.run(args, rest)
     if args.command == "plan":
         return plan.run(args, rest)
+    if args.command == "lm-eval":
+        return evaluate.lm_eval(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "generate":

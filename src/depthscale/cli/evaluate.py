@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from depthscale.cli.output_paths import check_output
-from depthscale.errors import CheckpointError, ConfigError
+from depthscale.errors import CheckpointError, ConfigError, DepthscaleError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,3 +38,17 @@ def _device(choice: str):
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)
+
+
+def lm_eval(argv: list[str]) -> int:
+    """`depthscale lm-eval ARGS`: lm-evaluation-harness's command line, `--model depthscale`
+    registered (`interop/lm_eval_adapter.py`)."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise DepthscaleError(
+            "depthscale lm-eval needs lm-evaluation-harness; pip install 'depthscale[lm-eval]'"
+        )
+    from depthscale.interop.lm_eval_adapter import main
+
+    return main(argv)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import math
 
-USAGE = """depthscale command line: train, generate, eval, convert, trace, diagnose, plan.
+USAGE = """depthscale command line: train, generate, eval, lm-eval, convert, trace, diagnose, plan.
 
 depthscale train -c configs/tiny.toml --model.residual block --train.steps 100
 depthscale generate --run runs/tiny --prompt "def main("
 depthscale convert hf-to-ds --hf path/to/llama --out runs/llama
 depthscale convert ds-to-hf --run runs/tiny --out exported/
 depthscale eval --run runs/tiny --tasks my_task.jsonl
+depthscale lm-eval --model depthscale --model_args run=runs/tiny --tasks my_task --include_path tasks/
 depthscale trace depth --run runs/tiny
 depthscale diagnose --nproc 4 --run runs/tiny
 """
@@ -185,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the model runs (auto: the GPU when there is one)",
     )  # fmt: skip
     ev.add_argument("--json", help="also write the results to this file")
+
+    sub.add_parser(
+        "lm-eval",
+        add_help=False,  # --help is the harness's
+        help="lm-evaluation-harness with `--model depthscale --model_args run=DIR` "
+        "(pip install 'depthscale[lm-eval]'); every argument is the harness's",
+    )
 
     conv = sub.add_parser("convert", help="convert between Hugging Face and depthscale runs")
     conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])

@@ -48,6 +48,13 @@ def _checked_config(args: argparse.Namespace, overrides: list[str]):
 
     cfg = load_config(args.config, overrides)
     check_ranks(parse_faults(cfg.resilience.faults), cfg.world_size)
+    if cfg.eval.tasks:  # every question checked before any work (the workers read them again)
+        from pathlib import Path
+
+        from depthscale.evaluation.multiple_choice import read_task
+
+        for task in cfg.eval.tasks:
+            read_task(Path(task.path), task.label, task.limit)
     p = cfg.parallel
     if (p.nproc > 1 or p.nnodes > 1) and not is_worker():
         _check_launch(cfg)

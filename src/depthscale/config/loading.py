@@ -35,6 +35,8 @@ def _toml_repr(value: Any) -> str:
 
 def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
     """Check (TOML) or parse (command line) one value against its declared type."""
+    if get_origin(tp) is list:
+        return _table_list(key, value, get_args(tp)[0], from_string)
     if get_origin(tp) is Literal:
         allowed = get_args(tp)
         if (
@@ -80,6 +82,32 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
             return value
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _table_list(key: str, value: Any, item: type, from_string: bool) -> list[Any]:
+    """A list of tables (`[[eval.tasks]]` in TOML; on the command line an inline TOML array,
+    `--eval.tasks '[{path = "a.jsonl"}]'`), every table's keys and values checked against `item`,
+    each error naming `section.key[index].field`."""
+    allowed = f"[[{key}]] tables, or on the command line --{key} '[{{key = value, ...}}, ...]'"
+    if from_string and isinstance(value, str):
+        try:
+            value = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(
+                f"{key}: {value!r} is not an inline TOML array ({err}); allowed: {allowed}"
+            ) from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{key}: expected a list of tables, got {value!r}; allowed: {allowed}")
+    hints = _section_types(item)
+    out = []
+    for i, table in enumerate(value):
+        entry = item()
+        for name, v in table.items():
+            if name not in hints:
+                raise _unknown(f"key in [[{key}]] (entry {i})", name, list(hints))
+            setattr(entry, name, _coerce(f"{key}[{i}].{name}", v, hints[name], False))
+        out.append(entry)
+    return out
 
 
 def _unknown(kind: str, name: str, allowed: list[str]) -> ConfigError:
@@ -129,9 +157,16 @@ def to_toml(cfg: Config) -> str:
     lines: list[str] = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
+        tables = {k: v for k, v in values.items() if isinstance(v, list)}
         for key, value in values.items():
-            lines.append(f"{key} = {toml_value(value)}")
+            if key not in tables:
+                lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
+        for key, entries in tables.items():  # TOML: a table's keys before its sub-tables
+            for entry in entries:
+                lines.append(f"[[{section}.{key}]]")
+                lines += [f"{k} = {toml_value(v)}" for k, v in entry.items()]
+                lines.append("")
     return "\n".join(lines)
 
 

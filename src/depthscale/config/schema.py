@@ -114,7 +114,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "stdlib"
-    """Corpus: 'stdlib' (the running Python's standard library source), or a .txt, .jsonl or .bin file or a directory of them."""
+    """Corpus: 'stdlib' (the running Python's standard library source); text: a .txt, .jsonl,
+    .jsonl.gz, .jsonl.zst (`pip install 'depthscale[zstd]'`) or .parquet (`depthscale[parquet]`)
+    file or a directory of them; tokens: a .bin of `data.sources.write_bin`, a Megatron
+    IndexedDataset (PREFIX.bin with PREFIX.idx beside it), or an OLMo / Dolma .npy token array."""
     tokenizer: str = "byte"
     """'byte', 'bpe' (trained on the corpus with HF tokenizers and cached), or a path to a tokenizer.json."""
     bpe_vocab_size: int = 4096
@@ -124,11 +127,13 @@ class DataConfig:
     max_bytes: int = 0
     """Read at most this many bytes of raw text from the corpus; 0 = all of it."""
     bin_dtype: Literal["auto", "uint16", "uint32"] = "auto"
-    """Element type of a pre-tokenized .bin file. auto: the one its sidecar `NAME.bin.json` records
-    (written by `data.sources.write_bin`); a .bin without a sidecar needs it set explicitly."""
+    """Element type of a pre-tokenized .bin file, or of a raw (headerless) Dolma .npy. auto: the
+    one its sidecar `NAME.bin.json` records (written by `data.sources.write_bin`) or the .npy
+    header says; a file with neither needs it set. A Megatron .idx records its own."""
     cache_dir: str = ""
     """Where tokenized corpora and trained tokenizers are cached; '' = ~/.cache/depthscale."""
     jsonl_field: str = "text"
+    """The field of each .jsonl line, or the .parquet column, that holds a document's text."""
 
 
 @dataclass
@@ -375,6 +380,33 @@ class ResilienceConfig:
 
 
 @dataclass
+class EvalTask:
+    """One downstream task (`[[eval.tasks]]`): multiple-choice questions in a local JSONL file,
+    one `{"context": str, "choices": [str, ...], "gold": index}` a line, scored by log-likelihood
+    every `train.eval_every` steps (`evaluation/multiple_choice.py`); logged as
+    `eval/<name>/acc` and `eval/<name>/acc_norm`."""
+
+    path: str = ""
+    name: str = ""
+    """The name it is logged under; "" = the file's name without its suffix."""
+    limit: int = 0
+    """Score only the first this many questions; 0 = all of them."""
+
+    @property
+    def label(self) -> str:
+        return self.name or Path(self.path).stem
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation beyond the held-out loss (which `train.eval_every` and `train.eval_batches`
+    set)."""
+
+    tasks: list[EvalTask] = field(default_factory=list)
+    """Downstream multiple-choice tasks, as `[[eval.tasks]]` tables (path, name, limit)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -384,6 +416,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def micro_batch_size(self) -> int:

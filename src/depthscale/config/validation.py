@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -71,6 +72,7 @@ def validate(cfg: Config) -> Config:
         "resilience.local_nodes",
     )
     _check_resilience(cfg)
+    _check_eval_tasks(cfg)
     # the parallel sizes first: the batch rules below divide by them
     for name in (
         "dp_replicate",
@@ -380,6 +382,38 @@ def _can_create_in(directory: Path) -> bool:
     with contextlib.suppress(OSError):
         os.unlink(probe)
     return True
+
+
+_TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _check_eval_tasks(cfg: Config) -> None:
+    """Every [[eval.tasks]] entry names a file and a unique, loggable name (what the file holds
+    is read by `evaluation.multiple_choice.read_task` before training starts)."""
+    seen: set[str] = set()
+    for i, task in enumerate(cfg.eval.tasks):
+        key = f"eval.tasks[{i}]"
+        if not task.path.strip():
+            raise ConfigError(f"{key}.path is empty; allowed: a JSONL file of questions")
+        path = Path(task.path).expanduser()
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(
+                f"{key}.path={task.path!r} {what}; allowed: a JSONL file of questions"
+            )
+        if task.limit < 0:
+            raise ConfigError(f"{key}.limit={task.limit} must be >= 0 (0 = every question)")
+        if not _TASK_NAME.fullmatch(task.label):
+            raise ConfigError(
+                f"{key}.name={task.label!r} cannot name a metric; allowed: letters, digits, "
+                "'_', '.', '-', starting with a letter or digit"
+            )
+        if task.label in seen:
+            raise ConfigError(
+                f"{key}: a second task named {task.label!r}; allowed: distinct names "
+                "(set eval.tasks[i].name)"
+            )
+        seen.add(task.label)
 
 
 def _check_resilience(cfg: Config) -> None:

@@ -21,9 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from depthscale.data.tokenizer import Tokenizer
 from depthscale.errors import DataError
+
+IGNORE_INDEX = -100  # F.cross_entropy's default, as in training
 
 _FORM = 'allowed: one JSON object a line, {"context": str, "choices": [str, ...], "gold": index}'
 
@@ -41,8 +44,9 @@ class Task:
     questions: tuple[Question, ...]
 
 
-def read_task(path: Path) -> Task:
-    """A task file, every line checked; a bad one is named by file and line."""
+def read_task(path: Path, name: str = "", limit: int = 0) -> Task:
+    """A task file, every line checked; a bad one is named by file and line. `name`: what it is
+    reported as ("" = the file's stem); `limit` > 0 keeps only the first so many questions."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"task file {path} does not exist; {_FORM}")
@@ -61,7 +65,7 @@ def read_task(path: Path) -> Task:
         questions.append(_question(q, f"{path}:{n}"))
     if not questions:
         raise DataError(f"{path} holds no question; {_FORM}")
-    return Task(path.stem, tuple(questions))
+    return Task(name or path.stem, tuple(questions[:limit] if limit else questions))
 
 
 def _question(q: object, where: str) -> Question:
@@ -97,31 +101,64 @@ def encode_pair(
     return [tokenizer.eos_id, *context_ids], whole[len(context_ids) :]
 
 
-@torch.no_grad()
+def scored_rows(
+    pairs: list[tuple[list[int], list[int]]], limit: int
+) -> list[tuple[list[int], int]]:
+    """(token ids, continuation length) of each pair, cut from the left to `limit` + 1 tokens
+    (inputs of at most `limit`) so that every scored token is kept."""
+    rows = []
+    for context, continuation in pairs:
+        if not continuation:
+            raise DataError("a choice that encodes to no token cannot be scored")
+        rows.append(((context + continuation)[-(limit + 1) :], len(continuation)))
+    return rows
+
+
+def padded_batch(rows: list[tuple[list[int], int]], width: int) -> tuple[Tensor, Tensor]:
+    """Inputs and labels [len(rows), width], padded on the right (causal: padding after a token
+    never changes its logits); a label is IGNORE_INDEX except at the continuation's targets."""
+    inputs = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (ids, n) in enumerate(rows):
+        inputs[i, : len(ids) - 1] = torch.tensor(ids[:-1])
+        labels[i, len(ids) - 1 - n : len(ids) - 1] = torch.tensor(ids[-n:])
+    return inputs, labels
+
+
+def task_pairs(tokenizer: Tokenizer, task: Task) -> list[tuple[list[int], list[int]]]:
+    """Every (question, choice) of `task` encoded, question by question."""
+    return [encode_pair(tokenizer, q.context, c) for q in task.questions for c in q.choices]
+
+
 def loglikelihoods(
     model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]], batch_size: int = 16
 ) -> list[float]:
     """Σ log p(continuation | context) for each (context, continuation) pair, in batches padded
-    on the right (a row's scored tokens attend only to tokens before them: causal)."""
-    limit = model.cfg.max_seq_len
+    on the right, on one process (`evaluation/downstream.py` scores them in any layout)."""
+    return [ll for ll, _ in continuation_scores(model, pairs, batch_size)]
+
+
+@torch.no_grad()
+def continuation_scores(
+    model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]], batch_size: int = 16
+) -> list[tuple[float, bool]]:
+    """(Σ log p(continuation | context), whether every continuation token is the model's most
+    likely next token) for each pair: what lm-evaluation-harness's `loglikelihood` returns."""
+    rows = scored_rows(pairs, model.cfg.max_seq_len)
     device = next(model.parameters()).device
-    out: list[float] = []
-    for start in range(0, len(pairs), batch_size):
-        rows = []
-        for context, continuation in pairs[start : start + batch_size]:
-            if not continuation:
-                raise DataError("a choice that encodes to no token cannot be scored")
-            ids = (context + continuation)[-(limit + 1) :]  # keep every scored token
-            rows.append((ids, len(continuation)))
-        width = max(len(ids) - 1 for ids, _ in rows)
-        inputs = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (ids, _) in enumerate(rows):
-            inputs[i, : len(ids) - 1] = torch.tensor(ids[:-1])
-        logprobs = F.log_softmax(model(inputs.to(device)).float(), dim=-1)
-        for i, (ids, n) in enumerate(rows):
-            targets = torch.tensor(ids[-n:], device=device)
-            positions = torch.arange(len(ids) - 1 - n, len(ids) - 1, device=device)
-            out.append(logprobs[i, positions, targets].sum().item())
+    out: list[tuple[float, bool]] = []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        inputs, labels = padded_batch(batch, max(len(ids) - 1 for ids, _ in batch))
+        logits = model(inputs.to(device)).float()
+        labels = labels.to(device)
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(
+            labels.shape
+        )  # ignored labels give 0
+        scored = labels != IGNORE_INDEX
+        greedy = ((logits.argmax(-1) == labels) | ~scored).all(dim=1)
+        sums = -per_token.double().sum(dim=1)
+        out += zip(sums.tolist(), greedy.tolist(), strict=True)
     return out
 
 
@@ -129,8 +166,12 @@ def score(
     model: torch.nn.Module, tokenizer: Tokenizer, task: Task, batch_size: int = 16
 ) -> dict[str, float | int | str]:
     """acc and acc_norm of `model` on `task` (and its question count)."""
-    pairs = [encode_pair(tokenizer, q.context, c) for q in task.questions for c in q.choices]
-    scores = iter(loglikelihoods(model, pairs, batch_size))
+    return tally(task, loglikelihoods(model, task_pairs(tokenizer, task), batch_size))
+
+
+def tally(task: Task, lls: list[float]) -> dict[str, float | int | str]:
+    """acc and acc_norm from the log-likelihood of every choice, question by question."""
+    scores = iter(lls)
     right = right_norm = 0
     for q in task.questions:
         lls = [next(scores) for _ in q.choices]
@@ -152,4 +193,17 @@ def as_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Question", "Task", "as_table", "encode_pair", "loglikelihoods", "read_task", "score"]
+__all__ = [
+    "Question",
+    "Task",
+    "as_table",
+    "continuation_scores",
+    "encode_pair",
+    "loglikelihoods",
+    "padded_batch",
+    "read_task",
+    "score",
+    "scored_rows",
+    "tally",
+    "task_pairs",
+]

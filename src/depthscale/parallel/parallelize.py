@@ -186,6 +186,7 @@ def parallelize(
         dtype,
         defer_reduce_scatter=cfg.parallel.fsdp_defer_reduce_scatter,
         replicated=whole,
+        tp_chunks=cfg.parallel.tp_overlap_chunks,
     )
 
 

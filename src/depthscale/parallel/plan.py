@@ -25,6 +25,7 @@ value, tp or pp, repeat it the same number of times everywhere).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -63,8 +64,10 @@ class ParallelPlan:
         dtype: torch.dtype,
         defer_reduce_scatter: bool = False,
         replicated: list[str] | None = None,
+        tp_chunks: int = 1,
     ) -> None:
         self.model, self.mesh, self.dims, self.stages = model, mesh, dims, stages
+        self.tp_chunks = tp_chunks
         self.defer_reduce_scatter = defer_reduce_scatter
         """FSDP: reduce-scatter once per step instead of per micro-batch (`fsdp_defer_reduce_scatter`)."""
         self.replicated = replicated or []
@@ -151,6 +154,47 @@ class ParallelPlan:
             return self._pipeline_step(xs, ys, False, autocast, None)
         reports = [self._loss(forward, x, y, autocast)[1] for x, y in zip(xs, ys)]
         return torch.stack(reports).mean()
+
+    @torch.no_grad()
+    def score_rows(
+        self,
+        forward: Forward,
+        inputs: Tensor,
+        labels: Tensor,
+        autocast: ContextFactory = _null,
+    ) -> Tensor:
+        """Σ cross-entropy over each row's labelled tokens (the negative log-likelihood of what it
+        scores), fp64 [rows], for this rank's rows, the same on the ranks that share them (tp, cp,
+        pp). Run in `self.microbatches` pieces like `evaluate`; the rows' width must be a multiple
+        of `sequence_multiple`."""
+        device = self._device()
+        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(self.microbatches)]
+        ys = [y.to(device, non_blocking=True) for y in labels.chunk(self.microbatches)]
+        if self.pipeline is not None:
+            sharded = [self.sequence(x, y) for x, y in zip(xs, ys)]
+            xs, ys = [s[0] for s in sharded], [s[1] for s in sharded]
+            hop = (xs[0].shape[0], xs[0].shape[1] // self.dims.tp, self.model.cfg.dim)
+            with autocast():
+                return self.pipeline.score(
+                    xs, ys, hop, self.dtype, sharded[0][2], self.loss.row_sums
+                )
+        sums = []
+        for x, y in zip(xs, ys):
+            x, y, positions = self.sequence(x, y)
+            with autocast():
+                logits = forward(x) if positions is None else forward(x, positions=positions)
+            sums.append(self.loss.row_sums(logits, y))
+        return torch.cat(sums)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What a sequence's length must be a multiple of in this layout: cp cuts it into 2·cp
+        zigzag pieces, and each rank's share splits over tp (sequence parallelism) in
+        `tp_chunks` overlap chunks."""
+        shard = self.dims.tp * self.tp_chunks
+        if self.dims.cp == 1:
+            return shard
+        return math.lcm(2 * self.dims.cp, self.dims.cp * shard)
 
     def _loss(
         self, forward: Forward, x: Tensor, y: Tensor, autocast: ContextFactory

@@ -64,6 +64,14 @@ def write(bar, line: str) -> None:
         say(line)
 
 
+def format_eval(step: int, results: dict[str, dict[str, float]]) -> str:
+    """One line of evaluation results: step 50 | val loss 2.3104 | eval/arc acc 0.3125 ..."""
+    parts = [f"step {step:>6}"]
+    for prefix, values in results.items():
+        parts.append(f"{prefix} " + " ".join(f"{k} {v:.4f}" for k, v in values.items()))
+    return " | ".join(parts)
+
+
 def format_step(step: int, total: int, m: dict[str, float]) -> str:
     parts = [
         f"step {step:>6}/{total}",

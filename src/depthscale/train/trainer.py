@@ -32,6 +32,7 @@ from depthscale.resilience.faults import FaultPlan, attempt, corrupt_checkpoint,
 from depthscale.resilience.heartbeat import Heartbeat
 from depthscale.train import console, setup
 from depthscale.train.checkpoint import Checkpointer, is_model_only
+from depthscale.train.evaluation import Evaluator
 from depthscale.train.host import keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, offload_activations
 from depthscale.train.nan_guard import (
@@ -106,6 +107,9 @@ class Trainer:
             setup.compile_blocks(self.model)
         self.forward = self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.evaluator = Evaluator(
+            cfg, self.data, self.plan, self.env.world_size, self.dp_rank, self.dp_size, self.device
+        )
         startup.mark("model")
         self.step = 0
         self.tokens_seen = 0
@@ -334,28 +338,6 @@ class Trainer:
         layers = max(1, len(self.model.layers) // (p.pp_virtual if p.pp > 1 else 1))
         return offload_activations(self.offload, layers=layers)
 
-    def _mean_over_ranks(self, value: Tensor) -> float:
-        """The global mean of a per-rank share (evaluation: off the hot path, read at once)."""
-        if self.env.world_size == 1:
-            return value.item()
-        packed = value.detach().double().reshape(1).clone()
-        with spans.collective("all_reduce", None, packed):
-            dist.all_reduce(packed)
-        return packed.item() / self.env.world_size
-
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        if self.data.val is None:
-            return None
-        self.model.eval()
-        batches = self.data.val.iter_eval(self.cfg.train.eval_batches, self.dp_rank, self.dp_size)
-        losses = [
-            self._mean_over_ranks(self.plan.evaluate(self.forward, x, y, self.autocast))
-            for x, y in batches
-        ]
-        self.model.train()
-        return sum(losses) / len(losses) if losses else None
-
     # ------------------------------------------------------------------ loop
 
     def fit(self, stop_at: int | None = None) -> list[dict[str, float]]:
@@ -486,10 +468,11 @@ class Trainer:
                     self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps
                 ):
                     with spans.span("eval"):
-                        val = self.evaluate()
-                    if val is not None:
-                        logger.log(self.step, {"loss": val}, prefix="val")
-                        console.write(bar, f"step {self.step:>6} | val loss {val:.4f}")
+                        results = self.evaluator.run(self.model, self.forward, self.autocast)
+                    for prefix, values in results.items():
+                        logger.log(self.step, values, prefix=prefix)
+                    if results:
+                        console.write(bar, console.format_eval(self.step, results))
                 if (
                     cfg.checkpoint.every
                     and self.step % cfg.checkpoint.every == 0

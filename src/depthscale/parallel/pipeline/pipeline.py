@@ -80,6 +80,45 @@ class Pipeline:
             dist.all_reduce(total, group=self.group)
         return total
 
+    def score(
+        self,
+        inputs: list[Tensor],
+        labels: list[Tensor],
+        hop_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        positions: Tensor | None,
+        row_sums: Callable[[Tensor, Tensor], Tensor],
+    ) -> Tensor:
+        """A forward-only pass whose last stage returns `row_sums(logits, labels)` per row instead
+        of the mean loss: [micro-batches × rows] fp64 on every pipeline rank, in micro-batch
+        order (each micro-batch's sums land in its own slice, found by its labels tensor)."""
+        runtime = self.runtime(False, len(inputs))
+        runtime.forward_context = None
+        device, rows = inputs[0].device, inputs[0].shape[0]
+        slot = {id(y): k for k, y in enumerate(labels)}
+
+        def per_row(logits: Tensor, y: Tensor) -> Tensor:
+            out = torch.zeros(len(labels) * rows, dtype=torch.float64, device=device)
+            k = slot[id(y)]
+            out[k * rows : (k + 1) * rows] = row_sums(logits, y)
+            return out
+
+        kept = [stage.loss_fn for stage in self.stages]
+        for stage in self.stages:
+            stage.loss_fn = per_row
+        try:
+            total, _ = runtime.step(inputs, labels, hop_shape, dtype, device, positions=positions)
+        finally:
+            for stage, loss_fn in zip(self.stages, kept):
+                stage.loss_fn = loss_fn
+        if total is None:  # not the last stage
+            total = torch.zeros(len(labels) * rows, dtype=torch.float64, device=device)
+        else:  # the runtime divides each micro-batch's loss by their count (fp64: exact enough)
+            total = total * len(labels)
+        with spans.collective("all_reduce", self.group, total):
+            dist.all_reduce(total, group=self.group)
+        return total
+
     def sync_tied_grads(self, model: Transformer) -> None:
         if self.tied_group is not None:
             sync_tied_grads(model, self.tied_group)
