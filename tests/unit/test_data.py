@@ -78,7 +78,9 @@ def test_bad_paths(tmp_path, name):
         path.write_text("a,b\n")
     elif name == "empty-dir":
         path.mkdir()
-    with pytest.raises(ValueError, match=rf"{name}.*allowed: 'stdlib', a \.txt, \.jsonl or \.bin"):
+    with pytest.raises(
+        ValueError, match=rf"{name}.*allowed: 'stdlib'; text: a \.txt, \.jsonl, \.jsonl\.gz"
+    ):
         iter_documents(DataConfig(path=str(path)))
 
 

@@ -20,7 +20,15 @@ import torch
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
 from depthscale.data.order import WindowOrder
-from depthscale.data.sources import corpus_identity, is_pretokenized, iter_documents, read_bin
+from depthscale.data.sources import (
+    corpus_files,
+    corpus_identity,
+    is_pretokenized,
+    iter_documents,
+    read_bin,
+    token_format,
+)
+from depthscale.data.token_files import megatron_documents, read_token_array, with_eos
 from depthscale.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from depthscale.errors import DataError
 
@@ -75,7 +83,7 @@ def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
     and checked to fit the tokenizer's vocabulary.
     """
     if is_pretokenized(cfg):
-        tokens = read_bin(cfg)
+        tokens = _token_stream(cfg, tokenizer)
         if cfg.max_bytes:
             tokens = tokens[: cfg.max_bytes // tokens.itemsize]
         if len(tokens) and int(tokens.max()) >= tokenizer.vocab_size:
@@ -97,6 +105,41 @@ def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
     ):
         _write_npy_stream(f, dtype, encode_documents(iter_documents(cfg), tokenizer))
     return np.load(path, mmap_mode="r")
+
+
+def _token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
+    """A token file as one stream of documents each followed by EOS: ours and OLMo / Dolma
+    arrays are that already (memory-mapped); a Megatron pair is joined document for document into
+    the cache once (`data/token_files.py`)."""
+    kind = token_format(cfg)
+    if kind == "depthscale":
+        return read_bin(cfg)
+    bin_path, *rest = corpus_files(cfg)
+    if kind == "array":
+        return read_token_array(bin_path, cfg.bin_dtype)
+    key = cache_key("megatron", corpus_identity(cfg), tokenizer.eos_id)
+    path = cache_root(cfg) / "tokens" / f"{key}.npy"
+    if path.is_file():
+        return np.load(path, mmap_mode="r")
+    docs = _in_vocabulary(megatron_documents(bin_path, rest[0]), tokenizer.vocab_size, bin_path)
+    with (
+        cache_writes(path, "the Megatron dataset's stream"),
+        atomic_path(path) as tmp,
+        tmp.open("wb") as f,
+    ):
+        _write_npy_stream(f, token_dtype(tokenizer.vocab_size), with_eos(docs, tokenizer.eos_id))
+    return np.load(path, mmap_mode="r")
+
+
+def _in_vocabulary(docs: Iterable[np.ndarray], vocab: int, path) -> Iterator[np.ndarray]:
+    """Each document checked before it is narrowed to the stream's type (a wider id would wrap)."""
+    for n, doc in enumerate(docs):
+        if len(doc) and (int(doc.min()) < 0 or int(doc.max()) >= vocab):
+            raise DataError(
+                f"{path}: document {n} holds token id {int(doc.max())}, outside the tokenizer's "
+                f"vocabulary ({vocab}); check data.tokenizer"
+            )
+        yield doc
 
 
 def encode_documents(docs: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:

@@ -1,23 +1,29 @@
 """Corpus readers: documents (strings) in a fixed order, so a corpus always yields the same stream.
 
 `data.path` is 'stdlib' (the running Python's standard library, so the default run needs no
-download), a .txt file (one document), a .jsonl file (one document per line), a directory of
-.txt/.jsonl files (read in sorted order), or a .bin file of pre-tokenized tokens (no text).
+download); text: a .txt file (one document), a .jsonl, .jsonl.gz or .jsonl.zst file (one document
+a line, `data.jsonl_field`), a .parquet file (one document a row of column `data.jsonl_field`), or
+a directory of them (read in sorted order); or tokens (no text): a .bin of depthscale's, a
+Megatron .bin/.idx pair, or an OLMo / Dolma .npy array (`data/token_files.py`).
 """
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import io
 import json
 import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from depthscale.config import DataConfig
 from depthscale.data.text_check import TextMeter
+from depthscale.data.token_files import megatron_pair
 from depthscale.errors import DataError
 
 __all__ = [
@@ -29,11 +35,32 @@ __all__ = [
     "read_bin",
     "write_bin",
     "stdlib_files",
+    "token_format",
 ]
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+TOKEN_SUFFIXES = (".bin", ".idx", ".npy")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-ALLOWED = "'stdlib', a .txt, .jsonl or .bin file, or a directory of .txt/.jsonl files"
+ALLOWED = (
+    "'stdlib'; text: a .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file or a directory of "
+    "them; tokens: a .bin (depthscale's, or a Megatron .bin/.idx pair) or an OLMo/Dolma .npy"
+)
+_EXTRAS = {".jsonl.zst": ("zstandard", "zstd"), ".parquet": ("pyarrow", "parquet")}
+"""Text formats that need an optional package: (module, the extra that installs it)."""
+
+
+def _text_suffix(name: str) -> str | None:
+    return next((s for s in TEXT_SUFFIXES if name.endswith(s)), None)
+
+
+def _check_extras(files: list[Path], path: str) -> None:
+    """A format whose reader is not installed is one line naming the extra, before any work."""
+    for suffix, (module, extra) in _EXTRAS.items():
+        if any(f.name.endswith(suffix) for f in files) and importlib.util.find_spec(module) is None:
+            raise DataError(
+                f"data.path={path!r} holds {suffix} files, which need {module}: "
+                f"pip install 'depthscale[{extra}]'"
+            )
 
 
 def stdlib_files() -> list[Path]:
@@ -55,26 +82,47 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
         files = [
             f
             for f in path.rglob("*")
-            if f.is_file() and f.suffix in TEXT_SUFFIXES and not f.name.startswith(".")
+            if f.is_file() and _text_suffix(f.name) and not f.name.startswith(".")
         ]
         if not files:
             raise DataError(
-                f"data.path={cfg.path!r} is a directory with no .txt or .jsonl files; "
-                f"allowed: {ALLOWED}"
+                f"data.path={cfg.path!r} is a directory with no text files; allowed: {ALLOWED}"
             )
+        _check_extras(files, cfg.path)
         return sorted(files, key=lambda f: f.relative_to(path).as_posix())
+    pair = megatron_pair(path) if path.suffix in (".bin", ".idx") else None
+    if pair is not None:
+        return list(pair)
     if not path.exists():
         raise DataError(f"data.path={cfg.path!r} does not exist; allowed: {ALLOWED}")
-    if path.suffix not in (*TEXT_SUFFIXES, ".bin"):
+    if path.suffix == ".idx":
+        raise DataError(
+            f"data.path={cfg.path!r}: a Megatron index without its {path.with_suffix('.bin').name}"
+        )
+    if not _text_suffix(path.name) and path.suffix not in TOKEN_SUFFIXES:
         raise DataError(
             f"data.path={cfg.path!r} has unsupported type {path.suffix or '(none)'!r}; "
             f"allowed: {ALLOWED}"
         )
+    _check_extras([path], cfg.path)
     return [path]
 
 
+def token_format(cfg: DataConfig) -> str | None:
+    """'megatron' (a .bin/.idx pair), 'array' (an OLMo / Dolma .npy), 'depthscale' (a .bin of
+    ours), or None: `data.path` is text."""
+    if cfg.path == "stdlib":
+        return None
+    path = Path(cfg.path).expanduser()
+    if path.is_dir() or path.suffix not in TOKEN_SUFFIXES:
+        return None
+    if path.suffix == ".npy":
+        return "array"
+    return "megatron" if megatron_pair(path) is not None or path.suffix == ".idx" else "depthscale"
+
+
 def is_pretokenized(cfg: DataConfig) -> bool:
-    return cfg.path != "stdlib" and Path(cfg.path).suffix == ".bin" and not Path(cfg.path).is_dir()
+    return token_format(cfg) is not None
 
 
 def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
@@ -177,16 +225,100 @@ def _check_not_wider(tokens: np.ndarray, path: Path, sample: int = 4096) -> None
 
 
 def _read(path: Path, field: str, meter: TextMeter) -> Iterator[str]:
-    """A .jsonl file holds one document per line; any other file (.txt, stdlib .py) is one document
-    (binary bytes in a .jsonl fail as JSON, so only the others are measured as text)."""
-    if path.suffix == ".jsonl":
+    """A .jsonl file (plain, gzip or zstandard) holds one document per line, a .parquet file one
+    per row of column `field`; any other file (.txt, stdlib .py) is one document (binary bytes in
+    a .jsonl fail as JSON, so only the others are measured as text)."""
+    name = path.name
+    if name.endswith(".parquet"):
+        yield from _read_parquet(path, field)
+    elif name.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst")):
         yield from _read_jsonl(path, field)
     else:
         yield meter.decode(path, path.read_bytes())
 
 
+def _open_lines(path: Path) -> BinaryIO:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")  # a truncated stream raises EOFError
+    if path.name.endswith(".zst"):
+        return io.BufferedReader(_ZstdFrames(path))
+    return path.open("rb")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A .zst file decompressed frame after frame; a file that ends inside a frame raises
+    EOFError (zstandard's own stream reader would just stop, losing the frame's documents)."""
+
+    def __init__(self, path: Path) -> None:
+        import zstandard
+
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._file, self._frame = path.open("rb"), self._new()
+        self._pending, self._at, self._started = b"", 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._at == len(self._pending):
+            self._pending, self._at = b"", 0
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._started and not self._frame.eof:
+                    raise EOFError("the file ends inside a zstandard frame")
+                return 0
+            while chunk:
+                self._started = True
+                self._pending += self._frame.decompress(chunk)
+                chunk = b""
+                if self._frame.eof:  # the next frame starts with what this one left unused
+                    chunk, self._frame, self._started = self._frame.unused_data, self._new(), False
+        n = min(len(buffer), len(self._pending) - self._at)
+        buffer[:n] = self._pending[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow's errors: ArrowInvalid, OSError
+        raise DataError(f"{path}: not a readable parquet file ({err})") from None
+    columns = table.schema_arrow.names
+    if field not in columns:
+        raise DataError(
+            f"{path}: no column {field!r} (found: {', '.join(map(repr, columns))}); "
+            "set data.jsonl_field to the column holding the text"
+        )
+    for row, batch in enumerate(table.iter_batches(columns=[field], batch_size=1024)):
+        for i, text in enumerate(batch.column(0).to_pylist()):
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{path}: row {row * 1024 + i} of column {field!r} is "
+                    f"{type(text).__name__}, not a string"
+                )
+            yield _valid_utf8(text)
+
+
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    with path.open("rb") as f:
+    try:
+        yield from _jsonl_lines(path, field)
+    except (EOFError, gzip.BadGzipFile) as err:
+        raise DataError(f"{path}: the compressed stream is damaged ({err})") from None
+    except Exception as err:
+        if type(err).__name__ != "ZstdError":
+            raise
+        raise DataError(f"{path}: the compressed stream is damaged ({err})") from None
+
+
+def _jsonl_lines(path: Path, field: str) -> Iterator[str]:
+    with _open_lines(path) as f:
         for lineno, raw in enumerate(f, 1):
             line = raw.decode("utf-8", errors="replace").strip()
             if not line:
