@@ -37,6 +37,11 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
     """Check (TOML) or parse (command line) one value against its declared type."""
     if get_origin(tp) is list:
         return _table_list(key, value, get_args(tp)[0], from_string)
+    if get_origin(tp) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table {{name = value, ...}}, got {value!r}")
+        item = get_args(tp)[1]
+        return {str(k): _coerce(f"{key}.{k}", v, item, False) for k, v in value.items()}
     if get_origin(tp) is Literal:
         allowed = get_args(tp)
         if (
@@ -171,12 +176,20 @@ def to_toml(cfg: Config) -> str:
 
 
 def toml_value(value: Any) -> str:
-    """One config value as TOML writes it (bool, escaped string, number)."""
+    """One config value as TOML writes it (bool, escaped string, number, inline table)."""
+    if isinstance(value, dict):
+        items = ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items())
+        return "{" + items + "}"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)
+
+
+def _toml_key(key: str) -> str:
+    bare = key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key)
+    return key if bare else toml_value(key)
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

@@ -112,6 +112,32 @@ class ModelConfig:
 
 
 @dataclass
+class DataSource:
+    """One source of a mixture (`[[data.sources]]`): its corpus and its share of the tokens."""
+
+    name: str = ""
+    """What it is logged as (`tokens/<name>`, `epoch/<name>`) and what stages call it."""
+    path: str = ""
+    """A corpus as `data.path` names one (any format of docs/data.md)."""
+    weight: float = 0.0
+    """Its share of every batch's tokens (> 0; the weights are normalised)."""
+    max_epochs: float = 0.0
+    """Refuse a run whose schedule would read it more than this many times; 0 = no limit."""
+    jsonl_field: str = ""
+    """The text field or column of this source; "" = data.jsonl_field."""
+
+
+@dataclass
+class DataStage:
+    """New weights from a step on (`[[data.stages]]`), e.g. to anneal on a high-quality mix."""
+
+    at_step: int = 0
+    """The first step (from 1) that draws with these weights."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """{source name = weight}; a source not named draws nothing in this stage."""
+
+
+@dataclass
 class DataConfig:
     path: str = "stdlib"
     """Corpus: 'stdlib' (the running Python's standard library source); text: a .txt, .jsonl,
@@ -134,6 +160,11 @@ class DataConfig:
     """Where tokenized corpora and trained tokenizers are cached; '' = ~/.cache/depthscale."""
     jsonl_field: str = "text"
     """The field of each .jsonl line, or the .parquet column, that holds a document's text."""
+    sources: list[DataSource] = field(default_factory=list)
+    """A weighted mixture instead of data.path: `[[data.sources]]` tables (name, path, weight,
+    max_epochs, jsonl_field); each source keeps its own order and position (`data/mixture.py`)."""
+    stages: list[DataStage] = field(default_factory=list)
+    """Weight changes during the run: `[[data.stages]]` tables (at_step, weights)."""
 
 
 @dataclass

@@ -73,6 +73,7 @@ def validate(cfg: Config) -> Config:
     )
     _check_resilience(cfg)
     _check_eval_tasks(cfg)
+    _check_mixture(cfg)
     # the parallel sizes first: the batch rules below divide by them
     for name in (
         "dp_replicate",
@@ -414,6 +415,61 @@ def _check_eval_tasks(cfg: Config) -> None:
                 "(set eval.tasks[i].name)"
             )
         seen.add(task.label)
+
+
+def _check_mixture(cfg: Config) -> None:
+    """[[data.sources]]: named, existing, positive weights, instead of data.path;
+    [[data.stages]]: rising steps inside the run, weights of known sources."""
+    d = cfg.data
+    if not d.sources:
+        if d.stages:
+            raise ConfigError("data.stages needs data.sources (stages change a mixture's weights)")
+        return
+    if d.path != "stdlib":
+        raise ConfigError(
+            f"data.path={d.path!r} and data.sources are both set; allowed: one of them "
+            "(a mixture's corpora are its sources' paths)"
+        )
+    names: list[str] = []
+    for i, src in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not _TASK_NAME.fullmatch(src.name):
+            raise ConfigError(
+                f"{key}.name={src.name!r} cannot name a source; allowed: letters, digits, "
+                "'_', '.', '-', starting with a letter or digit"
+            )
+        if src.name in names:
+            raise ConfigError(f"{key}: a second source named {src.name!r}; allowed: distinct names")
+        names.append(src.name)
+        if not src.path.strip():
+            raise ConfigError(f"{key}.path is empty; allowed: a corpus (docs/data.md)")
+        if not Path(src.path).expanduser().exists():
+            raise ConfigError(f"{key}.path={src.path!r} does not exist")
+        if not (0 < src.weight < math.inf):
+            raise ConfigError(f"{key}.weight={src.weight} must be a finite number > 0")
+        if not (0 <= src.max_epochs < math.inf):
+            raise ConfigError(f"{key}.max_epochs={src.max_epochs} must be >= 0 (0 = no limit)")
+    previous = 0
+    for i, stage in enumerate(d.stages):
+        key = f"data.stages[{i}]"
+        if not previous < stage.at_step <= cfg.train.steps:
+            raise ConfigError(
+                f"{key}.at_step={stage.at_step}: allowed: a step after the previous stage's "
+                f"({previous}) and at most train.steps={cfg.train.steps}"
+            )
+        previous = stage.at_step
+        unknown = [n for n in stage.weights if n not in names]
+        if unknown:
+            raise ConfigError(
+                f"{key}.weights names {', '.join(map(repr, unknown))}, not a source; allowed: "
+                + ", ".join(names)
+            )
+        if not all(0 <= w < math.inf for w in stage.weights.values()) or not any(
+            w > 0 for w in stage.weights.values()
+        ):
+            raise ConfigError(
+                f"{key}.weights={stage.weights}: allowed: finite weights >= 0, at least one > 0"
+            )
 
 
 def _check_resilience(cfg: Config) -> None:

@@ -41,11 +41,19 @@ def data_identity(data: DataBundle, seed: int) -> dict[str, Any]:
     return {
         "tokenizer": f"{data.tokenizer.name} {data.tokenizer.fingerprint[:16]}",
         "train windows": data.train.n_windows,
-        "train tokens": stream_digest(data.train.tokens),
+        "train tokens": _train_digest(data.train),
         "validation windows": data.val.n_windows if data.val is not None else 0,
         "validation tokens": stream_digest(data.val.tokens) if data.val is not None else "-",
         "data seed": seed,
     }
+
+
+def _train_digest(train) -> str:
+    """One stream's digest, or a mixture's sources' in order (name: digest)."""
+    streams = getattr(train, "streams", None)
+    if streams is None:
+        return stream_digest(train.tokens)
+    return " ".join(f"{name}:{stream_digest(t)}" for name, t in streams.items())
 
 
 def check_ranks_agree(mine: dict[str, Any]) -> None:

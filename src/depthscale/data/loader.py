@@ -19,6 +19,7 @@ import torch
 
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
+from depthscale.data.mixture import MixedBatches, Stage
 from depthscale.data.order import WindowOrder
 from depthscale.data.sources import (
     corpus_files,
@@ -26,6 +27,7 @@ from depthscale.data.sources import (
     is_pretokenized,
     iter_documents,
     read_bin,
+    source_config,
     token_format,
 )
 from depthscale.data.token_files import megatron_documents, read_token_array, with_eos
@@ -46,17 +48,24 @@ class DataBundle:
     """What the trainer needs from the data side: the tokenizer and the train/val batch streams."""
 
     tokenizer: Tokenizer
-    train: PackedBatches
+    train: PackedBatches | MixedBatches
     val: PackedBatches | None
 
 
-def build_data(cfg: DataConfig, seed: int, batch_size: int, ranks: int = 1) -> DataBundle:
+def build_data(
+    cfg: DataConfig, seed: int, batch_size: int, ranks: int = 1, steps: int = 0
+) -> DataBundle:
     """The one entry point: tokenizer, cached token stream, train/val split, batch streams.
-    `ranks`: data-parallel ranks that split each batch (the held-out batch is sized to divide)."""
+    `ranks`: data-parallel ranks that split each batch (the held-out batch is sized to divide).
+    A mixture (`data.sources`) holds out the end of every source; `steps` > 0 checks its
+    sources' max_epochs against the run's schedule."""
     tokenizer = build_tokenizer(cfg, lambda: iter_documents(cfg))
-    tokens = tokenize_corpus(cfg, tokenizer)
-    train_tokens, val_tokens = split_stream(tokens, cfg.val_fraction, cfg.seq_len)
-    train = PackedBatches(train_tokens, cfg.seq_len, batch_size, seed)
+    if cfg.sources:
+        train, val_tokens = _mixture(cfg, tokenizer, seed, batch_size, steps)
+    else:
+        tokens = tokenize_corpus(cfg, tokenizer)
+        train_tokens, val_tokens = split_stream(tokens, cfg.val_fraction, cfg.seq_len)
+        train = PackedBatches(train_tokens, cfg.seq_len, batch_size, seed)
     val = None
     if len(val_tokens):
         val_windows = (len(val_tokens) - 1) // cfg.seq_len
@@ -68,6 +77,23 @@ def build_data(cfg: DataConfig, seed: int, batch_size: int, ranks: int = 1) -> D
             )
         val = PackedBatches(val_tokens, cfg.seq_len, val_batch, seed)
     return DataBundle(tokenizer, train, val)
+
+
+def _mixture(
+    cfg: DataConfig, tokenizer: Tokenizer, seed: int, batch_size: int, steps: int
+) -> tuple[MixedBatches, np.ndarray]:
+    """The sources' training streams as one MixedBatches, and their held-out ends joined."""
+    streams, held_out = {}, []
+    for source in cfg.sources:
+        tokens = tokenize_corpus(source_config(cfg, source), tokenizer)
+        train, val = split_stream(tokens, cfg.val_fraction, cfg.seq_len)
+        streams[source.name], held_out = train, [*held_out, val]
+    stages = [Stage(0, {s.name: s.weight for s in cfg.sources})]
+    stages += [Stage(stage.at_step - 1, dict(stage.weights)) for stage in cfg.stages]
+    mixed = MixedBatches(streams, cfg.seq_len, batch_size, seed, stages)
+    if steps:
+        mixed.check_epochs(steps, {s.name: s.max_epochs for s in cfg.sources})
+    return mixed, np.concatenate(held_out) if held_out else np.empty(0, np.uint16)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -9,6 +9,7 @@ Megatron .bin/.idx pair, or an OLMo / Dolma .npy array (`data/token_files.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import io
@@ -34,6 +35,7 @@ __all__ = [
     "bin_dtype",
     "read_bin",
     "write_bin",
+    "source_config",
     "stdlib_files",
     "token_format",
 ]
@@ -125,8 +127,21 @@ def is_pretokenized(cfg: DataConfig) -> bool:
     return token_format(cfg) is not None
 
 
+def source_config(cfg: DataConfig, source) -> DataConfig:
+    """The DataConfig that reads one source of a mixture as `data.path` would read its corpus."""
+    return dataclasses.replace(
+        cfg,
+        path=source.path,
+        jsonl_field=source.jsonl_field or cfg.jsonl_field,
+        sources=[],
+        stages=[],
+    )
+
+
 def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
     """What decides the corpus's content (files, sizes, mtimes, limits): the cache key's input."""
+    if cfg.sources:
+        return {"sources": [corpus_identity(source_config(cfg, s)) for s in cfg.sources]}
     files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in corpus_files(cfg)]
     return {
         "files": files,
@@ -138,7 +153,10 @@ def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
     """The corpus's documents in order, at most `data.max_bytes` bytes of UTF-8 text in all; a
-    corpus that is not text is refused or warned about once read (`data/text_check.py`)."""
+    corpus that is not text is refused or warned about once read (`data/text_check.py`). A
+    mixture's are its sources', in source order."""
+    if cfg.sources:
+        return (doc for s in cfg.sources for doc in iter_documents(source_config(cfg, s)))
     if is_pretokenized(cfg):
         raise DataError(
             f"data.path={cfg.path!r} is pre-tokenized (.bin) and has no text; "

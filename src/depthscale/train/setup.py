@@ -56,7 +56,9 @@ def build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
     other nodes' ranks go on). The token stream is memory-mapped, so one copy
     in the page cache serves every rank on the node. Then all ranks check that they hold the
     same data (`data/agreement.py`): nodes build theirs independently."""
-    build = lambda: build_data(cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size)  # noqa: E731
+    build = lambda: build_data(  # noqa: E731
+        cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size, steps=cfg.train.steps
+    )
     data = leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
     check_ranks_agree(data_identity(data, cfg.train.seed))
     return data

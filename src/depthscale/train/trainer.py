@@ -19,6 +19,7 @@ from torch import Tensor
 
 from depthscale.config import Config, to_toml
 from depthscale.data.loader import DataBundle
+from depthscale.data.mixture import mixture_metrics
 from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import PeersFailed, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
@@ -458,6 +459,7 @@ class Trainer:
                             loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
                         )
                 if log_now:
+                    metrics |= mixture_metrics(self.batches.state_dict(), cfg.data.seq_len)
                     logger.log(self.step, metrics)
                     console.write(bar, console.format_step(self.step, cfg.train.steps, metrics))
                 if self.stop_agreed:

@@ -1,0 +1,249 @@
+"""A weighted mixture of token streams (`[[data.sources]]`), with stages that change the weights
+(`[[data.stages]]`), served with token-level accounting and O(1) state per source.
+
+Each source keeps its own seeded window order (`data/order.py`, seeded by the run's seed and the
+source's name), epoch and cursor, exactly as one stream does (`loader.PackedBatches`). A global
+batch of B windows is dealt one window at a time, earliest deadline first (Tijdeman's solution
+of the chairman assignment problem, 1980): after n windows of the current stage source s has
+served c_s, its next window may go at window n only once w_s·n ≥ c_s + δ (not too early) and is
+due by w_s·n = c_s + 1 − δ, with δ = 1/(2(S − 1)) for S sources; the released source due first
+takes it (the first in source order on a tie). Every c_s then stays within 1 − δ < 1 window of
+w_s·n after every window, so after every step (dealing by the largest deficit alone can drift
+past one window). It looks at nothing but the counts, so the batches are a function of the state
+alone: a resume (at any data-parallel degree: ranks take contiguous rows of the same global batch)
+continues them exactly.
+
+A stage change at step k starts a new count for the new weights; every source continues from its
+own cursor, so no window of a source is served twice before that source's epoch ends. A source
+that runs out starts its next epoch (a new order), which the logged `epoch/<name>` shows; a
+source's `max_epochs` is checked against the whole run's schedule before training starts.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from depthscale.data.order import WindowOrder
+from depthscale.errors import DataError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+ORDER = "mixture-1/feistel-6"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """From optimizer step `start` on (0-based: the first batch of step start + 1), these
+    weights (normalised; sources absent are weight 0)."""
+
+    start: int
+    weights: dict[str, float]
+
+
+class _Source:
+    def __init__(self, name: str, tokens: np.ndarray, seq_len: int, seed: int) -> None:
+        self.name, self.tokens, self.seq_len = name, tokens, seq_len
+        self.n_windows = max(len(tokens) - 1, 0) // seq_len
+        if self.n_windows < 1:
+            raise DataError(
+                f"data source {name!r} has {len(tokens)} tokens, not one window of "
+                f"data.seq_len={seq_len} + 1"
+            )
+        self.seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**32
+        self.epoch = self.cursor = self.served = 0
+        self._order: WindowOrder | None = None
+
+    def take(self) -> int:
+        """The next window of this source's order (a new epoch after its last)."""
+        if self.cursor == self.n_windows:
+            self.epoch, self.cursor = self.epoch + 1, 0
+        if self._order is None or self._order.epoch != self.epoch:
+            self._order = WindowOrder(self.n_windows, self.seed, self.epoch)
+        window = int(self._order[np.array([self.cursor])][0])
+        self.cursor += 1
+        self.served += 1
+        return window
+
+    def window(self, i: int) -> np.ndarray:
+        t = self.seq_len
+        return self.tokens[i * t : i * t + t + 1]
+
+
+class MixedBatches:
+    """Batches of (inputs, labels) [B, T] drawn from weighted sources; the interface of
+    `loader.PackedBatches` (next_batch, state_dict, load_state_dict, skip, position)."""
+
+    def __init__(
+        self,
+        streams: dict[str, np.ndarray],
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        stages: list[Stage],
+    ) -> None:
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.sources = [_Source(name, t, seq_len, seed) for name, t in streams.items()]
+        self.streams = streams
+        self.stages = sorted(stages, key=lambda s: s.start)
+        self.n_windows = sum(s.n_windows for s in self.sources)
+        self.step = 0  # batches dealt
+        self.stage_counts = [0] * len(self.sources)  # windows of each source in this stage
+        self.skip: set[tuple[int, int]] = set()
+        """Batch positions never to train on (`train/nan_guard.py`), passed over as if
+        consumed; a mixture's position is (0, batch index)."""
+        self.position: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------------ serving
+
+    def _weights(self, step: int) -> np.ndarray:
+        stage = [s for s in self.stages if s.start <= step][-1]
+        w = np.array([stage.weights.get(s.name, 0.0) for s in self.sources], dtype=np.float64)
+        return w / w.sum()
+
+    def _stage_start(self, step: int) -> int:
+        return [s for s in self.stages if s.start <= step][-1].start
+
+    def _deal(self) -> list[tuple[int, int]]:
+        """One global batch: (source index, window) for each of its rows; advances the state."""
+        if self.step and self._stage_start(self.step) == self.step:
+            self.stage_counts = [0] * len(self.sources)  # a stage begins: its own count
+        weights = self._weights(self.step)
+        counts = np.array(self.stage_counts, dtype=np.float64)
+        dealt = counts.sum()
+        used = weights > 0
+        delta = 1 / (2 * (used.sum() - 1)) if used.sum() > 1 else 0.0
+        safe = np.where(used, weights, 1.0)
+        rows = []
+        for _ in range(self.batch_size):
+            dealt += 1
+            released = used & (weights * dealt >= counts + delta - 1e-9)
+            due = np.where(released, (counts + 1 - delta) / safe, np.inf)
+            s = int(np.argmin(due)) if released.any() else int(np.argmax(weights * dealt - counts))
+            counts[s] += 1
+            rows.append((s, self.sources[s].take()))
+        self.stage_counts = [int(c) for c in counts]
+        self.step += 1
+        return rows
+
+    def next_batch(self, rank: int = 0, world: int = 1) -> Batch:
+        rows_of_rank = self._rows(rank, world)
+        rows = self._deal()
+        while (0, self.step - 1) in self.skip:
+            rows = self._deal()
+        self.position = (0, self.step - 1)
+        mine = rows[rows_of_rank]
+        stacked = np.stack([self.sources[s].window(w) for s, w in mine]).astype(np.int64)
+        return torch.from_numpy(stacked[:, :-1].copy()), torch.from_numpy(stacked[:, 1:].copy())
+
+    def _rows(self, rank: int, world: int) -> slice:
+        if world < 1 or not 0 <= rank < world or self.batch_size % world:
+            raise ValueError(
+                f"rank={rank}, world={world}: need 0 <= rank < world and world "
+                f"dividing batch_size={self.batch_size}"
+            )
+        per_rank = self.batch_size // world
+        return slice(rank * per_rank, (rank + 1) * per_rank)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "order": ORDER,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "step": self.step,
+            "stage_counts": list(self.stage_counts),
+            "sources": {
+                s.name: {
+                    "epoch": s.epoch,
+                    "cursor": s.cursor,
+                    "served": s.served,
+                    "n_windows": s.n_windows,
+                }
+                for s in self.sources
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume every source where it was; refuses a state of another mixture or stream."""
+        mine = self.state_dict()
+        if state.get("order") != ORDER:
+            raise DataError(
+                "cannot resume the data stream: the checkpoint's data state is not a mixture's "
+                "(data.sources changed since it was written)"
+            )
+        diffs = [
+            f"{k}: saved {state[k]!r}, now {mine[k]!r}"
+            for k in ("seed", "seq_len")
+            if state[k] != mine[k]
+        ]
+        if list(state["sources"]) != list(mine["sources"]):
+            diffs.append(f"sources: saved {list(state['sources'])}, now {list(mine['sources'])}")
+        else:
+            diffs += [
+                f"source {name!r} windows: saved {saved['n_windows']}, now "
+                f"{mine['sources'][name]['n_windows']}"
+                for name, saved in state["sources"].items()
+                if saved["n_windows"] != mine["sources"][name]["n_windows"]
+            ]
+        if diffs:
+            raise DataError(
+                "cannot resume the data stream: it differs from the saved one ("
+                + "; ".join(diffs)
+                + "); a source's corpus, the tokenizer, seq_len or the seed changed"
+            )
+        self.step = int(state["step"])
+        self.stage_counts = [int(c) for c in state["stage_counts"]]
+        for s in self.sources:
+            saved = state["sources"][s.name]
+            s.epoch, s.cursor, s.served = (
+                int(saved["epoch"]),
+                int(saved["cursor"]),
+                int(saved["served"]),
+            )
+
+    # ------------------------------------------------------------------ accounting
+
+    def check_epochs(self, steps: int, max_epochs: dict[str, float]) -> None:
+        """Refuse a run whose schedule serves a source more epochs than its max_epochs: per
+        stage, a source serves at most ⌈w·windows⌉ + 1 windows."""
+        starts = [max(0, s.start) for s in self.stages] + [steps]
+        need = [0.0] * len(self.sources)
+        for k, stage in enumerate(self.stages):
+            length = max(0, min(starts[k + 1], steps) - max(stage.start, 0))
+            if not length:
+                continue
+            w = self._weights(stage.start)
+            for i in range(len(self.sources)):
+                if w[i] > 0:
+                    need[i] += math.ceil(w[i] * length * self.batch_size) + 1
+        for i, s in enumerate(self.sources):
+            limit = max_epochs.get(s.name, 0.0)
+            epochs = need[i] / s.n_windows
+            if limit and epochs > limit:
+                raise DataError(
+                    f"data source {s.name!r}: the schedule serves up to {int(need[i])} of its "
+                    f"{s.n_windows} windows ({epochs:.2f} epochs) over train.steps={steps}, "
+                    f"beyond its max_epochs={limit:g}; allowed: a smaller weight, fewer steps, "
+                    "a larger source or a larger max_epochs"
+                )
+
+
+def mixture_metrics(state: dict[str, Any], seq_len: int) -> dict[str, float]:
+    """`tokens/<name>` (label tokens served so far) and `epoch/<name>` (epochs begun, from 0) of
+    every source, from a mixture's state (`MixedBatches.state_dict`); {} for one stream."""
+    if state.get("order") != ORDER:
+        return {}
+    out: dict[str, float] = {}
+    for name, s in state["sources"].items():
+        out[f"tokens/{name}"] = s["served"] * seq_len
+        out[f"epoch/{name}"] = s["epoch"]
+    return out
+
+
+__all__ = ["MixedBatches", "Stage", "mixture_metrics"]

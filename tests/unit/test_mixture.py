@@ -1,0 +1,169 @@
+"""Weighted mixtures (`data/mixture.py`): every source within one window of its share after every
+step of every stage; a stage change continues every source where it was (no window served twice
+inside an epoch); a small source repeats in a new epoch; the batches are a function of the state
+(a resume at another data-parallel degree gives the same rows); max_epochs and a changed mixture
+are refused naming the source; the config says all of it with one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from depthscale.config import load_config, to_toml
+from depthscale.data.mixture import MixedBatches, Stage, mixture_metrics
+from depthscale.errors import ConfigError, DataError
+
+SEQ = 4
+
+
+def _streams(sizes: dict[str, int]) -> dict[str, np.ndarray]:
+    """Source k's tokens are k·100000 + position: every window names its source and place."""
+    return {
+        name: (k * 100_000 + np.arange(n * SEQ + 1)).astype(np.int64)
+        for k, (name, n) in enumerate(sizes.items())
+    }
+
+
+def _mixed(sizes, stages, batch=8, seed=0) -> MixedBatches:
+    return MixedBatches(_streams(sizes), SEQ, batch, seed, stages)
+
+
+def _source_and_window(row) -> tuple[int, int]:
+    first = int(row[0])
+    return first // 100_000, (first % 100_000) // SEQ
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_source_stays_within_one_window_of_its_share_in_every_stage(seed):
+    rng = np.random.default_rng(seed)
+    names = ["web", "code", "math"]
+    w0, w1 = rng.dirichlet(np.ones(3)), rng.dirichlet(np.ones(3))
+    stages = [Stage(0, dict(zip(names, w0))), Stage(7, dict(zip(names, w1)))]
+    mixed = _mixed({n: 500 for n in names}, stages, batch=int(rng.integers(3, 12)))
+    counts = {n: 0 for n in names}
+    for step in range(15):
+        if step == 7:
+            counts = {n: 0 for n in names}
+        inputs, _ = mixed.next_batch()
+        for row in inputs:
+            counts[names[_source_and_window(row)[0]]] += 1
+        weights = w0 if step < 7 else w1
+        total = sum(counts.values())
+        for n, w in zip(names, weights):
+            assert abs(counts[n] - w * total) < 1, (step, n, counts, w * total)
+
+
+def test_a_stage_change_continues_every_source_and_a_small_source_repeats():
+    stages = [Stage(0, {"big": 0.5, "small": 0.5}), Stage(3, {"big": 0.75, "small": 0.25})]
+    mixed = _mixed({"big": 200, "small": 6}, stages, batch=4)
+    seen = {0: [], 1: []}
+    epochs = []
+    for _ in range(12):
+        inputs, labels = mixed.next_batch()
+        assert (labels[:, :-1] == inputs[:, 1:]).all()
+        for row in inputs:
+            source, window = _source_and_window(row)
+            seen[source].append(window)
+        epochs.append(mixture_metrics(mixed.state_dict(), SEQ)["epoch/small"])
+    big, small = seen[0], seen[1]
+    assert len(set(big)) == len(big)  # the big source never repeats a window across the stages
+    assert len(small) == 6 + 9 and epochs[0] == 0 and epochs[-1] == 2
+    assert sorted(small[:6]) == sorted(small[6:12]) == list(range(6))  # whole epochs, each
+    assert small[:6] != small[6:12]  # in an order of its own
+    counts = mixture_metrics(mixed.state_dict(), SEQ)
+    assert counts["tokens/big"] + counts["tokens/small"] == 12 * 4 * SEQ
+
+
+def _digest(batch) -> str:
+    return hashlib.sha256(batch[0].numpy().tobytes() + batch[1].numpy().tobytes()).hexdigest()
+
+
+def test_a_resume_at_another_data_parallel_degree_gives_the_same_batches():
+    stages = [Stage(0, {"a": 0.6, "b": 0.4}), Stage(4, {"a": 0.1, "b": 0.9})]
+    straight = _mixed({"a": 30, "b": 20}, stages)
+    reference = [_digest(straight.next_batch()) for _ in range(10)]
+    first = _mixed({"a": 30, "b": 20}, stages)
+    for _ in range(3):
+        first.next_batch()
+    state = first.state_dict()
+    ranks = [_mixed({"a": 30, "b": 20}, stages) for _ in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    for step in range(3, 10):
+        halves = [r.next_batch(rank, 2) for rank, r in enumerate(ranks)]
+        whole = tuple(np.concatenate([h[i].numpy() for h in halves]) for i in range(2))
+        assert (
+            hashlib.sha256(whole[0].tobytes() + whole[1].tobytes()).hexdigest() == (reference[step])
+        )
+
+
+def test_max_epochs_and_a_changed_mixture_are_refused_naming_the_source():
+    mixed = _mixed({"a": 100, "b": 10}, [Stage(0, {"a": 0.5, "b": 0.5})])
+    mixed.check_epochs(steps=2, max_epochs={"b": 2})  # 2·8·0.5 + 1 = 9 of 10 windows
+    with pytest.raises(DataError, match=r"data source 'b': .* \(.*epochs\) .* max_epochs=2"):
+        mixed.check_epochs(steps=10, max_epochs={"b": 2})
+    state = mixed.state_dict()
+    with pytest.raises(DataError, match="sources: saved \\['a', 'b'\\], now \\['a', 'c'\\]"):
+        _mixed({"a": 100, "c": 10}, [Stage(0, {"a": 1})]).load_state_dict(state)
+    with pytest.raises(DataError, match="source 'b' windows: saved 10, now 11"):
+        _mixed({"a": 100, "b": 11}, [Stage(0, {"a": 1})]).load_state_dict(state)
+    with pytest.raises(DataError, match="not a mixture's"):
+        mixed.load_state_dict({"epoch": 0, "cursor": 0, "order": "feistel-6"})
+
+
+def _write(tmp_path, text: str):
+    (tmp_path / "corpus.jsonl").write_text('{"text": "x"}\n')
+    path = tmp_path / "c.toml"
+    path.write_text(text.replace("CORPUS", str(tmp_path / "corpus.jsonl")))
+    return path
+
+
+MIXTURE = """
+[data]
+[[data.sources]]
+name = "web"
+path = "CORPUS"
+weight = 0.7
+[[data.sources]]
+name = "code"
+path = "CORPUS"
+weight = 0.3
+max_epochs = 2
+[[data.stages]]
+at_step = 100
+weights = {web = 0.2, code = 0.8}
+"""
+
+
+def test_the_mixture_config_loads_and_round_trips(tmp_path):
+    cfg = load_config(_write(tmp_path, MIXTURE))
+    assert [(s.name, s.weight, s.max_epochs) for s in cfg.data.sources] == [
+        ("web", 0.7, 0.0),
+        ("code", 0.3, 2.0),
+    ]
+    assert cfg.data.stages[0].weights == {"web": 0.2, "code": 0.8}
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load_config(again) == cfg
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("weight = 0.7", "weight = 0"), r"data.sources\[0\].weight=0.0 must be a finite number > 0"),
+        (("weight = 0.3", "weight = -1"), r"data.sources\[1\].weight=-1.0 must be"),
+        (("{web = 0.2,", "{wbe = 0.2,"), r"data.stages\[0\].weights names 'wbe', not a source; "
+         "allowed: web, code"),
+        (("at_step = 100", "at_step = 9000"), r"at_step=9000: allowed: .* at most train.steps"),
+        (('name = "code"', 'name = "web"'), "a second source named 'web'"),
+        (("path = \"CORPUS\"\nweight = 0.7", 'path = "/nope"\nweight = 0.7'), "does not exist"),
+        (("{web = 0.2, code = 0.8}", "{web = 0, code = 0}"), "at least one > 0"),
+        (("[data]", '[data]\npath = "CORPUS"'), "data.path=.* and data.sources are both set"),
+        (("weights = {", 'weights = "x" #{'), r"data.stages\[0\].weights: expected a table"),
+    ],
+)  # fmt: skip
+def test_a_bad_mixture_is_one_line_naming_the_entry(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, MIXTURE.replace(*change)))
