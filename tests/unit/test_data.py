@@ -6,11 +6,11 @@ import torch
 
 from depthscale.config import DataConfig
 from depthscale.data import loader
+from depthscale.data.encode import token_dtype
 from depthscale.data.loader import (
     PackedBatches,
     build_data,
     split_stream,
-    token_dtype,
     tokenize_corpus,
 )
 from depthscale.data.sources import iter_documents, stdlib_files, write_bin
@@ -384,3 +384,17 @@ def test_the_prefetch_thread_makes_the_ranks_gpu_current_before_it_pins(monkeypa
     pre.close()
     assert calls[0][:2] == ("set_device", 3)
     assert calls[1][0] == "pin" and {c[-1] for c in calls} == {pre._thread.ident}
+
+
+def test_tokenizing_reports_progress_a_piece_at_a_time(tmp_path):
+    """`train` tokenizes small corpora itself; each piece is reported (a supervised worker's
+    heartbeat counts it as progress, so a long first tokenization is not taken for a hang)."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join('{"text": "%s"}\n' % ("word " * 2000) for _ in range(600)))
+    told: list[int] = []
+    cfg = DataConfig(path=str(corpus), cache_dir=str(tmp_path / "cache"), val_fraction=0.0)
+    data = build_data(cfg, seed=0, batch_size=4, progress=told.append)
+    assert len(told) > 1 and sum(told) == len(data.train.tokens)
+    told.clear()
+    build_data(cfg, seed=0, batch_size=4, progress=told.append)  # cached: nothing to tokenize
+    assert told == []

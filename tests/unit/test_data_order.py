@@ -8,7 +8,8 @@ import pickle
 import numpy as np
 import pytest
 
-from depthscale.data.loader import PackedBatches, _write_npy_stream
+from depthscale.data.encode import write_npy_stream
+from depthscale.data.loader import PackedBatches
 from depthscale.data.order import WindowOrder
 
 
@@ -80,9 +81,9 @@ def test_the_token_cache_is_written_a_piece_at_a_time(tmp_path):
     pieces = [np.arange(i * 1000, (i + 1) * 1000, dtype=np.uint32) for i in range(5)]
     path = tmp_path / "t.npy"
     with path.open("wb") as f:
-        _write_npy_stream(f, np.dtype(np.uint32), iter(pieces))
+        write_npy_stream(f, np.dtype(np.uint32), iter(pieces))
     loaded = np.load(path, mmap_mode="r")
     assert loaded.dtype == np.uint32 and np.array_equal(loaded, np.concatenate(pieces))
     with path.open("wb") as f:
-        _write_npy_stream(f, np.dtype(np.uint16), iter([]))
+        write_npy_stream(f, np.dtype(np.uint16), iter([]))
     assert np.load(path).shape == (0,)

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 
-from depthscale.cli import convert, diagnose, evaluate, generate, plan, trace, train
+from depthscale.cli import convert, diagnose, evaluate, generate, plan, tokenize, trace, train
 from depthscale.cli.parser import build_parser
 from depthscale.errors import ConfigError, DepthscaleError, PeersFailed
 from depthscale.parallel.launcher import (
@@ -78,6 +78,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[s
         return diagnose.run(args)
     if args.command == "eval":
         return evaluate.run(args)
+    if args.command == "tokenize":
+        return tokenize.run(args)
     if args.direction == "hf-to-ds" and not args.hf:
         parser.error("convert hf-to-ds needs --hf DIR")
     if args.direction == "ds-to-hf" and not args.run:

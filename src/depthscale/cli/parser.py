@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import math
 
-USAGE = """depthscale command line: train, generate, eval, lm-eval, convert, trace, diagnose, plan.
+USAGE = """depthscale command line: train, tokenize, generate, eval, lm-eval, convert, trace, diagnose, plan.
 
 depthscale train -c configs/tiny.toml --model.residual block --train.steps 100
 depthscale generate --run runs/tiny --prompt "def main("
 depthscale convert hf-to-ds --hf path/to/llama --out runs/llama
 depthscale convert ds-to-hf --run runs/tiny --out exported/
 depthscale eval --run runs/tiny --tasks my_task.jsonl
+depthscale tokenize corpus/ --out shards/ --tokenizer tokenizer.json --workers 8
 depthscale lm-eval --model depthscale --model_args run=runs/tiny --tasks my_task --include_path tasks/
 depthscale trace depth --run runs/tiny
 depthscale diagnose --nproc 4 --run runs/tiny
@@ -187,6 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ev.add_argument("--json", help="also write the results to this file")
 
+    tok = sub.add_parser(
+        "tokenize",
+        help="tokenize text corpora offline into shards (parallel, resumable); train with "
+        "--data.path OUT",
+    )
+    tok.add_argument("inputs", nargs="+", help="text files or folders (docs/data.md's formats)")
+    tok.add_argument("--out", required=True, help="the shard directory (kept shards are reused)")
+    tok.add_argument(
+        "--tokenizer", required=True, help="'byte', a tokenizer.json, or a run's tokenizer/"
+    )
+    tok.add_argument("--field", default="text", help="the .jsonl field or .parquet column")
+    tok.add_argument("--workers", type=_positive_int, default=1, help="processes (default 1)")
+    tok.add_argument(
+        "--progress", type=_bool, default=True, help="the progress bar (true/false; default true)"
+    )
+
     sub.add_parser(
         "lm-eval",
         add_help=False,  # --help is the harness's
@@ -240,6 +257,13 @@ def _config_keys() -> str:
             f"[{section}] {items}", 100, initial_indent="  ", subsequent_indent="      "
         )
     return "\n".join(lines)
+
+
+def _bool(text: str) -> bool:
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if text.lower() not in value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: true, false")
+    return value[text.lower()]
 
 
 def _positive_int(text: str) -> int:

@@ -9,18 +9,21 @@ cursor) alone, and no rank holds a permutation of the corpus.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain
-from typing import Any, BinaryIO
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
+from depthscale.data.concat import ConcatTokens
+from depthscale.data.encode import encode_documents, token_dtype, write_npy_stream
 from depthscale.data.mixture import MixedBatches, Stage
 from depthscale.data.order import WindowOrder
+from depthscale.data.shards import read_shards
 from depthscale.data.sources import (
     corpus_files,
     corpus_identity,
@@ -31,13 +34,12 @@ from depthscale.data.sources import (
     token_format,
 )
 from depthscale.data.token_files import megatron_documents, read_token_array, with_eos
-from depthscale.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from depthscale.data.tokenizer import Tokenizer, build_tokenizer
 from depthscale.errors import DataError
 
 __all__ = ["DataBundle", "PackedBatches", "build_data", "split_stream", "tokenize_corpus"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-_CHUNK_CHARS = 1 << 22  # documents are encoded in batches of about this much text
 ORDER = "feistel-6"
 """The data order's name and version, kept in the loader state: resuming under another order
 would not continue the same sequence of batches."""
@@ -53,17 +55,22 @@ class DataBundle:
 
 
 def build_data(
-    cfg: DataConfig, seed: int, batch_size: int, ranks: int = 1, steps: int = 0
+    cfg: DataConfig,
+    seed: int,
+    batch_size: int,
+    ranks: int = 1,
+    steps: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> DataBundle:
     """The one entry point: tokenizer, cached token stream, train/val split, batch streams.
     `ranks`: data-parallel ranks that split each batch (the held-out batch is sized to divide).
     A mixture (`data.sources`) holds out the end of every source; `steps` > 0 checks its
-    sources' max_epochs against the run's schedule."""
+    sources' max_epochs against the run's schedule. `progress(n)`: told as tokenizing goes on."""
     tokenizer = build_tokenizer(cfg, lambda: iter_documents(cfg))
     if cfg.sources:
-        train, val_tokens = _mixture(cfg, tokenizer, seed, batch_size, steps)
+        train, val_tokens = _mixture(cfg, tokenizer, seed, batch_size, steps, progress)
     else:
-        tokens = tokenize_corpus(cfg, tokenizer)
+        tokens = tokenize_corpus(cfg, tokenizer, progress)
         train_tokens, val_tokens = split_stream(tokens, cfg.val_fraction, cfg.seq_len)
         train = PackedBatches(train_tokens, cfg.seq_len, batch_size, seed)
     val = None
@@ -80,12 +87,12 @@ def build_data(
 
 
 def _mixture(
-    cfg: DataConfig, tokenizer: Tokenizer, seed: int, batch_size: int, steps: int
-) -> tuple[MixedBatches, np.ndarray]:
+    cfg: DataConfig, tokenizer: Tokenizer, seed: int, batch_size: int, steps: int, progress=None
+) -> tuple[MixedBatches, ConcatTokens]:
     """The sources' training streams as one MixedBatches, and their held-out ends joined."""
     streams, held_out = {}, []
     for source in cfg.sources:
-        tokens = tokenize_corpus(source_config(cfg, source), tokenizer)
+        tokens = tokenize_corpus(source_config(cfg, source), tokenizer, progress)
         train, val = split_stream(tokens, cfg.val_fraction, cfg.seq_len)
         streams[source.name], held_out = train, [*held_out, val]
     stages = [Stage(0, {s.name: s.weight for s in cfg.sources})]
@@ -93,15 +100,12 @@ def _mixture(
     mixed = MixedBatches(streams, cfg.seq_len, batch_size, seed, stages)
     if steps:
         mixed.check_epochs(steps, {s.name: s.max_epochs for s in cfg.sources})
-    return mixed, np.concatenate(held_out) if held_out else np.empty(0, np.uint16)
+    return mixed, ConcatTokens(held_out)  # joined when read: never copied whole
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest stream dtype that holds every id: half the memory of uint32 for most vocabs."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
+def tokenize_corpus(
+    cfg: DataConfig, tokenizer: Tokenizer, progress: Callable[[int], None] | None = None
+) -> np.ndarray:
     """The corpus as one token stream (EOS after each document), memory-mapped from the cache:
     written there once, a piece at a time (never whole in memory), so later runs are instant.
 
@@ -112,7 +116,8 @@ def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         tokens = _token_stream(cfg, tokenizer)
         if cfg.max_bytes:
             tokens = tokens[: cfg.max_bytes // tokens.itemsize]
-        if len(tokens) and int(tokens.max()) >= tokenizer.vocab_size:
+        checked = token_format(cfg) == "shards"  # against its manifest, without a read
+        if len(tokens) and not checked and int(tokens.max()) >= tokenizer.vocab_size:
             raise DataError(
                 f"data.path={cfg.path!r} holds token id {int(tokens.max())}, outside the "
                 f"tokenizer's vocabulary ({tokenizer.vocab_size}); check data.tokenizer "
@@ -129,7 +134,7 @@ def tokenize_corpus(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         atomic_path(path) as tmp,
         tmp.open("wb") as f,
     ):
-        _write_npy_stream(f, dtype, encode_documents(iter_documents(cfg), tokenizer))
+        write_npy_stream(f, dtype, encode_documents(iter_documents(cfg), tokenizer, progress))
     return np.load(path, mmap_mode="r")
 
 
@@ -140,6 +145,8 @@ def _token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
     kind = token_format(cfg)
     if kind == "depthscale":
         return read_bin(cfg)
+    if kind == "shards":
+        return read_shards(Path(cfg.path).expanduser(), tokenizer)
     bin_path, *rest = corpus_files(cfg)
     if kind == "array":
         return read_token_array(bin_path, cfg.bin_dtype)
@@ -153,7 +160,7 @@ def _token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
         atomic_path(path) as tmp,
         tmp.open("wb") as f,
     ):
-        _write_npy_stream(f, token_dtype(tokenizer.vocab_size), with_eos(docs, tokenizer.eos_id))
+        write_npy_stream(f, token_dtype(tokenizer.vocab_size), with_eos(docs, tokenizer.eos_id))
     return np.load(path, mmap_mode="r")
 
 
@@ -166,33 +173,6 @@ def _in_vocabulary(docs: Iterable[np.ndarray], vocab: int, path) -> Iterator[np.
                 f"vocabulary ({vocab}); check data.tokenizer"
             )
         yield doc
-
-
-def encode_documents(docs: Iterable[str], tokenizer: Tokenizer) -> Iterator[np.ndarray]:
-    """Encode documents into consecutive pieces of one stream, EOS after each document (bytes
-    take a vectorised fast path); a piece holds about `_CHUNK_CHARS` of text."""
-    dtype = token_dtype(tokenizer.vocab_size)
-    for chunk in _chunks(docs):
-        yield _encode_chunk(chunk, tokenizer, dtype)
-
-
-def _write_npy_stream(f: BinaryIO, dtype: np.dtype, pieces: Iterable[np.ndarray]) -> None:
-    """Write pieces as one 1-D .npy array without holding it: the header is written first with
-    length 0 and rewritten at the end (numpy pads headers so that the length can grow in place)."""
-    header = {
-        "descr": np.lib.format.dtype_to_descr(dtype),
-        "fortran_order": False,
-        "shape": (0,),
-    }
-    np.lib.format.write_array_header_1_0(f, header)
-    data_start, n = f.tell(), 0
-    for piece in pieces:
-        f.write(piece.astype(dtype, copy=False).tobytes())
-        n += len(piece)
-    f.seek(0)
-    np.lib.format.write_array_header_1_0(f, header | {"shape": (n,)})
-    if f.tell() != data_start:
-        raise AssertionError("the .npy header changed length")  # numpy reserves room for it
 
 
 def split_stream(
@@ -324,34 +304,3 @@ class PackedBatches:
         rows = np.stack([self.tokens[i * t : i * t + t + 1] for i in windows.tolist()])
         rows = rows.astype(np.int64)
         return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
-
-
-def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    size = 0
-    for doc in docs:
-        chunk.append(doc)
-        size += len(doc)
-        if size >= _CHUNK_CHARS:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def _encode_chunk(docs: Sequence[str], tokenizer: Tokenizer, dtype: np.dtype) -> np.ndarray:
-    if isinstance(tokenizer, ByteTokenizer):
-        encoded = [d.encode("utf-8", errors="replace") for d in docs]
-        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
-        flat = np.frombuffer(b"".join(encoded), np.uint8)
-    else:
-        ids = tokenizer.encode_batch(docs)
-        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-        flat = np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum()))
-    ends = np.cumsum(lengths + 1) - 1  # where each document's EOS goes
-    out = np.empty(int(ends[-1]) + 1, dtype)
-    is_text = np.ones(len(out), bool)
-    is_text[ends] = False
-    out[is_text] = flat
-    out[ends] = tokenizer.eos_id
-    return out

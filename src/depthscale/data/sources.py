@@ -47,6 +47,8 @@ ALLOWED = (
     "'stdlib'; text: a .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file or a directory of "
     "them; tokens: a .bin (depthscale's, or a Megatron .bin/.idx pair) or an OLMo/Dolma .npy"
 )
+SHARD_MANIFEST = "manifest.json"
+"""What marks a directory of `depthscale tokenize` shards (`data/shards.py`)."""
 _EXTRAS = {".jsonl.zst": ("zstandard", "zstd"), ".parquet": ("pyarrow", "parquet")}
 """Text formats that need an optional package: (module, the extra that installs it)."""
 
@@ -80,6 +82,8 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     if cfg.path == "stdlib":
         return stdlib_files()
     path = Path(cfg.path).expanduser()
+    if path.is_dir() and (path / SHARD_MANIFEST).is_file():
+        return [path / SHARD_MANIFEST]  # tokenized shards: their manifest says what they hold
     if path.is_dir():
         files = [
             f
@@ -111,11 +115,13 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
 
 
 def token_format(cfg: DataConfig) -> str | None:
-    """'megatron' (a .bin/.idx pair), 'array' (an OLMo / Dolma .npy), 'depthscale' (a .bin of
-    ours), or None: `data.path` is text."""
+    """'shards' (a `depthscale tokenize` directory), 'megatron' (a .bin/.idx pair), 'array' (an
+    OLMo / Dolma .npy), 'depthscale' (a .bin of ours), or None: `data.path` is text."""
     if cfg.path == "stdlib":
         return None
     path = Path(cfg.path).expanduser()
+    if path.is_dir() and (path / SHARD_MANIFEST).is_file():
+        return "shards"
     if path.is_dir() or path.suffix not in TOKEN_SUFFIXES:
         return None
     if path.suffix == ".npy":

@@ -50,14 +50,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_data_once_per_node(cfg: Config, env, dp_size: int) -> DataBundle:
+def build_data_once_per_node(cfg: Config, env, dp_size: int, progress=None) -> DataBundle:
     """Local rank 0 tokenizes (or trains the BPE tokenizer) and fills the cache; the node's other
     ranks then load it instead of repeating the work, each waiting for that one rank (no barrier:
     other nodes' ranks go on). The token stream is memory-mapped, so one copy
     in the page cache serves every rank on the node. Then all ranks check that they hold the
-    same data (`data/agreement.py`): nodes build theirs independently."""
+    same data (`data/agreement.py`): nodes build theirs independently. `progress(n)` is told as
+    tokenizing goes on (a supervised worker's heartbeat: a long tokenization is not a hang)."""
     build = lambda: build_data(  # noqa: E731
-        cfg.data, cfg.train.seed, cfg.train.batch_size, ranks=dp_size, steps=cfg.train.steps
+        cfg.data,
+        cfg.train.seed,
+        cfg.train.batch_size,
+        ranks=dp_size,
+        steps=cfg.train.steps,
+        progress=progress,
     )
     data = leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
     check_ranks_agree(data_identity(data, cfg.train.seed))

@@ -92,7 +92,12 @@ class Trainer:
         # the newest checkpoint that verifies, of this model (see train/manifest.py)
         resume_from = self.checkpointer.resolve_resume()
 
-        self.data: DataBundle = setup.build_data_once_per_node(cfg, self.env, self.dp_size)
+        tokenizing = None
+        if self.heartbeat is not None:  # tokenizing in train is progress the supervisor sees
+            tokenizing = lambda n: self.heartbeat.update(tokenized=n)  # noqa: E731
+        self.data: DataBundle = setup.build_data_once_per_node(
+            cfg, self.env, self.dp_size, progress=tokenizing
+        )
         cfg.resolve_vocab_size(self.data.tokenizer.vocab_size)
         startup.mark("data")
         # Built on the meta device: parallelize() splits and shards it, then each rank materialises

@@ -1,0 +1,55 @@
+"""`depthscale tokenize`: text corpora tokenized offline into shards (`data/shards.py`), in
+parallel, resumable, the same bytes for any number of workers; `data.path = OUT` trains on them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from depthscale.errors import ConfigError
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from depthscale.config import DataConfig
+    from depthscale.config.validation import check_dir_creatable
+    from depthscale.data.shards import input_files, refuse_other_tokenizer, tokenize_to_shards
+    from depthscale.data.tokenizer import build_tokenizer
+
+    if args.tokenizer == "bpe":
+        raise ConfigError(
+            "--tokenizer bpe: shards need a fixed tokenizer; allowed: 'byte', a tokenizer.json, "
+            "or a run's tokenizer/ directory"
+        )
+    out = Path(args.out)
+    check_dir_creatable("--out", out)
+    files = input_files(args.inputs, args.field)  # every input checked before any work
+    tokenizer = build_tokenizer(DataConfig(tokenizer=args.tokenizer), lambda: ())
+    if out.is_dir():
+        refuse_other_tokenizer(out, tokenizer)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are processes
+    total = sum(f.stat().st_size for f in files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not args.progress)
+    started, tokens = time.perf_counter(), [0, 0]  # all, and those tokenized by this run
+
+    def progress(record: dict, done: int, count: int) -> None:
+        tokens[0] += record["tokens"]
+        if not record.get("kept"):
+            tokens[1] += record["tokens"]
+        rate = tokens[1] / max(time.perf_counter() - started, 1e-9)
+        bar.set_postfix(shards=f"{done}/{count}", tok_s=f"{rate:,.0f}")
+        bar.update(record["source_bytes"])
+
+    try:
+        manifest = tokenize_to_shards(files, tokenizer, out, args.workers, args.field, progress)
+    finally:
+        bar.close()
+    print(
+        f"depthscale: {len(manifest['shards'])} shards, {manifest['tokens']:,} tokens, "
+        f"{manifest['documents']:,} documents in {out} ({tokens[1]:,} tokens tokenized now); "
+        f"train on them with --data.path {out} --data.tokenizer {args.tokenizer}"
+    )
+    return 0
