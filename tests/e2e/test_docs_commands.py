@@ -21,7 +21,17 @@ from depthscale.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("train", "generate", "trace", "diagnose", "plan", "convert", "eval", "lm-eval", "tokenize")
+SUBCOMMANDS = (
+    "train",
+    "generate",
+    "trace",
+    "diagnose",
+    "plan",
+    "convert",
+    "eval",
+    "lm-eval",
+    "tokenize",
+)
 PLACEHOLDERS = {"K": "0", "HEAD": "node0", "$SLURM_NNODES": "4", "$SLURM_NODEID": "0"}
 PLACEHOLDERS |= {"$head": "node0", "...": "-c configs/tiny.toml"}
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
