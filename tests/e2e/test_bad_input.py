@@ -146,6 +146,25 @@ CONFIG_CASES = [
     (["--eval.tasks", f'[{{path = "{FILE}", name = "a/b"}}]'], "eval.tasks[0].name='a/b' cannot"),
     (["--eval.tasks", f'[{{path = "{FILE}"}}, {{path = "{FILE}"}}]'], "a second task named"),
     (["--eval.tasks", f'[{{path = "{FILE}"}}]'], ":1: not JSON"),
+    (["--eval.sets", '[{name = "a", path = "/no/x.jsonl"}]'], "eval.sets[0].path='/no/x.jsonl'"),
+    (
+        ["--eval.sets", f'[{{name = "a", path = "{FILE}"}}, {{name = "a", path = "{FILE}"}}]'],
+        "a second set named 'a'",
+    ),
+    # mixtures: a weight that is no share, a stage naming no source
+    (
+        ["--data.sources", f'[{{name = "a", path = "{FILE}", weight = 0}}]'],
+        "data.sources[0].weight=0.0 must be a finite number > 0",
+    ),
+    (
+        [
+            "--data.sources",
+            f'[{{name = "a", path = "{FILE}", weight = 1}}]',
+            "--data.stages",
+            "[{at_step = 2, weights = {b = 1}}]",
+        ],
+        "data.stages[0].weights names 'b', not a source",
+    ),
 ]
 
 

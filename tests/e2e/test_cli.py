@@ -249,6 +249,12 @@ def _train_short(tmp_path, *args):
     """Four steps of the tiny config (block AttnRes), with a downstream task ("mc") evaluated at
     step 4; returns the logged losses and grad norms, and the task's acc and acc_norm."""
     _write_task(tmp_path / "task.jsonl")
+    (tmp_path / "held.jsonl").write_text(  # a named held-out set: val/held/loss and bpb
+        "".join(
+            json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 8}) + "\n"
+            for i in range(40)
+        )
+    )
     proc = cli(
         "train",
         "-c",
@@ -272,6 +278,8 @@ def _train_short(tmp_path, *args):
         str(tmp_path / "run"),
         "--eval.tasks",
         f'[{{path = "{tmp_path / "task.jsonl"}", name = "mc"}}]',
+        "--eval.sets",
+        f'[{{name = "held", path = "{tmp_path / "held.jsonl"}"}}]',
         cwd=tmp_path,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step") and "| loss" in ln]
@@ -281,8 +289,11 @@ def _train_short(tmp_path, *args):
     ]
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     evals = [json.loads(r) for r in records if '"split": "eval/mc"' in r]
-    assert [r["step"] for r in evals] == [4]
-    return logged, {k: evals[0][k] for k in ("acc", "acc_norm")}
+    held = [json.loads(r) for r in records if '"split": "val/held"' in r]
+    assert [r["step"] for r in evals] == [r["step"] for r in held] == [4]
+    return logged, {k: evals[0][k] for k in ("acc", "acc_norm")} | {
+        f"held_{k}": held[0][k] for k in ("loss", "bpb")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +335,12 @@ def test_multi_process_training_from_the_command_line(tmp_path, layout, one_proc
     for (loss, norm), (ref_loss, ref_norm) in zip(logged, ref_logged):
         assert loss == pytest.approx(ref_loss, abs=2e-4)
         assert norm == pytest.approx(ref_norm, abs=2e-3)
-    assert evals == ref_evals  # the downstream task, scored in the layout
+    # the downstream task, scored in the layout; the named held-out set's loss (and bits per byte)
+    assert {k: evals[k] for k in ("acc", "acc_norm")} == {
+        k: ref_evals[k] for k in ("acc", "acc_norm")
+    }
+    assert evals["held_loss"] == pytest.approx(ref_evals["held_loss"], abs=2e-4)
+    assert evals["held_bpb"] == pytest.approx(ref_evals["held_bpb"], abs=3e-4)
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "trainer_state.json").is_file()
 
 
@@ -336,7 +352,7 @@ def test_depthscale_eval_reports_what_training_evaluated(one_process_run):
     cli("eval", "--run", "run", "--tasks", "task.jsonl", "--json", str(out), cwd=path)
     (result,) = json.loads(out.read_text())
     assert result["task"] == "task" and result["n"] == 6
-    assert {k: result[k] for k in ("acc", "acc_norm")} == evals
+    assert {k: result[k] for k in ("acc", "acc_norm")} == {k: evals[k] for k in ("acc", "acc_norm")}
 
 
 def test_pipeline_trains_in_bf16_from_the_command_line(tmp_path):

@@ -429,12 +429,27 @@ class EvalTask:
 
 
 @dataclass
+class EvalSet:
+    """A named held-out corpus (`[[eval.sets]]`), any format of docs/data.md, evaluated every
+    `train.eval_every` steps on `train.eval_batches` batches; logged as `val/<name>/loss` and
+    `val/<name>/bpb` (bits per byte of its text)."""
+
+    name: str = ""
+    path: str = ""
+    jsonl_field: str = ""
+    """Its text field or column; "" = data.jsonl_field."""
+
+
+@dataclass
 class EvalConfig:
     """Evaluation beyond the held-out loss (which `train.eval_every` and `train.eval_batches`
     set)."""
 
     tasks: list[EvalTask] = field(default_factory=list)
     """Downstream multiple-choice tasks, as `[[eval.tasks]]` tables (path, name, limit)."""
+    sets: list[EvalSet] = field(default_factory=list)
+    """Named held-out corpora, as `[[eval.sets]]` tables (name, path, jsonl_field); the held-out
+    end of the training data stays `val/`."""
 
 
 @dataclass

@@ -390,7 +390,8 @@ _TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 def _check_eval_tasks(cfg: Config) -> None:
     """Every [[eval.tasks]] entry names a file and a unique, loggable name (what the file holds
-    is read by `evaluation.multiple_choice.read_task` before training starts)."""
+    is read by `evaluation.multiple_choice.read_task` before training starts); every
+    [[eval.sets]] entry a corpus and a unique name."""
     seen: set[str] = set()
     for i, task in enumerate(cfg.eval.tasks):
         key = f"eval.tasks[{i}]"
@@ -415,6 +416,21 @@ def _check_eval_tasks(cfg: Config) -> None:
                 "(set eval.tasks[i].name)"
             )
         seen.add(task.label)
+    names: set[str] = set()
+    for i, entry in enumerate(cfg.eval.sets):
+        key = f"eval.sets[{i}]"
+        if not _TASK_NAME.fullmatch(entry.name):
+            raise ConfigError(
+                f"{key}.name={entry.name!r} cannot name a metric; allowed: letters, digits, "
+                "'_', '.', '-', starting with a letter or digit"
+            )
+        if entry.name in names:
+            raise ConfigError(f"{key}: a second set named {entry.name!r}; allowed: distinct names")
+        names.add(entry.name)
+        if not entry.path.strip() or not Path(entry.path).expanduser().exists():
+            raise ConfigError(
+                f"{key}.path={entry.path!r} does not exist; allowed: a corpus (docs/data.md)"
+            )
 
 
 def _check_mixture(cfg: Config) -> None:

@@ -44,6 +44,7 @@ def data_identity(data: DataBundle, seed: int) -> dict[str, Any]:
         "train tokens": _train_digest(data.train),
         "validation windows": data.val.n_windows if data.val is not None else 0,
         "validation tokens": stream_digest(data.val.tokens) if data.val is not None else "-",
+        "eval sets": {k: stream_digest(v.tokens) for k, v in data.eval_sets.items()},
         "data seed": seed,
     }
 

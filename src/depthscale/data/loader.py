@@ -10,7 +10,7 @@ cursor) alone, and no rank holds a permutation of the corpus.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ class DataBundle:
     tokenizer: Tokenizer
     train: PackedBatches | MixedBatches
     val: PackedBatches | None
+    eval_sets: dict[str, PackedBatches] = field(default_factory=dict)
+    """The named held-out sets (`[[eval.sets]]`, `data/eval_sets.py`)."""
 
 
 def build_data(
@@ -75,15 +77,25 @@ def build_data(
         train = PackedBatches(train_tokens, cfg.seq_len, batch_size, seed)
     val = None
     if len(val_tokens):
-        val_windows = (len(val_tokens) - 1) // cfg.seq_len
-        val_batch = min(batch_size, val_windows) // ranks * ranks
-        if val_batch == 0:
-            raise DataError(
-                f"the held-out split has {val_windows} sequences, fewer than the {ranks} "
-                "data-parallel ranks; raise data.val_fraction or set it to 0"
-            )
-        val = PackedBatches(val_tokens, cfg.seq_len, val_batch, seed)
+        val = held_out_batches(
+            val_tokens, cfg.seq_len, batch_size, ranks, seed,
+            "the held-out split", "raise data.val_fraction or set it to 0",
+        )  # fmt: skip
     return DataBundle(tokenizer, train, val)
+
+
+def held_out_batches(
+    tokens, seq_len: int, batch_size: int, ranks: int, seed: int, what: str, fix: str
+) -> PackedBatches:
+    """Evaluation batches over `tokens`: at most a training batch, a multiple of the
+    data-parallel ranks (each takes its rows, as in training)."""
+    windows = (len(tokens) - 1) // seq_len
+    batch = min(batch_size, windows) // ranks * ranks
+    if batch == 0:
+        raise DataError(
+            f"{what} has {windows} sequences, fewer than the {ranks} data-parallel ranks; {fix}"
+        )
+    return PackedBatches(tokens, seq_len, batch, seed)
 
 
 def _mixture(

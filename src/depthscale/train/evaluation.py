@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from depthscale.config import Config
+from depthscale.data.eval_sets import bits_per_byte, bytes_per_token
 from depthscale.data.loader import DataBundle
 from depthscale.evaluation.downstream import DownstreamTasks
 from depthscale.evaluation.multiple_choice import read_task
@@ -36,6 +37,12 @@ class Evaluator:
             dp_size,
             device,
         )
+        n = cfg.train.eval_batches
+        self.held_out = {"val": data.val} if data.val is not None else {}
+        self.held_out |= {f"val/{name}": b for name, b in data.eval_sets.items()}
+        self.bytes_per_token = {
+            k: bytes_per_token(b, n, data.tokenizer) for k, b in self.held_out.items()
+        }
         tasks = [read_task(Path(t.path), t.label, t.limit) for t in cfg.eval.tasks]
         self.tasks = None
         if tasks:
@@ -53,14 +60,16 @@ class Evaluator:
     def run(
         self, model: torch.nn.Module, forward: Callable[..., Tensor], autocast: ContextFactory
     ) -> dict[str, dict[str, float]]:
-        """{"val": {"loss": ...}, "eval/<task>": {"acc": ..., "acc_norm": ...}} for what the run
-        evaluates (the same on every rank)."""
+        """{"val": {"loss": ..., "bpb": ...}, "val/<set>": {...}, "eval/<task>": {"acc": ...,
+        "acc_norm": ...}} for what the run evaluates (the same on every rank)."""
         model.eval()
         try:
             out: dict[str, dict[str, float]] = {}
-            val = self._held_out_loss(forward, autocast)
-            if val is not None:
-                out["val"] = {"loss": val}
+            for prefix, batches in self.held_out.items():
+                loss = self._held_out_loss(batches, forward, autocast)
+                if loss is not None:
+                    bpb = bits_per_byte(loss, self.bytes_per_token[prefix])
+                    out[prefix] = {"loss": loss, "bpb": bpb}
             if self.tasks is not None:
                 with spans.span("eval_tasks"):
                     results = self.tasks.evaluate(
@@ -75,10 +84,8 @@ class Evaluator:
         finally:
             model.train()
 
-    def _held_out_loss(self, forward, autocast) -> float | None:
-        if self.data.val is None:
-            return None
-        batches = self.data.val.iter_eval(self.cfg.train.eval_batches, self.dp_rank, self.dp_size)
+    def _held_out_loss(self, held_out, forward, autocast) -> float | None:
+        batches = held_out.iter_eval(self.cfg.train.eval_batches, self.dp_rank, self.dp_size)
         losses = [
             self._mean_over_ranks(self.plan.evaluate(forward, x, y, autocast)) for x, y in batches
         ]

@@ -12,6 +12,7 @@ from torch import nn
 
 from depthscale.config import Config, ConfigError
 from depthscale.data.agreement import check_ranks_agree, data_identity
+from depthscale.data.eval_sets import attach_eval_sets
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.errors import CheckpointError
 from depthscale.observe.metrics import detect_peak_flops
@@ -57,14 +58,19 @@ def build_data_once_per_node(cfg: Config, env, dp_size: int, progress=None) -> D
     in the page cache serves every rank on the node. Then all ranks check that they hold the
     same data (`data/agreement.py`): nodes build theirs independently. `progress(n)` is told as
     tokenizing goes on (a supervised worker's heartbeat: a long tokenization is not a hang)."""
-    build = lambda: build_data(  # noqa: E731
-        cfg.data,
-        cfg.train.seed,
-        cfg.train.batch_size,
-        ranks=dp_size,
-        steps=cfg.train.steps,
-        progress=progress,
-    )
+    def build() -> DataBundle:
+        data = build_data(
+            cfg.data,
+            cfg.train.seed,
+            cfg.train.batch_size,
+            ranks=dp_size,
+            steps=cfg.train.steps,
+            progress=progress,
+        )
+        return attach_eval_sets(
+            data, cfg.data, cfg.eval.sets, cfg.train.seed, cfg.train.batch_size, dp_size, progress
+        )
+
     data = leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
     check_ranks_agree(data_identity(data, cfg.train.seed))
     return data
