@@ -58,16 +58,18 @@ class _Source:
         self.epoch = self.cursor = self.served = 0
         self._order: WindowOrder | None = None
 
-    def take(self) -> int:
-        """The next window of this source's order (a new epoch after its last)."""
-        if self.cursor == self.n_windows:
-            self.epoch, self.cursor = self.epoch + 1, 0
-        if self._order is None or self._order.epoch != self.epoch:
-            self._order = WindowOrder(self.n_windows, self.seed, self.epoch)
-        window = int(self._order[np.array([self.cursor])][0])
-        self.cursor += 1
-        self.served += 1
-        return window
+    def take(self, n: int) -> np.ndarray:
+        """The next `n` windows of this source's order (a new epoch after its last)."""
+        out = []
+        while n:
+            if self.cursor == self.n_windows:
+                self.epoch, self.cursor = self.epoch + 1, 0
+            if self._order is None or self._order.epoch != self.epoch:
+                self._order = WindowOrder(self.n_windows, self.seed, self.epoch)
+            k = min(n, self.n_windows - self.cursor)
+            out.append(self._order[self.cursor : self.cursor + k])
+            self.cursor, self.served, n = self.cursor + k, self.served + k, n - k
+        return np.concatenate(out) if out else np.empty(0, np.int64)
 
     def window(self, i: int) -> np.ndarray:
         t = self.seq_len
@@ -112,20 +114,23 @@ class MixedBatches:
         """One global batch: (source index, window) for each of its rows; advances the state."""
         if self.step and self._stage_start(self.step) == self.step:
             self.stage_counts = [0] * len(self.sources)  # a stage begins: its own count
-        weights = self._weights(self.step)
-        counts = np.array(self.stage_counts, dtype=np.float64)
-        dealt = counts.sum()
-        used = weights > 0
-        delta = 1 / (2 * (used.sum() - 1)) if used.sum() > 1 else 0.0
-        safe = np.where(used, weights, 1.0)
-        rows = []
+        weights = self._weights(self.step).tolist()
+        counts = list(self.stage_counts)
+        dealt = sum(counts)
+        used = [i for i, w in enumerate(weights) if w > 0]
+        delta = 1 / (2 * (len(used) - 1)) if len(used) > 1 else 0.0
+        order = []  # the source of each row, in row order
         for _ in range(self.batch_size):
             dealt += 1
-            released = used & (weights * dealt >= counts + delta - 1e-9)
-            due = np.where(released, (counts + 1 - delta) / safe, np.inf)
-            s = int(np.argmin(due)) if released.any() else int(np.argmax(weights * dealt - counts))
+            released = [i for i in used if weights[i] * dealt >= counts[i] + delta - 1e-9]
+            if released:
+                s = min(released, key=lambda i: ((counts[i] + 1 - delta) / weights[i], i))
+            else:  # not reached (Tijdeman), kept as a guard
+                s = max(used, key=lambda i: (weights[i] * dealt - counts[i], -i))
             counts[s] += 1
-            rows.append((s, self.sources[s].take()))
+            order.append(s)
+        taken = {s: iter(self.sources[s].take(order.count(s)).tolist()) for s in set(order)}
+        rows = [(s, next(taken[s])) for s in order]
         self.stage_counts = [int(c) for c in counts]
         self.step += 1
         return rows
