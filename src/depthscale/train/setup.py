@@ -58,6 +58,7 @@ def build_data_once_per_node(cfg: Config, env, dp_size: int, progress=None) -> D
     in the page cache serves every rank on the node. Then all ranks check that they hold the
     same data (`data/agreement.py`): nodes build theirs independently. `progress(n)` is told as
     tokenizing goes on (a supervised worker's heartbeat: a long tokenization is not a hang)."""
+
     def build() -> DataBundle:
         data = build_data(
             cfg.data,
