@@ -165,3 +165,38 @@ def test_bad_flags_are_named(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_stops_every_worker_and_keeps_the_finished_shards(tmp_path):
+    """SIGINT to the process group (Ctrl-C) with two workers, once a shard is finished: exit 130
+    with a note, no half-written file left, no worker left running; the rerun finishes."""
+    corpus = _corpus(tmp_path, [3, 4000, 4000, 4000, 4000])
+    bpe = train_bpe((" ".join(WORDS),) * 50, 300)
+    bpe.tok.save(str(tmp_path / "tokenizer.json"))
+    args = [str(corpus), "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", "out"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "depthscale.cli", "tokenize", *args, "--workers", "2",
+         "--progress", "false"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    out, deadline = tmp_path / "out", time.monotonic() + 300
+    while not list(out.glob("shard-*.json")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "the finished shards in out are kept" in err and "Traceback" not in err
+    assert not list(out.glob(".*.tmp")) and not (out / "manifest.json").exists()
+    deadline = time.monotonic() + 30  # the group empties: no worker outlives the parent
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("a process of the interrupted tokenize is still running")
+    rerun = _tokenize(*args, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert (out / "manifest.json").is_file()

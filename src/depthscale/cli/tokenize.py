@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         manifest = tokenize_to_shards(files, tokenizer, out, args.workers, args.field, progress)
+    except KeyboardInterrupt:
+        bar.close()
+        print(
+            f"depthscale: note: the finished shards in {out} are kept; the same command "
+            "finishes the rest",
+            file=sys.stderr,
+        )
+        raise
     finally:
         bar.close()
     print(

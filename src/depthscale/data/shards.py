@@ -157,6 +157,27 @@ def _finished(out: Path, index: int, source: Path, tokenizer: Tokenizer) -> dict
     return {"index": index, **record} if ok else None
 
 
+def _started_ignoring_sigint(ctx, processes: int):
+    """A pool whose workers ignore SIGINT from their first instruction: started while this
+    process ignores it (an ignored signal stays ignored across exec, and Python then installs no
+    handler), so a Ctrl-C during their start-up is not a traceback in each."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(processes)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return ctx.Pool(processes)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _remove_partial(out: Path) -> None:
+    for tmp in out.glob(".shard-*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def refuse_other_tokenizer(out: Path, tokenizer: Tokenizer) -> None:
     for sidecar in sorted(out.glob("shard-*.json")):
         try:
@@ -194,19 +215,26 @@ def tokenize_to_shards(
     if progress is not None:
         for done, record in enumerate(records.values(), 1):
             progress(record, done, len(files))
-    if workers > 1 and len(jobs) > 1:
-        ctx = multiprocessing.get_context("spawn")  # tokenizers' thread pools do not survive fork
-        with ctx.Pool(min(workers, len(jobs))) as pool:
-            for record in pool.imap_unordered(_encode_file, jobs):
+    _remove_partial(out)  # what a killed run was writing
+    try:
+        if workers > 1 and len(jobs) > 1:
+            # spawn: tokenizers' thread pools do not survive fork; the workers leave Ctrl-C to
+            # this process, which stops them
+            ctx = multiprocessing.get_context("spawn")
+            with _started_ignoring_sigint(ctx, min(workers, len(jobs))) as pool:
+                for record in pool.imap_unordered(_encode_file, jobs):
+                    records[record["index"]] = record
+                    if progress is not None:
+                        progress(record, len(records), len(files))
+        else:
+            for job in jobs:
+                record = _encode_file(job)
                 records[record["index"]] = record
                 if progress is not None:
                     progress(record, len(records), len(files))
-    else:
-        for job in jobs:
-            record = _encode_file(job)
-            records[record["index"]] = record
-            if progress is not None:
-                progress(record, len(records), len(files))
+    except BaseException:  # Ctrl-C, a bad file: finished shards stay, half-written ones go
+        _remove_partial(out)
+        raise
     manifest = {
         "format": FORMAT,
         "tokenizer": tokenizer.fingerprint,
