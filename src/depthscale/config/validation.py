@@ -416,21 +416,26 @@ def _check_eval_tasks(cfg: Config) -> None:
                 "(set eval.tasks[i].name)"
             )
         seen.add(task.label)
-    names: set[str] = set()
+    names: list[str] = []
     for i, entry in enumerate(cfg.eval.sets):
         key = f"eval.sets[{i}]"
-        if not _TASK_NAME.fullmatch(entry.name):
-            raise ConfigError(
-                f"{key}.name={entry.name!r} cannot name a metric; allowed: letters, digits, "
-                "'_', '.', '-', starting with a letter or digit"
-            )
-        if entry.name in names:
-            raise ConfigError(f"{key}: a second set named {entry.name!r}; allowed: distinct names")
-        names.add(entry.name)
+        _check_name(key, entry.name, "set", names)
         if not entry.path.strip() or not Path(entry.path).expanduser().exists():
             raise ConfigError(
                 f"{key}.path={entry.path!r} does not exist; allowed: a corpus (docs/data.md)"
             )
+
+
+def _check_name(key: str, name: str, what: str, taken: list[str]) -> None:
+    """An entry's name: loggable in a metric's name, and not one an earlier entry has (added)."""
+    if not _TASK_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{key}.name={name!r} cannot name a {what}; allowed: letters, digits, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+    if name in taken:
+        raise ConfigError(f"{key}: a second {what} named {name!r}; allowed: distinct names")
+    taken.append(name)
 
 
 def _check_mixture(cfg: Config) -> None:
@@ -449,14 +454,7 @@ def _check_mixture(cfg: Config) -> None:
     names: list[str] = []
     for i, src in enumerate(d.sources):
         key = f"data.sources[{i}]"
-        if not _TASK_NAME.fullmatch(src.name):
-            raise ConfigError(
-                f"{key}.name={src.name!r} cannot name a source; allowed: letters, digits, "
-                "'_', '.', '-', starting with a letter or digit"
-            )
-        if src.name in names:
-            raise ConfigError(f"{key}: a second source named {src.name!r}; allowed: distinct names")
-        names.append(src.name)
+        _check_name(key, src.name, "source", names)
         if not src.path.strip():
             raise ConfigError(f"{key}.path is empty; allowed: a corpus (docs/data.md)")
         if not Path(src.path).expanduser().exists():

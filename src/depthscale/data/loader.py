@@ -22,7 +22,7 @@ from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writ
 from depthscale.data.concat import ConcatTokens
 from depthscale.data.encode import encode_documents, token_dtype, write_npy_stream
 from depthscale.data.mixture import MixedBatches, Stage
-from depthscale.data.order import WindowOrder
+from depthscale.data.order import WindowOrder, rank_rows
 from depthscale.data.shards import read_shards
 from depthscale.data.sources import (
     corpus_files,
@@ -298,13 +298,7 @@ class PackedBatches:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
     def _rows(self, rank: int, world: int) -> slice:
-        if world < 1 or not 0 <= rank < world or self.batch_size % world:
-            raise ValueError(
-                f"rank={rank}, world={world}: need 0 <= rank < world and world "
-                f"dividing batch_size={self.batch_size}"
-            )
-        per_rank = self.batch_size // world
-        return slice(rank * per_rank, (rank + 1) * per_rank)
+        return rank_rows(self.batch_size, rank, world)
 
     def _order_of(self, epoch: int) -> WindowOrder:
         if self._order is None or self._order.epoch != epoch:

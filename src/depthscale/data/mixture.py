@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from depthscale.data.order import WindowOrder
+from depthscale.data.order import WindowOrder, rank_rows
 from depthscale.errors import DataError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -146,13 +146,7 @@ class MixedBatches:
         return torch.from_numpy(stacked[:, :-1].copy()), torch.from_numpy(stacked[:, 1:].copy())
 
     def _rows(self, rank: int, world: int) -> slice:
-        if world < 1 or not 0 <= rank < world or self.batch_size % world:
-            raise ValueError(
-                f"rank={rank}, world={world}: need 0 <= rank < world and world "
-                f"dividing batch_size={self.batch_size}"
-            )
-        per_rank = self.batch_size // world
-        return slice(rank * per_rank, (rank + 1) * per_rank)
+        return rank_rows(self.batch_size, rank, world)
 
     # ------------------------------------------------------------------ state
 

@@ -73,3 +73,15 @@ class WindowOrder:
                 y[outside] = self._encrypt(y[outside])
                 outside = y >= np.uint64(self.n)
         return y.astype(np.int64)
+
+
+def rank_rows(batch_size: int, rank: int, world: int) -> slice:
+    """The contiguous rows of a global batch that data-parallel `rank` of `world` trains on: the
+    ranks' rows in rank order are the one-process batch, so any degree sees the same data."""
+    if world < 1 or not 0 <= rank < world or batch_size % world:
+        raise ValueError(
+            f"rank={rank}, world={world}: need 0 <= rank < world and world "
+            f"dividing batch_size={batch_size}"
+        )
+    per_rank = batch_size // world
+    return slice(rank * per_rank, (rank + 1) * per_rank)

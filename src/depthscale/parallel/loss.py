@@ -95,16 +95,8 @@ class TokenLoss:
         if self.vocab_group is None and self.sequence_group is None:
             loss = cross_entropy(logits, labels)
             return loss, loss.detach()
-        flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
-        if self.vocab_group is None:
-            upcast = flat_logits.to(torch.promote_types(flat_logits.dtype, torch.float32))
-            loss_sum = F.cross_entropy(
-                upcast, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-        else:
-            loss_sum = vocab_parallel_cross_entropy(
-                flat_logits, flat_labels, self.vocab_group
-            ).sum()
+        flat_labels = labels.flatten()
+        loss_sum = self._per_token(logits, labels).sum()
         count = (flat_labels != IGNORE_INDEX).sum()
         if self.sequence_group is None:
             loss = loss_sum / count.clamp(min=1)
@@ -116,20 +108,20 @@ class TokenLoss:
         cp = dist.get_world_size(self.sequence_group)
         return loss_sum * (cp / n_total).to(loss_sum.dtype), (totals[1] / n_total).float()
 
+    def _per_token(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Each token's cross-entropy [N] (0 where ignored), at least fp32, from logits that may
+        be this rank's vocabulary slice."""
+        flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
+        if self.vocab_group is not None:
+            return vocab_parallel_cross_entropy(flat_logits, flat_labels, self.vocab_group)
+        upcast = flat_logits.to(torch.promote_types(flat_logits.dtype, torch.float32))
+        return F.cross_entropy(upcast, flat_labels, ignore_index=IGNORE_INDEX, reduction="none")
+
     def row_sums(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Σ cross-entropy over each row's non-ignored tokens, fp64 [rows], for scoring (the
         negative log-likelihood of a row's labelled continuation): the same on every rank of the
         vocabulary and sequence groups (a sequence shard's sums are added over the group)."""
-        rows = labels.shape[0]
-        flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
-        if self.vocab_group is None:
-            upcast = flat_logits.to(torch.promote_types(flat_logits.dtype, torch.float32))
-            per_token = F.cross_entropy(
-                upcast, flat_labels, ignore_index=IGNORE_INDEX, reduction="none"
-            )
-        else:
-            per_token = vocab_parallel_cross_entropy(flat_logits, flat_labels, self.vocab_group)
-        sums = per_token.double().view(rows, -1).sum(dim=1)
+        sums = self._per_token(logits, labels).double().view(labels.shape[0], -1).sum(dim=1)
         if self.sequence_group is not None:
             with spans.collective("all_reduce", self.sequence_group, sums):
                 dist.all_reduce(sums, group=self.sequence_group)

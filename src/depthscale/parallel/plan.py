@@ -147,9 +147,7 @@ class ParallelPlan:
         """This rank's share of the mean loss of one evaluation batch (no gradients), run in
         `self.microbatches` pieces like a training step, so that evaluation never needs more
         activation memory than training (pieces of equal size: the mean of their means)."""
-        device = self._device()
-        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(self.microbatches)]
-        ys = [y.to(device, non_blocking=True) for y in labels.chunk(self.microbatches)]
+        xs, ys = self._pieces(inputs, labels)
         if self.pipeline is not None:
             return self._pipeline_step(xs, ys, False, autocast, None)
         reports = [self._loss(forward, x, y, autocast)[1] for x, y in zip(xs, ys)]
@@ -167,9 +165,7 @@ class ParallelPlan:
         scores), fp64 [rows], for this rank's rows, the same on the ranks that share them (tp, cp,
         pp). Run in `self.microbatches` pieces like `evaluate`; the rows' width must be a multiple
         of `sequence_multiple`."""
-        device = self._device()
-        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(self.microbatches)]
-        ys = [y.to(device, non_blocking=True) for y in labels.chunk(self.microbatches)]
+        xs, ys = self._pieces(inputs, labels)
         if self.pipeline is not None:
             sharded = [self.sequence(x, y) for x, y in zip(xs, ys)]
             xs, ys = [s[0] for s in sharded], [s[1] for s in sharded]
@@ -185,6 +181,13 @@ class ParallelPlan:
                 logits = forward(x) if positions is None else forward(x, positions=positions)
             sums.append(self.loss.row_sums(logits, y))
         return torch.cat(sums)
+
+    def _pieces(self, inputs: Tensor, labels: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """An evaluation batch in `self.microbatches` pieces, on this rank's device."""
+        device = self._device()
+        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(self.microbatches)]
+        ys = [y.to(device, non_blocking=True) for y in labels.chunk(self.microbatches)]
+        return xs, ys
 
     @property
     def sequence_multiple(self) -> int:
