@@ -18,6 +18,9 @@ from test_cli import cli
 
 from depthscale.data.tokenizer import ByteTokenizer
 
+# a SIGKILL drill of three runs (~20 s): CI runs it after the default suite, with the other drills
+pytestmark = pytest.mark.slow
+
 SEQ, BATCH, STEPS = 32, 8, 40
 WEIGHTS = {"web": 0.5, "code": 0.3, "wiki": 0.2}
 STAGE_AT, STAGE = 20, {"web": 0.2, "code": 0.2, "wiki": 0.6}

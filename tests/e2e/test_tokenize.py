@@ -78,6 +78,7 @@ def test_any_number_of_workers_writes_the_same_shards_which_train_as_the_corpus(
     assert np.array_equal(np.asarray(sharded), direct)  # the same stream: the same batches
 
 
+@pytest.mark.slow  # a drill with real signals (CI runs it after the default suite)
 def test_a_killed_run_is_finished_without_redoing_its_finished_shards(tmp_path):
     """A BPE tokenizer (slow enough to stop between shards), a small first file: SIGKILL once
     the first shard's sidecar exists; the rerun keeps every shard the killed run finished (their
@@ -167,6 +168,7 @@ def test_bad_flags_are_named(tmp_path, capsys, args, message):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # a drill with real signals (CI runs it after the default suite)
 def test_ctrl_c_stops_every_worker_and_keeps_the_finished_shards(tmp_path):
     """SIGINT to the process group (Ctrl-C) with two workers, once a shard is finished: exit 130
     with a note, no half-written file left, no worker left running; the rerun finishes."""

@@ -141,7 +141,10 @@ def _close(got: list[float], want: list[float], bound: float) -> None:
         check(abs(a - b) / abs(b), bound, f"choice {i} log-likelihood")
 
 
-@pytest.mark.parametrize("residual", ["block", "standard"])
+@pytest.mark.parametrize(
+    "residual",
+    ["block", pytest.param("standard", marks=pytest.mark.slow)],  # two harness runs: ~15 s
+)
 def test_the_harness_scores_a_run_as_depthscale_eval_does(tmp_path, task_dir, residual):
     """Through `--model depthscale`: equal acc / acc_norm, log-likelihoods within the bound; for
     the standard model also through the harness's `hf` model on the Hugging Face export, with the
@@ -191,6 +194,7 @@ def test_rolling_loglikelihood_and_greedy_generation_are_depthscales(tmp_path):
     assert out == text.split("\n", 1)[0]
 
 
+@pytest.mark.slow  # a fresh process importing the harness (CI runs it after the default suite)
 def test_depthscale_lm_eval_is_the_harness_command_line(tmp_path, task_dir):
     """`depthscale lm-eval --model depthscale --model_args run=DIR ...` in a fresh process writes
     the harness's results file with our acc and acc_norm."""
