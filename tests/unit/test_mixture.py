@@ -99,6 +99,15 @@ def test_a_resume_at_another_data_parallel_degree_gives_the_same_batches():
         )
 
 
+def test_evaluation_batches_are_the_first_ones_and_leave_the_state_alone():
+    stages = [Stage(0, {"a": 0.6, "b": 0.4})]
+    mixed = _mixed({"a": 30, "b": 20}, stages)
+    first = [_digest(mixed.next_batch()) for _ in range(2)]
+    state = mixed.state_dict()
+    assert [_digest(b) for b in mixed.iter_eval(2)] == first
+    assert mixed.state_dict() == state
+
+
 def test_max_epochs_and_a_changed_mixture_are_refused_naming_the_source():
     mixed = _mixed({"a": 100, "b": 10}, [Stage(0, {"a": 0.5, "b": 0.5})])
     mixed.check_epochs(steps=2, max_epochs={"b": 2})  # 2·8·0.5 + 1 = 9 of 10 windows

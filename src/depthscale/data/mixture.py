@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,13 @@ class MixedBatches:
         mine = rows[rows_of_rank]
         stacked = np.stack([self.sources[s].window(w) for s, w in mine]).astype(np.int64)
         return torch.from_numpy(stacked[:, :-1].copy()), torch.from_numpy(stacked[:, 1:].copy())
+
+    def iter_eval(self, n_batches: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
+        """The mixture's first `n_batches` batches (as a new run deals them): the same every
+        call, this loader's state untouched (`depthscale trace depth` reads one)."""
+        fresh = MixedBatches(self.streams, self.seq_len, self.batch_size, self.seed, self.stages)
+        for _ in range(n_batches):
+            yield fresh.next_batch(rank, world)
 
     def _rows(self, rank: int, world: int) -> slice:
         return rank_rows(self.batch_size, rank, world)
