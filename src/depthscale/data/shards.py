@@ -26,7 +26,6 @@ import hashlib
 import json
 import multiprocessing
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,14 @@ from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path
 from depthscale.data.concat import ConcatTokens
 from depthscale.data.encode import encode_documents, token_dtype, write_npy_stream
-from depthscale.data.sources import SHARD_MANIFEST, TEXT_SUFFIXES, corpus_files, iter_documents
+from depthscale.data.sources import (
+    SHARD_MANIFEST,
+    TEXT_SUFFIXES,
+    corpus_files,
+    iter_documents,
+    parquet_file,
+    text_suffix,
+)
 from depthscale.data.tokenizer import Tokenizer
 from depthscale.errors import DataError
 
@@ -65,7 +71,7 @@ def input_files(inputs: list[str], field: str) -> list[Path]:
         cfg = DataConfig(path=text, jsonl_field=field)
         found = corpus_files(cfg)
         for f in found:
-            if not any(f.name.endswith(s) for s in TEXT_SUFFIXES):
+            if not text_suffix(f.name):
                 raise DataError(
                     f"{f}: depthscale tokenize reads text; allowed: "
                     + ", ".join(TEXT_SUFFIXES)
@@ -78,21 +84,10 @@ def input_files(inputs: list[str], field: str) -> list[Path]:
 
 
 def _check_field(path: Path, field: str) -> None:
-    cfg = DataConfig(path=str(path), jsonl_field=field)
     if path.name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            columns = pq.ParquetFile(path).schema_arrow.names
-        except Exception as err:
-            raise DataError(f"{path}: not a readable parquet file ({err})") from None
-        if field not in columns:
-            raise DataError(
-                f"{path}: no column {field!r} (found: {', '.join(map(repr, columns))}); "
-                "set --field to the column holding the text"
-            )
-    elif ".jsonl" in path.name:
-        next(iter(iter_documents(replace(cfg, max_bytes=1))), None)  # reads the first record
+        parquet_file(path, field, "--field")
+    elif ".jsonl" in path.name:  # reads the first record
+        next(iter(iter_documents(DataConfig(path=str(path), jsonl_field=field, max_bytes=1))), None)
 
 
 def _encode_file(job: tuple[int, str, str, Tokenizer, str]) -> dict[str, Any]:

@@ -35,8 +35,10 @@ __all__ = [
     "bin_dtype",
     "read_bin",
     "write_bin",
+    "parquet_file",
     "source_config",
     "stdlib_files",
+    "text_suffix",
     "token_format",
 ]
 
@@ -53,7 +55,8 @@ _EXTRAS = {".jsonl.zst": ("zstandard", "zstd"), ".parquet": ("pyarrow", "parquet
 """Text formats that need an optional package: (module, the extra that installs it)."""
 
 
-def _text_suffix(name: str) -> str | None:
+def text_suffix(name: str) -> str | None:
+    """The text format `name` ends with (.txt, .jsonl.zst, ...), or None."""
     return next((s for s in TEXT_SUFFIXES if name.endswith(s)), None)
 
 
@@ -88,7 +91,7 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
         files = [
             f
             for f in path.rglob("*")
-            if f.is_file() and _text_suffix(f.name) and not f.name.startswith(".")
+            if f.is_file() and text_suffix(f.name) and not f.name.startswith(".")
         ]
         if not files:
             raise DataError(
@@ -105,7 +108,7 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
         raise DataError(
             f"data.path={cfg.path!r}: a Megatron index without its {path.with_suffix('.bin').name}"
         )
-    if not _text_suffix(path.name) and path.suffix not in TOKEN_SUFFIXES:
+    if not text_suffix(path.name) and path.suffix not in TOKEN_SUFFIXES:
         raise DataError(
             f"data.path={cfg.path!r} has unsupported type {path.suffix or '(none)'!r}; "
             f"allowed: {ALLOWED}"
@@ -307,7 +310,9 @@ class _ZstdFrames(io.RawIOBase):
         super().close()
 
 
-def _read_parquet(path: Path, field: str) -> Iterator[str]:
+def parquet_file(path: Path, field: str, setting: str = "data.jsonl_field"):
+    """The parquet file at `path`, refused unless readable and holding column `field` (the
+    error names the columns it has and `setting`, the option that picks one)."""
     import pyarrow.parquet as pq
 
     try:
@@ -318,8 +323,13 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
     if field not in columns:
         raise DataError(
             f"{path}: no column {field!r} (found: {', '.join(map(repr, columns))}); "
-            "set data.jsonl_field to the column holding the text"
+            f"set {setting} to the column holding the text"
         )
+    return table
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[str]:
+    table = parquet_file(path, field)
     for row, batch in enumerate(table.iter_batches(columns=[field], batch_size=1024)):
         for i, text in enumerate(batch.column(0).to_pylist()):
             if not isinstance(text, str):

@@ -30,7 +30,7 @@ class Evaluator:
         dp_size: int,
         device: torch.device,
     ) -> None:
-        self.cfg, self.data, self.plan = cfg, data, plan
+        self.cfg, self.plan = cfg, plan
         self.world_size, self.dp_rank, self.dp_size, self.device = (
             world_size,
             dp_rank,
