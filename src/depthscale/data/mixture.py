@@ -219,11 +219,11 @@ class MixedBatches:
     def check_epochs(self, steps: int, max_epochs: dict[str, float]) -> None:
         """Refuse a run whose schedule serves a source more epochs than its max_epochs: per
         stage, a source serves at most ⌈w·windows⌉ + 1 windows."""
-        starts = [max(0, s.start) for s in self.stages] + [steps]
+        ends = [s.start for s in self.stages[1:]] + [steps]
         need = [0.0] * len(self.sources)
-        for k, stage in enumerate(self.stages):
-            length = max(0, min(starts[k + 1], steps) - max(stage.start, 0))
-            if not length:
+        for stage, end in zip(self.stages, ends):
+            length = min(end, steps) - stage.start  # batches dealt with its weights
+            if length <= 0:
                 continue
             w = self._weights(stage.start)
             for i in range(len(self.sources)):
