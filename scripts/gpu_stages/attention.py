@@ -7,7 +7,11 @@
   outside the band), in a handful of kernel launches, not T/64 SDPA calls;
 - ring_tile: one ring-attention tile (`attention_tiles.forward` / `backward`, as context
   parallelism calls them: LSE out, global output and LSE back in) against SDPA's flash attention
-  on the same causal block: close to 1× when the tile runs on the flash op.
+  on the same causal block: close to 1× when the tile runs on the flash op;
+- documents: `document_attention` (`data.document_mask`) on rows of 8 packed documents each, with
+  and without a window, against full causal: FlashAttention-2's varlen kernel computes nothing
+  across documents, so ~1/8 of full causal; and a ring tile under a per-row document bias
+  [B, 1, Tq, Tk] (the memory-efficient op) against the fp32 reference.
 
 Each names the path depthscale chose (`path`), the backends its kernels belong to (from the
 profiler's kernel names) and its launches per forward + backward, and checks its output against
@@ -35,6 +39,7 @@ def run(ctx: Context) -> None:
     full = ctx.measure("full_causal", lambda: full_causal(ctx, shapes))
     ctx.measure("window", lambda: window(ctx, shapes, full))
     ctx.measure("ring_tile", lambda: ring_tile(ctx, shapes))
+    ctx.measure("documents", lambda: documents(ctx, shapes, full))
 
 
 def _qkv(ctx: Context, s: dict, T: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -151,4 +156,59 @@ def ring_tile(ctx: Context, s: dict) -> dict[str, Any]:
     values["tile_over_sdpa"] = sig(tile_ms / flash["fwd_bwd_ms"], 3)
     if not values["rel_err"] <= BOUND:
         raise OutOfBounds(f"tile output rel error {values['rel_err']:.2e} > {BOUND:.0e}", values)
+    return values
+
+
+def _packed_documents(ctx: Context, s: dict, T: int):
+    """Rows of T tokens holding 8 documents of seeded lengths each (EOS = 1 starts one)."""
+    from depthscale.model.documents import Documents
+
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.full((s["B"], T), 7)
+    for row in tokens:
+        cuts = torch.randperm(T - 1, generator=gen)[:7] + 1
+        row[cuts] = 1
+    return Documents.of(tokens, 1, ctx.device)
+
+
+def _dense_documents(q, k, v, window: int, docs) -> torch.Tensor:
+    from depthscale.model.document_attention import visible
+
+    pos = torch.arange(q.shape[2], device=q.device)
+    q, k, v = (t.detach().float() for t in (q, k, v))
+    mask = visible(docs, pos, pos, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def documents(ctx: Context, s: dict, full: dict | None) -> dict[str, Any]:
+    from depthscale.model import attention_tiles as tiles
+    from depthscale.model import document_attention as da
+
+    values: dict[str, Any] = {"T": s["T"], "documents_per_row": 8}
+    for window in (0, s["window"]):
+        q, k, v = _qkv(ctx, s, s["T_err"], torch.bfloat16, 4)
+        docs = _packed_documents(ctx, s, s["T_err"])
+        err = rel_err(da.document_attention(q, k, v, window, docs),
+                      _dense_documents(q, k, v, window, docs))  # fmt: skip
+        q, k, v = _qkv(ctx, s, s["T"], torch.bfloat16, 5)
+        docs = _packed_documents(ctx, s, s["T"])
+        run = {"path": da.path(q), "rel_err": sig(err, 3)}
+        call = lambda q=q, k=k, v=v, w=window, d=docs: da.document_attention(q, k, v, w, d)  # noqa: E731
+        run |= _timed(ctx, s, call, [q, k, v])
+        if full:
+            run["fwd_bwd_over_full_causal"] = sig(run["fwd_bwd_ms"] / full["fwd_bwd_ms"], 3)
+        values[f"window_{window}"] = run
+        if not err <= BOUND:
+            raise OutOfBounds(f"document attention rel error {err:.2e} > {BOUND:.0e}", values)
+    T = s["tile"]  # a ring tile whose rows span documents: a bias per row of the batch
+    q, k, v = (t.detach() for t in _qkv(ctx, s, T, torch.bfloat16, 6))
+    docs = _packed_documents(ctx, s, T)
+    pos = torch.arange(T, device=ctx.device)
+    seen = da.visible(docs, pos, pos, 0)
+    mask = tiles.TileMask(False, tiles.additive_bias(seen), None)
+    out, _ = tiles.forward(q, k, v, mask, s["d"] ** -0.5)
+    tile_err = rel_err(out, _dense_documents(q, k, v, 0, docs))
+    values["ring_tile"] = {"path": tiles.path(q, mask), "rel_err": sig(tile_err, 3)}
+    if not tile_err <= BOUND:
+        raise OutOfBounds(f"document tile rel error {tile_err:.2e} > {BOUND:.0e}", values)
     return values

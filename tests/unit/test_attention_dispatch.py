@@ -200,6 +200,26 @@ def test_efficient_tile_calls_match_the_op_on_meta():
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
+def test_varlen_document_call_matches_the_op_on_meta_with_its_backward():
+    """`document_attention.varlen` (packed documents on CUDA) against the real op's schema: rows
+    laid end to end, int32 cumulative lengths, with and without a window, and its backward."""
+    from depthscale.model import document_attention as da
+    from depthscale.model.documents import Documents
+
+    B, H, Hkv, T, d = 2, 8, 2, 32, 64
+    tokens = torch.full((B, T), 5)
+    tokens[0, [7, 20]] = tokens[1, 3] = 1
+    docs = Documents.of(tokens, 1, "meta")
+    for window in (0, 8):
+        leaves = [_meta(B, T, h, d).transpose(1, 2).requires_grad_() for h in (H, Hkv, Hkv)]
+        out = da.varlen(*leaves, window, docs)
+        assert out.shape == (B, H, T, d) and out.dtype == BF16
+        out.backward(torch.empty_like(out))
+        assert [t.grad.shape for t in leaves] == [t.shape for t in leaves]
+    cum, longest = da.cumulative_lengths(docs, torch.device("cpu"))
+    assert cum.tolist() == [0, 7, 20, 32, 35, 64] and longest == 29 and cum.dtype == torch.int32
+
+
 def test_flash_window_call_matches_the_op_on_meta_with_its_backward():
     B, H, Hkv, T, d = 2, 8, 2, 96, 64
     leaves = [_meta(B, T, h, d).transpose(1, 2).requires_grad_() for h in (H, Hkv, Hkv)]
@@ -267,9 +287,11 @@ class FakeCuda:
         B, H, M, N = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
         assert bias.dim() == 4 and bias.shape == (B, H, M, N) and bias.dtype == q.dtype
         assert bias.stride(-1) == 1 and bias.stride(2) % 8 == 0, "bias rows must be aligned"
-        visible = bias == 0
-        assert torch.equal(visible, visible[:1, :1].expand_as(visible))
-        return visible[0, 0]
+        visible = (
+            bias == 0
+        )  # one mask per row of the batch (packed documents), the same for all heads
+        assert torch.equal(visible, visible[:, :1].expand_as(visible))
+        return visible[:, :1]
 
     def _scaled_dot_product_efficient_attention(
         self, q, k, v, bias, compute_lse, dropout, causal, *, scale
@@ -314,17 +336,26 @@ def _tile_masks(Tq, Tk):
     q_pos, k_pos = torch.arange(Tq), torch.arange(Tk)
     causal = attention_mask(q_pos, k_pos, 0)
     band = attention_mask(q_pos + Tk - Tq, k_pos, 9)
+    # packed documents: one mask per row of the batch, [B, 1, Tq, Tk] (a document starts at key
+    # 20 in row 0, at key 10 in row 1; every query row still sees a key)
+    starts = torch.tensor([20, 10])[:, None, None]
+    q_doc = (q_pos + Tk - Tq)[None, :, None] >= starts
+    docs = (attention_mask(q_pos + Tk - Tq, k_pos, 0) & (q_doc == (k_pos >= starts))).unsqueeze(1)
     return {
         "none": (attention_tiles.TileMask(False, None, None), None),
         "causal": (attention_tiles.TileMask(True, None, None), causal),
         "band": (attention_tiles.TileMask(False, attention_tiles.additive_bias(band), None), band),
+        "documents": (
+            attention_tiles.TileMask(False, attention_tiles.additive_bias(docs), None),
+            docs,
+        ),
     }
 
 
 @pytest.mark.parametrize(
     "kernel, kind",  # masked tiles never take the flash op
-    [(k, m) for k in ("cuda_flash", "cuda_efficient") for m in ("none", "causal", "band")
-     if (k, m) != ("cuda_flash", "band")],
+    [(k, m) for k in ("cuda_flash", "cuda_efficient") for m in ("none", "causal", "band", "documents")
+     if (k, m) not in (("cuda_flash", "band"), ("cuda_flash", "documents"))],
 )  # fmt: skip
 def test_cuda_tile_wrappers_match_the_reference(monkeypatch, kernel, kind):
     """forward/backward on the chosen CUDA kernel (emulated: same numbers as the reference up to

@@ -53,9 +53,11 @@ def test_window_attention_matches_the_dense_mask(
     if path == "sdpa":  # the path of devices without a fused window kernel
         monkeypatch.setattr(wa, "path", lambda q: "sdpa_blocks")
     taken = []
-    for name in ("_band_forward", "_tiles_forward"):
-        fn = getattr(wa, name)
-        monkeypatch.setattr(wa, name, lambda *a, f=fn, n=name: taken.append(n) or f(*a))
+    for name in ("_Band", "Tiles"):
+        fn = getattr(wa, name).apply
+        monkeypatch.setattr(
+            getattr(wa, name), "apply", lambda *a, f=fn, n=name: taken.append(n) or f(*a)
+        )
     g = torch.Generator().manual_seed(T + window)
     H, Hkv = heads
 
@@ -66,7 +68,7 @@ def test_window_attention_matches_the_dense_mask(
     want = _grads(lambda *t: _dense(*t, window), q.double(), k.double(), v.double(), do.double())
     with kernels.use_cpu_kernels({"band": True, "tiles": False, "sdpa": None}[path]):
         got = _grads(lambda *t: wa.window_attention(*t, window, block), q, k, v, do)
-    assert taken == {"band": ["_band_forward"], "tiles": ["_tiles_forward"], "sdpa": []}[path]
+    assert taken == {"band": ["_Band"], "tiles": ["Tiles"], "sdpa": []}[path]
     chain = 2 * (window + 16) + T * H // Hkv  # scores, softmax·V, back; dK/dV over the rows
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == b.shape and a.dtype == torch.float32, name

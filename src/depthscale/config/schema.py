@@ -165,6 +165,14 @@ class DataConfig:
     max_epochs, jsonl_field); each source keeps its own order and position (`data/mixture.py`)."""
     stages: list[DataStage] = field(default_factory=list)
     """Weight changes during the run: `[[data.stages]]` tables (at_step, weights)."""
+    document_mask: bool = False
+    """Attention never crosses a document boundary inside a packed row, and RoPE positions restart
+    in every document: a packed row computes what its documents would alone. A document starts at
+    each EOS (the token that ends the one before, and plays BOS), so no prediction is lost
+    (`model/documents.py`; docs/data.md)."""
+    mask_eos_target: bool = False
+    """With document_mask: no loss on EOS targets, for corpora whose document ends are cuts rather
+    than ends (the model is then never taught to stop)."""
 
 
 @dataclass

@@ -74,6 +74,11 @@ def validate(cfg: Config) -> Config:
     _check_resilience(cfg)
     _check_eval_tasks(cfg)
     _check_mixture(cfg)
+    if cfg.data.mask_eos_target and not cfg.data.document_mask:
+        raise ConfigError(
+            "data.mask_eos_target needs data.document_mask = true (it masks the loss of packed "
+            "documents)"
+        )
     # the parallel sizes first: the batch rules below divide by them
     for name in (
         "dp_replicate",

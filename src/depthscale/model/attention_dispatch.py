@@ -11,7 +11,10 @@ layer whose cost follows the window. On CUDA, in bf16/fp16:
   with an additive bias and `compute_log_sumexp`, and its backward;
 * windows → `aten._flash_attention_forward` with `window_size_left` (FlashAttention-2's local
   attention: blocks outside the band are never computed), else FlexAttention with a sliding-window
-  block mask (compiled), else blockwise SDPA.
+  block mask (compiled), else blockwise SDPA;
+* packed documents (`data.document_mask`) → the same op in its variable-length form
+  (`cum_seq_q`/`cum_seq_k`: every document its own sequence, a window as above), else FlexAttention
+  with a document block mask, else SDPA with the dense mask.
 
 CPU keeps its own kernels (torch's CPU flash kernel per tile, the project's banded window kernel);
 every other case falls back to the fp32 reference, which is also the truth the tests compare with.
@@ -35,6 +38,7 @@ HALF = (torch.bfloat16, torch.float16)
 MaskKind = Literal["none", "causal", "masked"]
 TilePath = Literal["cpu_flash", "cuda_flash", "cuda_efficient", "reference"]
 WindowPath = Literal["cpu_band", "cpu_tiles", "cuda_flash_window", "flex", "sdpa_blocks"]
+DocumentPath = Literal["cpu_tiles", "cuda_varlen", "flex", "sdpa_dense"]
 
 SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "_scaled_dot_product_flash_attention": (
@@ -75,7 +79,8 @@ class Capabilities:
     efficient: bool = False
     """SDPA's memory-efficient op with an additive bias, its LSE and its backward."""
     flash_window: bool = False
-    """`_flash_attention_forward` with a sliding window, differentiable."""
+    """`_flash_attention_forward` with a sliding window and variable-length sequences
+    (`cum_seq_q`/`cum_seq_k`), differentiable."""
     flex: bool = False
     """FlexAttention, compiled by Triton (block-sparse: a window costs what it covers)."""
 
@@ -199,3 +204,21 @@ def kernel_family(kernel_name: str) -> str:
     if "flex" in n or "triton_tem" in n:
         return "flex"
     return "other"
+
+
+def document_path(
+    device_type: str, dtype: torch.dtype, head_dim: int, caps: Capabilities
+) -> DocumentPath:
+    """The kernel causal attention within packed documents runs on. CPU: blocks of rows on
+    torch's flash kernel, each over the keys from its earliest document start (fp32/bf16). CUDA:
+    FlashAttention-2's variable-length form in bf16/fp16 (documents as separate sequences: nothing
+    across them is computed), else FlexAttention with a document block mask. Else, and elsewhere,
+    SDPA with the dense [B, 1, T, T] mask."""
+    if device_type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return "cpu_tiles"
+    if device_type == "cuda":
+        if dtype in HALF and flash_head_ok(head_dim) and caps.flash_window:
+            return "cuda_varlen"
+        if caps.flex and head_dim >= 16:
+            return "flex"
+    return "sdpa_dense"

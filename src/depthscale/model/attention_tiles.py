@@ -215,18 +215,18 @@ def _unstack_heads(x: Tensor, groups: int) -> Tensor:
 
 
 def _kernel_bias(bias: Tensor | None, q: Tensor, hkv: int) -> Tensor | None:
-    """The [Tq, Tk] bias repeated for the G stacked query heads, in q's dtype, rows aligned to
-    BIAS_ALIGN elements, broadcast to [B, Hkv, G·Tq, Tk] (what the kernel's shape checks want)."""
+    """The bias ([Tq, Tk], or [B, 1, Tq, Tk] per row of the batch) repeated for the G stacked
+    query heads, in q's dtype, rows aligned to BIAS_ALIGN elements, broadcast to
+    [B, Hkv, G·Tq, Tk] (what the kernel's shape checks want)."""
     if bias is None:
         return None
     B, H, Tq, _ = q.shape
-    Tk = bias.shape[-1]
-    rows = torch.empty(
-        H // hkv, Tq, math.ceil(Tk / BIAS_ALIGN) * BIAS_ALIGN, dtype=q.dtype, device=q.device
-    )
-    rows = rows[..., :Tk]
-    rows.copy_(bias.expand(H // hkv, Tq, Tk))
-    return rows.flatten(0, 1).expand(B, hkv, H // hkv * Tq, Tk)
+    Tk, G = bias.shape[-1], H // hkv
+    n = B if bias.dim() == 4 else 1
+    width = math.ceil(Tk / BIAS_ALIGN) * BIAS_ALIGN
+    rows = torch.empty(n, G, Tq, width, dtype=q.dtype, device=q.device)[..., :Tk]
+    rows.copy_(bias.reshape(n, 1, Tq, Tk).expand(n, G, Tq, Tk))
+    return rows.flatten(1, 2).unsqueeze(1).expand(B, hkv, G * Tq, Tk)
 
 
 def cuda_efficient_forward(
@@ -284,8 +284,11 @@ def _grouped(q: Tensor, k: Tensor) -> Tensor:
 
 
 def _scores(qg: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """fp32 scores [B, Hkv, G, Tq, Tk], masked pairs at −inf."""
+    """fp32 scores [B, Hkv, G, Tq, Tk], masked pairs at −inf (a mask [B, 1, Tq, Tk] per row of
+    the batch, or [Tq, Tk] for all)."""
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k) * scale
+    if mask is not None and mask.dim() == 4:
+        mask = mask.unsqueeze(2)
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 

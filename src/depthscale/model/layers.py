@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from depthscale.config import ModelConfig, RopeScalingKind
+from depthscale.model.document_attention import document_attention
+from depthscale.model.documents import Documents
 from depthscale.model.window_attention import window_attention
 
 
@@ -97,7 +100,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [B, H, T, hd] by the angles of its positions (cos/sin already gathered: [T, hd])."""
+    """Rotate x [B, H, T, hd] by the angles of its positions (cos/sin already gathered: [T, hd],
+    or [B, 1, T, hd] when each row has its own positions)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
@@ -113,15 +117,29 @@ def attention_mask(q_pos: Tensor, k_pos: Tensor, window: int, causal: bool = Tru
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor | None, k_pos: Tensor | None, window: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor | None,
+    k_pos: Tensor | None,
+    window: int,
+    documents: Documents | None = None,
 ) -> Tensor:
     """Causal attention on `scaled_dot_product_attention`; q [B,H,Tq,hd], k/v [B,Hkv,Tk,hd].
 
     Positions of None mean 0..T-1 with Tq == Tk, which lets SDPA use its fused causal path, and a
     sliding window there run blockwise (`window_attention`: cost ∝ T·window, not T²). Explicit
-    positions (KV-cache decoding) build the dense mask.
+    positions (KV-cache decoding) build the dense mask. `documents`: rows of packed documents,
+    attended within each (`document_attention`); whole rows only (positions None).
     """
     gqa = q.shape[1] != k.shape[1]
+    if documents is not None:
+        if q_pos is not None:
+            raise ValueError(
+                "document masking runs on whole rows (positions None); a sharded or cached "
+                "sequence attends through its own attention function"
+            )
+        return _outside_graph(document_attention)(q, k, v, window, documents)
     if q_pos is None and window == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q_pos is None and window < q.shape[2]:
@@ -132,7 +150,17 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, int], Tensor]
+@lru_cache(maxsize=4)
+def _outside_graph(fn: Callable) -> Callable:
+    """`fn` left out of any compiled graph (`torch.compiler.disable`), as ring attention is: its
+    host-side planning (per batch of documents) is Python a graph cannot hold, and every batch's
+    documents would be a recompile. Wrapped on first use: the wrapper imports dynamo."""
+    return torch.compiler.disable(fn)
+
+
+AttentionFn = Callable[
+    [Tensor, Tensor, Tensor, Tensor | None, Tensor | None, int, Documents | None], Tensor
+]
 
 
 class Projections:
@@ -213,9 +241,11 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         start: int = 0,
         proj: Projections = LOCAL,
+        documents: Documents | None = None,
     ) -> Tensor:
         q, k, v = proj.column(x, (self.wq, self.wk, self.wv))
-        return proj.row((self.attend(q, k, v, cos, sin, positions, cache, start),), (self.wo,))
+        y = self.attend(q, k, v, cos, sin, positions, cache, start, documents)
+        return proj.row((y,), (self.wo,))
 
     def attend(
         self,
@@ -227,9 +257,11 @@ class Attention(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        documents: Documents | None = None,
     ) -> Tensor:
         """Everything between the projections: projected q/k/v [B, T, heads·hd] (any number of
-        local heads, which is how tensor parallelism reuses it) → [B, T, heads·hd] before `wo`."""
+        local heads, which is how tensor parallelism reuses it) → [B, T, heads·hd] before `wo`.
+        `documents`: the packed documents of the rows (cos/sin then restart in each)."""
         B, T, _ = q.shape
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -239,7 +271,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(start, k, v)
             k_pos = torch.arange(k.shape[2], device=q.device)
-        y = self.attention_fn(q, k, v, positions, k_pos, self.window)
+        y = self.attention_fn(q, k, v, positions, k_pos, self.window, documents)
         return y.transpose(1, 2).reshape(B, T, -1)
 
 

@@ -57,6 +57,7 @@ KEPT_OPS = _ops(
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
 )
 """Ops whose outputs `selective` keeps: the GEMMs and attention kernels (compute-bound; their
 outputs are what recomputation would pay for most)."""

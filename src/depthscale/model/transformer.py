@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from depthscale.config import ModelConfig
+from depthscale.model.documents import Documents
 from depthscale.model.init import fill_constant_, fill_seeded_
 from depthscale.model.layers import (
     LOCAL,
@@ -73,12 +74,12 @@ class TransformerBlock(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        documents: Documents | None = None,
     ) -> DepthState:
+        args = (state, cos, sin, positions, cache, start, documents)
         if self.recompute in LAYER_MODES and torch.is_grad_enabled():
-            return checkpoint_layer(
-                self.sublayers, self.recompute, state, cos, sin, positions, cache, start
-            )
-        return self.sublayers(state, cos, sin, positions, cache, start)
+            return checkpoint_layer(self.sublayers, self.recompute, *args)
+        return self.sublayers(*args)
 
     def sublayers(
         self,
@@ -88,18 +89,19 @@ class TransformerBlock(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        documents: Documents | None = None,
     ) -> DepthState:
-        """read → norm → sublayer → write, once per sublayer."""
+        """read → norm → sublayer → write, once per sublayer. The depth reads are per token, so
+        packed documents change only attention (and RoPE, through cos/sin)."""
         body = self._body
+        where = (cos, sin, positions, cache, start, documents)
         if self.parallel:
             h, state = self.residual.read(state)
             x = self.attention_norm(h)
-            return self.residual.write(
-                state, body(self.parallel_sublayer, x, cos, sin, positions, cache, start)
-            )
+            return self.residual.write(state, body(self.parallel_sublayer, x, *where))
         h, state = self.attention_residual.read(state)
         x = self.attention_norm(h)
-        y = body(self.attention_sublayer, x, cos, sin, positions, cache, start)
+        y = body(self.attention_sublayer, x, *where)
         state = self.attention_residual.write(state, y)
         h, state = self.ffn_residual.read(state)
         return self.ffn_residual.write(state, body(self.mlp_sublayer, self.ffn_norm(h)))
@@ -118,8 +120,9 @@ class TransformerBlock(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        documents: Documents | None = None,
     ) -> Tensor:
-        return self.attention(x, cos, sin, positions, cache, start, self.projections)
+        return self.attention(x, cos, sin, positions, cache, start, self.projections, documents)
 
     def mlp_sublayer(self, x: Tensor) -> Tensor:
         return self.feed_forward(x, self.projections)
@@ -132,6 +135,7 @@ class TransformerBlock(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        documents: Documents | None = None,
     ) -> Tensor:
         """MegaScale's parallel block: attention and MLP on the same input, outputs summed. Their
         projections form one column group (q, k, v, gate, up) and one row sum (wo, w_down), so a
@@ -139,10 +143,11 @@ class TransformerBlock(nn.Module):
         its own instead (its memory saving is why it was asked for)."""
         attn, mlp, proj = self.attention, self.feed_forward, self.projections
         if mlp.chunk_size > 0:
-            return self.attention(x, cos, sin, positions, cache, start, proj) + mlp(x, proj)
+            y = self.attention(x, cos, sin, positions, cache, start, proj, documents)
+            return y + mlp(x, proj)
         cols = (attn.wq, attn.wk, attn.wv, mlp.w_gate, mlp.w_up)
         q, k, v, gate, up = proj.column(x, cols)
-        ya = attn.attend(q, k, v, cos, sin, positions, cache, start)
+        ya = attn.attend(q, k, v, cos, sin, positions, cache, start, documents)
         return proj.row((ya, mlp.activation(gate, up)), (attn.wo, mlp.w_down))
 
     def extra_repr(self) -> str:
@@ -228,15 +233,27 @@ class Transformer(nn.Module):
             return "tok_embeddings.weight"
         return name
 
-    def rope(self, positions: Tensor | None, seq_len: int) -> tuple[Tensor, Tensor]:
+    def rope(
+        self, positions: Tensor | None, seq_len: int, documents: Documents | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """cos/sin [T, hd] of the positions (None: 0..seq_len−1); with packed `documents`, of
+        each token's position in its document: [B, 1, T, hd]."""
+        if documents is not None:
+            p = documents.rope_positions(positions, seq_len)
+            return self.rope_cos[p].unsqueeze(1), self.rope_sin[p].unsqueeze(1)
         if positions is None:
             return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         return self.rope_cos[positions], self.rope_sin[positions]
 
-    def rope_for(self, state: DepthState, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def rope_for(
+        self,
+        state: DepthState,
+        positions: Tensor | None = None,
+        documents: Documents | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """RoPE tables for the layers that run on `state`: the given positions, or the whole
         sequence (0..T-1; under sequence parallelism the state holds 1/seq_shards of it)."""
-        return self.rope(positions, state.seq_len * self.seq_shards)
+        return self.rope(positions, state.seq_len * self.seq_shards, documents)
 
     def embed(self, tokens: Tensor) -> DepthState:
         """The initial depth state. Under autocast it holds the compute dtype, like every sublayer
@@ -254,15 +271,18 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         caches: list[KVCache] | None = None,
         start: int = 0,
+        documents: Documents | None = None,
     ) -> DepthState:
         if caches is not None and self.seq_shards > 1:
             raise NotImplementedError(
                 "KV-cache decoding is not sequence-parallel; generate with the single-process model"
             )
-        cos, sin = self.rope_for(state, positions)
+        if caches is not None and documents is not None:
+            raise ValueError("KV-cache decoding runs one document per row: pass no documents")
+        cos, sin = self.rope_for(state, positions, documents)
         for i, layer in enumerate(self.layers.values()):
             cache = caches[i] if caches is not None else None
-            state = layer(state, cos, sin, positions, cache, start)
+            state = layer(state, cos, sin, positions, cache, start, documents)
         return state
 
     def head(self, state: DepthState) -> Tensor:
@@ -279,11 +299,15 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         caches: list[KVCache] | None = None,
         start: int = 0,
+        documents: Documents | None = None,
     ) -> Tensor:
-        """tokens [B, T] -> logits [B, T, vocab]. With KV caches, tokens sit at positions start..start+T-1."""
+        """tokens [B, T] -> logits [B, T, vocab]. With KV caches, tokens sit at positions
+        start..start+T-1. `documents` (`model/documents.py`): the rows are packed documents, and
+        attention and RoPE positions stay within each."""
         if caches is not None and positions is None:
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        return self.head(self.run_layers(self.embed(tokens), positions, caches, start))
+        state = self.run_layers(self.embed(tokens), positions, caches, start, documents)
+        return self.head(state)
 
     def make_caches(
         self, batch: int, max_len: int, dtype: torch.dtype | None = None

@@ -23,6 +23,7 @@ out the flash kernel); per-block SDPA calls on CUDA would be launch-bound.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +69,10 @@ def window_attention(
     if kernel == "flex":
         return flex_window(q, k, v, window, compiled=not torch.compiler.is_compiling())
     if kernel == "cpu_band":
-        return _Window.apply(q, k, v, window, block or BAND_BLOCK, True)
+        return _Band.apply(q, k, v, window, block or BAND_BLOCK)
     if kernel == "cpu_tiles":
-        return _Window.apply(q, k, v, window, block or TILE_BLOCK, False)
+        blocks = window_blocks(q.shape[2], window, block or TILE_BLOCK, q.dtype, q.device)
+        return Tiles.apply(q, k, v, blocks)
     return sdpa_blocks(q, k, v, window, block or TILE_BLOCK)
 
 
@@ -153,64 +155,86 @@ def _band_ops():
     return torch.ops.depthscale_window
 
 
-class _Window(torch.autograd.Function):
-    """One autograd node for both fused CPU paths: each saves q, k, v, the output and its fp32 LSE
+class _Band(torch.autograd.Function):
+    """The banded CPU kernel as one autograd node: it saves q, k, v, the output and its fp32 LSE
     and recomputes the probabilities in backward (FlashAttention-2's backward)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, block: int, band: bool):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window: int, block: int):
         scale = q.shape[-1] ** -0.5
-        if band:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = (_band_forward if band else _tiles_forward)(q, k, v, window, block, scale)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _band_ops().forward(q, k, v, window, block, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.window, ctx.block, ctx.scale, ctx.band = window, block, scale, band
+        ctx.window, ctx.block, ctx.scale = window, block, scale
         return out
 
     @staticmethod
     def backward(ctx, do: Tensor):
-        fn = _band_backward if ctx.band else _tiles_backward
-        grads = fn(do.contiguous(), *ctx.saved_tensors, ctx.window, ctx.block, ctx.scale)
-        return *grads, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        do = do.contiguous()
+        delta = (do * out).sum(-1)
+        grads = _band_ops().backward(do, q, k, v, lse, delta, ctx.window, ctx.block, ctx.scale)
+        return *grads, None, None
 
 
-def _band_forward(q, k, v, window: int, block: int, scale: float) -> tuple[Tensor, Tensor]:
-    return _band_ops().forward(q, k, v, window, block, scale)
+class Block(NamedTuple):
+    """Query rows [i0, i1) attend keys [k0, i1) where `bias` [.., i1 − i0, i1 − k0] is 0 (−inf
+    elsewhere, in the queries' dtype; leading dims broadcast over batch and heads). Every row
+    sees at least one key (its own), so each block's LSE is final."""
+
+    i0: int
+    i1: int
+    k0: int
+    bias: Tensor
 
 
-def _band_backward(do, q, k, v, out, lse, window: int, block: int, scale: float):
-    delta = (do * out).sum(-1)
-    return _band_ops().backward(do, q, k, v, lse, delta, window, block, scale)
+def window_blocks(T: int, window: int, block: int, dtype: torch.dtype, device) -> list[Block]:
+    """The blocks of a causal window over T positions (the band as the fused kernel's bias)."""
+    return [
+        Block(i0, i1, k0, _band(i1 - i0, i1 - k0, window, dtype, device))
+        for i0, i1, k0 in _spans(T, window, block)
+    ]
 
 
-def _tiles_forward(q, k, v, window: int, block: int, scale: float) -> tuple[Tensor, Tensor]:
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    for i0, i1, k0 in _spans(q.shape[2], window, block):
-        mask = tiles.TileMask(False, _band(i1 - i0, i1 - k0, window, q.dtype, q.device), None)
-        o, s = tiles.forward(q[:, :, i0:i1], k[:, :, k0:i1], v[:, :, k0:i1], mask, scale)
-        out[:, :, i0:i1] = o
-        lse[:, :, i0:i1] = s
-    return out, lse
+class Tiles(torch.autograd.Function):
+    """Attention of query blocks over their key ranges (`Block`s), each on torch's fused flash
+    kernel through `attention_tiles`, as one autograd node: it saves q, k, v, the output and its
+    fp32 LSE and recomputes each block's probabilities in backward; dK/dV of overlapping key
+    ranges are added into one fp32 buffer."""
 
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, blocks: list[Block]):
+        scale = q.shape[-1] ** -0.5
+        out = q.new_empty(q.shape)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        for i0, i1, k0, bias in blocks:
+            mask = tiles.TileMask(False, bias, None)
+            o, s = tiles.forward(q[:, :, i0:i1], k[:, :, k0:i1], v[:, :, k0:i1], mask, scale)
+            out[:, :, i0:i1] = o
+            lse[:, :, i0:i1] = s
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out
 
-def _tiles_backward(do, q, k, v, out, lse, window: int, block: int, scale: float):
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for i0, i1, k0 in _spans(q.shape[2], window, block):
-        bias = _band(i1 - i0, i1 - k0, window, q.dtype, q.device)
-        dq_b, dk_b, dv_b = tiles.backward(
-            do[:, :, i0:i1],
-            q[:, :, i0:i1],
-            k[:, :, k0:i1],
-            v[:, :, k0:i1],
-            out[:, :, i0:i1],
-            lse[:, :, i0:i1],
-            tiles.TileMask(False, bias, None),
-            scale,
-        )
-        dq[:, :, i0:i1] = dq_b
-        dk[:, :, k0:i1] += dk_b
-        dv[:, :, k0:i1] += dv_b
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        do = do.contiguous()
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for i0, i1, k0, bias in ctx.blocks:
+            dq_b, dk_b, dv_b = tiles.backward(
+                do[:, :, i0:i1],
+                q[:, :, i0:i1],
+                k[:, :, k0:i1],
+                v[:, :, k0:i1],
+                out[:, :, i0:i1],
+                lse[:, :, i0:i1],
+                tiles.TileMask(False, bias, None),
+                ctx.scale,
+            )
+            dq[:, :, i0:i1] = dq_b
+            dk[:, :, k0:i1] += dk_b
+            dv[:, :, k0:i1] += dv_b
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None

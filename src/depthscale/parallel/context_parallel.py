@@ -80,10 +80,12 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.model import attention_dispatch, attention_tiles
+from depthscale.model.documents import Documents
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p
 from depthscale.parallel.cp_comm import CommStats, Ring
 from depthscale.parallel.loss import TokenLoss
+from depthscale.parallel.ring_documents import DocumentTile, step_tiles
 from depthscale.parallel.ring_plan import CALLS, Index, RingPlan, Span
 from depthscale.parallel.sequence_layout import (
     ShardMode,
@@ -152,7 +154,8 @@ def _merge(out: Tensor, lse: Tensor, rows: Index, out_b: Tensor, lse_b: Tensor) 
     out ← out − σ(lse_b − lse)·(out − out_b); lse ← log(e^lse + e^lse_b). Rows not yet seen have
     lse = −inf and out = 0, which this maps to exactly (out_b, lse_b)."""
     o, s = rows.take(out, 3), rows.take(lse, 3)
-    o = o - torch.sigmoid(lse_b - s).unsqueeze(-1) * (o - out_b)
+    weight = torch.sigmoid(lse_b - s).nan_to_num_(0.0)  # both −inf (packed documents): nothing
+    o = o - weight.unsqueeze(-1) * (o - out_b)
     rows.put(out, o, 3)
     rows.put(lse, torch.logaddexp(s, lse_b), 3)
 
@@ -162,7 +165,7 @@ def _merge(out: Tensor, lse: Tensor, rows: Index, out_b: Tensor, lse_b: Tensor) 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, group: ProcessGroup, stats: RingStats):
+    def forward(ctx, q, k, v, plan: RingPlan, group, stats: RingStats, documents):
         with stats.timing("ring_s", q.device):
             call = next(CALLS)
             ring = Ring(group, stats, f"call {call} forward")
@@ -180,14 +183,15 @@ class _RingAttention(torch.autograd.Function):
                         _kv_recv(plan, ring, incoming, step, k.dtype),
                         q.device,
                     )
-                    tiles = plan.tiles(step) if held is not None else []
+                    tiles = step_tiles(plan, step, documents) if held is not None else []
                     stats.blocks_computed += bool(tiles)
                     stats.blocks_skipped += not tiles
-                    _forward_tiles(plan, tiles, held, qg, out, lse, scale)
+                    _forward_tiles(tiles, held, qg, out, lse, scale)
                     held = _next_block(batch, plan, ring, step)
             y = out.flatten(1, 2).to(q.dtype)
             ctx.save_for_backward(q, k, v, y, lse)
             ctx.plan, ctx.group, ctx.stats, ctx.call = plan, group, stats, call
+            ctx.documents = documents
             stats.calls += 1
         return y
 
@@ -242,7 +246,7 @@ class _RingAttention(torch.autograd.Function):
                         if group is not None:
                             group.wait_sends()
                         break
-                    tiles = plan.tiles(step) if held is not None else []
+                    tiles = step_tiles(plan, step, ctx.documents) if held is not None else []
                     stats.blocks_computed += bool(tiles)
                     stats.blocks_skipped += not tiles
                     if step == 0:
@@ -250,7 +254,7 @@ class _RingAttention(torch.autograd.Function):
                     elif held is not None:  # this rank's share of the remote block's dK/dV
                         shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
                         dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
-                    _backward_tiles(plan, tiles, held, (qg, do, yg, lse), dq, dkv, scale)
+                    _backward_tiles(tiles, held, (qg, do, yg, lse), dq, dkv, scale)
                     passing = []
                     if step > 0 and held is not None:  # add the earlier holders' share, pass it on
                         if step >= 2:
@@ -264,7 +268,7 @@ class _RingAttention(torch.autograd.Function):
                     home_dkv = home.recv(ring.home_label(rank))
                     plan.home_selection().add(dkv_own, home_dkv, 3)
         dk, dv = dkv_own.to(k.dtype).unbind(0)
-        return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None
+        return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None, None
 
 
 def _tile_dtype(q: Tensor) -> torch.dtype:
@@ -273,21 +277,22 @@ def _tile_dtype(q: Tensor) -> torch.dtype:
     return attention_dispatch.tile_dtype(q.device.type, q.dtype)
 
 
-def _forward_tiles(plan: RingPlan, tiles, held, qg, out, lse, scale: float) -> None:
+def _forward_tiles(tiles: list[DocumentTile], held, qg, out, lse, scale: float) -> None:
     """Attend the local queries to the held block, tile by tile, merged into (out, lse)."""
     groups = qg.shape[1:3]
-    for tile in tiles:
+    for work in tiles:
+        tile = work.tile
         kv = tile.cols.take(held, 3).to(qg.dtype)
         q = tile.rows.take(qg, 3).flatten(1, 2)
-        out_t, lse_t = attention_tiles.forward(q, kv[0], kv[1], plan.tile_mask(tile), scale)
+        out_t, lse_t = work.clear_empty(*attention_tiles.forward(q, kv[0], kv[1], work.mask, scale))
         _merge(out, lse, tile.rows, out_t.unflatten(1, groups), lse_t.unflatten(1, groups))
 
 
-def _backward_tiles(plan: RingPlan, tiles, held, saved, dq, dkv, scale: float) -> None:
+def _backward_tiles(tiles: list[DocumentTile], held, saved, dq, dkv, scale: float) -> None:
     """The held block's share of dQ (into `dq`) and of its own dK/dV (into `dkv`)."""
     qg, do, yg, lse = saved
     groups = qg.shape[1:3]
-    for tile in tiles:
+    for tile, mask, _ in tiles:
         kv, rows = tile.cols.take(held, 3).to(qg.dtype), tile.rows
         dq_t, dk_t, dv_t = attention_tiles.backward(
             rows.take(do, 3).flatten(1, 2),
@@ -296,7 +301,7 @@ def _backward_tiles(plan: RingPlan, tiles, held, saved, dq, dkv, scale: float) -
             kv[1],
             rows.take(yg, 3).flatten(1, 2),
             rows.take(lse, 3).flatten(1, 2),
-            plan.tile_mask(tile),
+            mask,
             scale,
         )
         rows.add(dq, dq_t.unflatten(1, groups).float(), 3)
@@ -342,6 +347,7 @@ def ring_attention(
     kv_tile: int = 512,
     causal: bool = True,
     seq_len: int | None = None,
+    documents: Documents | None = None,
 ) -> Tensor:
     """Causal or bidirectional (optionally sliding-window, GQA) attention over a sequence sharded
     across `group`.
@@ -356,11 +362,14 @@ def ring_attention(
     `seq_len`: the unpadded length — keys at positions >= seq_len are padding and seen by no query
     (needed when `causal=False` and the sequence was padded; causally padding at the end is never
     seen anyway). A query that sees no key at all gets a zero output (SDPA would give NaN).
+    `documents`: the packed documents of the full rows (`model/documents.py`, looked up by the
+    global positions; see `ring_documents.py`): no key is seen from another document.
     Builds the call's plan from all ranks' positions (one all-gather); `RingAttention` with a
     declared layout plans once per shape instead."""
     _check_positions(q, k, q_pos, k_pos)
     plan = RingPlan.build(q_pos, Span.of(window, causal, seq_len), kv_tile, group)
-    return _RingAttention.apply(q, k, v, plan, group, stats if stats is not None else RingStats())
+    stats = stats if stats is not None else RingStats()
+    return _RingAttention.apply(q, k, v, plan, group, stats, documents)
 
 
 def _check_positions(q: Tensor, k: Tensor, q_pos: Tensor | None, k_pos: Tensor | None) -> None:
@@ -417,8 +426,9 @@ class RingAttention:
         q_pos: Tensor | None,
         k_pos: Tensor | None,
         window: int,
+        documents: Documents | None = None,
     ) -> Tensor:
-        return self._attend(q, k, v, q_pos, k_pos, window)
+        return self._attend(q, k, v, q_pos, k_pos, window, documents)
 
     def _attend(
         self,
@@ -428,11 +438,13 @@ class RingAttention:
         q_pos: Tensor | None,
         k_pos: Tensor | None,
         window: int,
+        documents: Documents | None = None,
     ) -> Tensor:
         if self.layout is None:
             return ring_attention(
-                q, k, v, q_pos, k_pos, window, self.group, self.stats, self.kv_tile
-            )
+                q, k, v, q_pos, k_pos, window, self.group, self.stats, self.kv_tile,
+                documents=documents,
+            )  # fmt: skip
         _check_positions(q, k, q_pos, k_pos)
         plan = self.plan(q.shape[2], window, q.device)
         if q_pos.device.type == "cpu" and not torch.equal(q_pos, plan.pos[self.rank]):
@@ -440,7 +452,7 @@ class RingAttention:
                 f"ring attention was set up for {self.layout} sharding: pass "
                 f"positions_for(seq_len, cp_rank, cp_size, {self.layout!r}) as the positions"
             )
-        return _RingAttention.apply(q, k, v, plan, self.group, self.stats)
+        return _RingAttention.apply(q, k, v, plan, self.group, self.stats, documents)
 
     def plan(self, local_len: int, window: int, device: torch.device) -> RingPlan:
         key = (local_len, window, device)

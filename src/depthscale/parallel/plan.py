@@ -32,13 +32,14 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from depthscale.model.documents import DocumentPacking
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans
 from depthscale.parallel.data_parallel import average_replicated_grads, clip_grad_norm_
 from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.mesh import ParallelDims, flat
 from depthscale.parallel.pipeline.pipeline import Pipeline
-from depthscale.parallel.sequence_layout import SequenceShard
+from depthscale.parallel.sequence_layout import MicroBatch, SequenceShard
 from depthscale.parallel.tensor_parallel import tp_sync_replicated_grads
 
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
@@ -106,15 +107,14 @@ class ParallelPlan:
         `forward` is the model or its compiled form; `around_forward` is entered around every
         micro-batch's forward (e.g. activation offloading)."""
         device, microbatches = self._device(), self.microbatches
-        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(microbatches)]
-        ys = [y.to(device, non_blocking=True) for y in labels.chunk(microbatches)]
+        pieces = self._pieces(inputs, labels)
         if self.pipeline is not None:
-            return self._pipeline_step(xs, ys, True, autocast, around_forward)
+            return self._pipeline_step(pieces, True, autocast, around_forward)
         total = torch.zeros((), device=device)
-        for i, (x, y) in enumerate(zip(xs, ys)):
+        for i, piece in enumerate(pieces):
             self._gradient_sync(last=i == microbatches - 1)
             with around_forward(), spans.span("forward", mb=i):
-                loss, report = self._loss(forward, x, y, autocast)
+                loss, report = self._loss(forward, piece, autocast)
             with spans.span("backward", mb=i):
                 (loss / microbatches).backward()
             total += report / microbatches
@@ -147,10 +147,10 @@ class ParallelPlan:
         """This rank's share of the mean loss of one evaluation batch (no gradients), run in
         `self.microbatches` pieces like a training step, so that evaluation never needs more
         activation memory than training (pieces of equal size: the mean of their means)."""
-        xs, ys = self._pieces(inputs, labels)
+        pieces = self._pieces(inputs, labels)
         if self.pipeline is not None:
-            return self._pipeline_step(xs, ys, False, autocast, None)
-        reports = [self._loss(forward, x, y, autocast)[1] for x, y in zip(xs, ys)]
+            return self._pipeline_step(pieces, False, autocast, None)
+        reports = [self._loss(forward, piece, autocast)[1] for piece in pieces]
         return torch.stack(reports).mean()
 
     @torch.no_grad()
@@ -165,29 +165,31 @@ class ParallelPlan:
         scores), fp64 [rows], for this rank's rows, the same on the ranks that share them (tp, cp,
         pp). Run in `self.microbatches` pieces like `evaluate`; the rows' width must be a multiple
         of `sequence_multiple`."""
-        xs, ys = self._pieces(inputs, labels)
+        pieces = self._pieces(inputs, labels)
         if self.pipeline is not None:
-            sharded = [self.sequence(x, y) for x, y in zip(xs, ys)]
-            xs, ys = [s[0] for s in sharded], [s[1] for s in sharded]
-            hop = (xs[0].shape[0], xs[0].shape[1] // self.dims.tp, self.model.cfg.dim)
             with autocast():
                 return self.pipeline.score(
-                    xs, ys, hop, self.dtype, sharded[0][2], self.loss.row_sums
+                    pieces, self._hop(pieces), self.dtype, self.loss.row_sums
                 )
         sums = []
-        for x, y in zip(xs, ys):
-            x, y, positions = self.sequence(x, y)
+        for piece in pieces:
             with autocast():
-                logits = forward(x) if positions is None else forward(x, positions=positions)
-            sums.append(self.loss.row_sums(logits, y))
+                logits = forward(piece.tokens, **piece.model_inputs())
+            sums.append(self.loss.row_sums(logits, piece.labels))
         return torch.cat(sums)
 
-    def _pieces(self, inputs: Tensor, labels: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """An evaluation batch in `self.microbatches` pieces, on this rank's device."""
+    def pack_documents(self, packing: DocumentPacking | None) -> None:
+        """Cut every row into its packed documents (`data.document_mask`): attention and RoPE
+        positions stay within each, in every layout (see `model/documents.py`)."""
+        self.sequence.packing = packing
+
+    def _pieces(self, inputs: Tensor, labels: Tensor) -> list[MicroBatch]:
+        """A batch in `self.microbatches` pieces as this rank's model takes them, on its device."""
         device = self._device()
-        xs = [x.to(device, non_blocking=True) for x in inputs.chunk(self.microbatches)]
-        ys = [y.to(device, non_blocking=True) for y in labels.chunk(self.microbatches)]
-        return xs, ys
+        return [
+            self.sequence(x, y, device)
+            for x, y in zip(inputs.chunk(self.microbatches), labels.chunk(self.microbatches))
+        ]
 
     @property
     def sequence_multiple(self) -> int:
@@ -200,23 +202,22 @@ class ParallelPlan:
         return math.lcm(2 * self.dims.cp, self.dims.cp * shard)
 
     def _loss(
-        self, forward: Forward, x: Tensor, y: Tensor, autocast: ContextFactory
+        self, forward: Forward, piece: MicroBatch, autocast: ContextFactory
     ) -> tuple[Tensor, Tensor]:
-        x, y, positions = self.sequence(x, y)
         with autocast():
-            logits = forward(x) if positions is None else forward(x, positions=positions)
-        return self.loss(logits, y)
+            logits = forward(piece.tokens, **piece.model_inputs())
+        return self.loss(logits, piece.labels)
 
-    def _pipeline_step(self, xs, ys, train: bool, autocast, around_forward) -> Tensor:
-        sharded = [self.sequence(x, y) for x, y in zip(xs, ys)]
-        xs, ys = [s[0] for s in sharded], [s[1] for s in sharded]
-        positions = sharded[0][2]
-        # the depth state between stages: micro-batch rows × this rank's tokens (a sequence shard
-        # under tp as well as cp) × model width
-        hop = (xs[0].shape[0], xs[0].shape[1] // self.dims.tp, self.model.cfg.dim)
+    def _hop(self, pieces: list[MicroBatch]) -> tuple[int, int, int]:
+        """The depth state between stages: micro-batch rows × this rank's tokens (a sequence
+        shard under tp as well as cp) × model width."""
+        rows, tokens = pieces[0].tokens.shape
+        return rows, tokens // self.dims.tp, self.model.cfg.dim
+
+    def _pipeline_step(self, pieces, train: bool, autocast, around_forward) -> Tensor:
         with autocast():
             return self.pipeline.step(
-                xs, ys, hop, self.dtype, positions, train=train, forward_context=around_forward
+                pieces, self._hop(pieces), self.dtype, train=train, forward_context=around_forward
             )
 
     # ------------------------------------------------------------------ gradients

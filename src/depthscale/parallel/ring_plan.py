@@ -131,6 +131,10 @@ class Tile:
     """Where those keys' dK/dV go: the block itself at step 0, else the travelling hop-1 buffer."""
     q_pos: Tensor
     k_pos: Tensor
+    """The rows' and keys' global positions (on the device; `host_q_pos`, `host_k_pos` on the
+    host, for planning)."""
+    host_q_pos: Tensor
+    host_k_pos: Tensor
     dense: bool
     """Every (row, key) pair is visible: no mask is built."""
     causal: bool = False
@@ -280,6 +284,8 @@ class RingPlan:
                             Index(torch.searchsorted(grad_base, here[c]), -1, self.device),
                             rows_pos.to(self.device),
                             tile_pos.to(self.device),
+                            rows_pos,
+                            tile_pos,
                             dense,
                             causal,
                         )

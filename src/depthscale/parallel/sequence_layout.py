@@ -2,16 +2,19 @@
 shards, their global positions, padding to a length the layout divides, and the inverse.
 
 Everything here is per token and pure (no communication): the ring (`context_parallel`) needs only
-the positions, and the trainer's plan cuts every micro-batch with `SequenceShard`.
+the positions (and, with packed documents, the documents of the full rows), and the trainer's plan
+cuts every micro-batch with `SequenceShard`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from depthscale.model.documents import DocumentPacking, Documents
 
 ShardMode = Literal["zigzag", "contiguous"]
 
@@ -81,22 +84,52 @@ def pad_for_cp(
     return F.pad(tokens, (0, pad), value=pad_id), F.pad(labels, (0, pad), value=-100)
 
 
+class MicroBatch(NamedTuple):
+    """One micro-batch as this rank's model takes it: its tokens and labels (a sequence shard
+    under cp), the tokens' global positions (None: the whole row, 0..T−1) and the rows' packed
+    documents (None: no document masking)."""
+
+    tokens: Tensor
+    labels: Tensor
+    positions: Tensor | None = None
+    documents: Documents | None = None
+
+    def model_inputs(self) -> dict[str, Tensor | Documents]:
+        """The keyword arguments of `Transformer.forward` besides the tokens."""
+        given = {"positions": self.positions, "documents": self.documents}
+        return {k: v for k, v in given.items() if v is not None}
+
+
 class SequenceShard:
-    """How each sequence of a batch is cut over the cp ranks: zigzag (head-tail) shards, padded to
-    a multiple of 2·cp, with the global positions of the kept tokens. cp = 1: unchanged."""
+    """How each row of a batch reaches this rank's model: cut into its packed documents when
+    `packing` is set (`data.document_mask`; computed on the full row, before any shard), and
+    over the cp ranks into zigzag (head-tail) shards, padded to a multiple of 2·cp, with the
+    global positions of the kept tokens. cp = 1: the whole row."""
 
-    def __init__(self, rank: int = 0, size: int = 1) -> None:
-        self.rank, self.size = rank, size
+    def __init__(
+        self, rank: int = 0, size: int = 1, packing: DocumentPacking | None = None
+    ) -> None:
+        self.rank, self.size, self.packing = rank, size, packing
 
-    def __call__(self, tokens: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def __call__(
+        self, tokens: Tensor, labels: Tensor, device: torch.device | None = None
+    ) -> MicroBatch:
+        device = tokens.device if device is None else device
+        if self.packing is not None:
+            labels = self.packing.labels(labels)
+        if self.size > 1:
+            tokens, labels = pad_for_cp(tokens, labels, self.size, "zigzag")
+        documents = None if self.packing is None else self.packing.documents(tokens, device)
         if self.size == 1:
-            return tokens, labels, None
-        from depthscale.parallel import context_parallel as cpar
-
-        tokens, labels = cpar.pad_for_cp(tokens, labels, self.size, "zigzag")
-        positions = cpar.positions_for(
-            tokens.shape[1], self.rank, self.size, "zigzag", tokens.device
+            return MicroBatch(_to(tokens, device), _to(labels, device), None, documents)
+        T = tokens.shape[1]
+        return MicroBatch(
+            _to(shard_sequence(tokens, self.rank, self.size, 1, "zigzag"), device),
+            _to(shard_sequence(labels, self.rank, self.size, 1, "zigzag"), device),
+            positions_for(T, self.rank, self.size, "zigzag", device),
+            documents,
         )
-        tokens = cpar.shard_sequence(tokens, self.rank, self.size, 1, "zigzag")
-        labels = cpar.shard_sequence(labels, self.rank, self.size, 1, "zigzag")
-        return tokens, labels, positions
+
+
+def _to(x: Tensor, device: torch.device) -> Tensor:
+    return x.to(device, non_blocking=True)

@@ -23,6 +23,7 @@ from depthscale.data.mixture import mixture_metrics
 from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import PeersFailed, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
+from depthscale.model.documents import DocumentPacking
 from depthscale.model.transformer import Transformer
 from depthscale.observe import flight_recorder, spans, startup
 from depthscale.observe.metrics import Throughput, flops_per_token
@@ -108,6 +109,9 @@ class Trainer:
         self.plan = parallelize(
             self.model, self.layout.mesh, self.layout.dims, cfg, device=self.device
         )
+        if cfg.data.document_mask:
+            eos = self.data.tokenizer.eos_id
+            self.plan.pack_documents(DocumentPacking(eos, cfg.data.mask_eos_target))
         self.offload = OffloadStats() if cfg.train.offload_activations else None
         if cfg.train.compile:
             setup.compile_blocks(self.model)

@@ -28,6 +28,7 @@ from depthscale.parallel.pipeline.stage import (
     sync_tied_grads,
     tied_embedding_group,
 )
+from depthscale.parallel.sequence_layout import MicroBatch
 
 
 class Pipeline:
@@ -59,21 +60,19 @@ class Pipeline:
 
     def step(
         self,
-        inputs: list[Tensor],
-        labels: list[Tensor],
+        pieces: list[MicroBatch],
         hop_shape: tuple[int, int, int],
         dtype: torch.dtype,
-        positions: Tensor | None = None,
         train: bool = True,
         forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     ) -> Tensor:
         """Run one step's schedule over the micro-batches; returns, on every pipeline rank, the
         last stage's summed micro-batch losses / micro-batches (the stage's `loss_fn`: the mean loss,
         or this rank's share of it under cp), fp32, summed over the pipeline group."""
-        runtime = self.runtime(train, len(inputs))
+        runtime = self.runtime(train, len(pieces))
         runtime.forward_context = forward_context
-        device = inputs[0].device
-        loss, _ = runtime.step(inputs, labels, hop_shape, dtype, device, positions=positions)
+        device = pieces[0].tokens.device
+        loss, _ = runtime.step(*_unzip(pieces), hop_shape, dtype, device, **_where(pieces))
         # every rank of the group must reduce the same dtype (an fp64 model's loss is fp64)
         total = loss.float() if loss is not None else torch.zeros((), device=device)
         with spans.collective("all_reduce", self.group, total):
@@ -82,18 +81,17 @@ class Pipeline:
 
     def score(
         self,
-        inputs: list[Tensor],
-        labels: list[Tensor],
+        pieces: list[MicroBatch],
         hop_shape: tuple[int, int, int],
         dtype: torch.dtype,
-        positions: Tensor | None,
         row_sums: Callable[[Tensor, Tensor], Tensor],
     ) -> Tensor:
         """A forward-only pass whose last stage returns `row_sums(logits, labels)` per row instead
         of the mean loss: [micro-batches × rows] fp64 on every pipeline rank, in micro-batch
         order (each micro-batch's sums land in its own slice, found by its labels tensor)."""
-        runtime = self.runtime(False, len(inputs))
+        runtime = self.runtime(False, len(pieces))
         runtime.forward_context = None
+        inputs, labels = _unzip(pieces)
         device, rows = inputs[0].device, inputs[0].shape[0]
         slot = {id(y): k for k, y in enumerate(labels)}
 
@@ -107,7 +105,7 @@ class Pipeline:
         for stage in self.stages:
             stage.loss_fn = per_row
         try:
-            total, _ = runtime.step(inputs, labels, hop_shape, dtype, device, positions=positions)
+            total, _ = runtime.step(inputs, labels, hop_shape, dtype, device, **_where(pieces))
         finally:
             for stage, loss_fn in zip(self.stages, kept):
                 stage.loss_fn = loss_fn
@@ -133,3 +131,17 @@ class Pipeline:
         with spans.collective("all_reduce", self.group, total):
             dist.all_reduce(total, group=self.group)
         return int(total)
+
+
+def _unzip(pieces: list[MicroBatch]) -> tuple[list[Tensor], list[Tensor]]:
+    return [p.tokens for p in pieces], [p.labels for p in pieces]
+
+
+def _where(pieces: list[MicroBatch]) -> dict:
+    """The runtime's `positions` (one for every micro-batch: the same shard of every row) and
+    `documents` (each micro-batch's own)."""
+    documents = [p.documents for p in pieces]
+    return {
+        "positions": pieces[0].positions,
+        "documents": None if documents[0] is None else documents,
+    }

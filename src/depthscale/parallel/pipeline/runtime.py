@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from depthscale.model.documents import Documents
 from depthscale.observe import spans
 from depthscale.parallel import p2p
 from depthscale.parallel.pipeline.depth_cache import DepthCache
@@ -119,12 +120,14 @@ class PipelineRuntime:
         dtype: torch.dtype,
         device: torch.device,
         positions: Tensor | None = None,
+        documents: list[Documents] | None = None,
     ) -> tuple[Tensor | None, StepStats]:
         """Run all actions for one optimizer step; returns the summed loss on the last stage's rank.
         `positions`: the global positions of the tokens in every micro-batch (a sequence shard
-        under context parallelism), passed to every stage."""
+        under context parallelism), passed to every stage; `documents`: each micro-batch's packed
+        documents (every rank has every micro-batch's tokens), passed to every stage too."""
         run = _Step(self, micro_inputs, micro_labels, (*shape,), dtype, device)
-        run.positions = positions
+        run.positions, run.documents = positions, documents
         with run.stats.timing("step_s", device):
             self._run(run)
         self.steps += 1
@@ -175,6 +178,7 @@ class _Step:
         self.stats = StepStats()
         self.total_loss: Tensor | None = None
         self.positions: Tensor | None = None
+        self.documents: list[Documents] | None = None
         self.phase = "warmup"  # of the compute running: where its waits are counted
 
     def post(self, actions: tuple[Action, ...]) -> None:
@@ -234,7 +238,8 @@ class _Step:
         with stats.timing("compute_s", self.device):
             with rt._forward_context(), spans.span("forward", mb=a.microbatch, chunk=a.stage):
                 labels = self.labels[a.microbatch] if stage.spec.is_last else None
-                out = stage(state_in, labels, self.positions)
+                docs = self.documents[a.microbatch] if self.documents is not None else None
+                out = stage(state_in, labels, self.positions, docs)
             if stage.spec.is_last:
                 unit.loss = out / self.n_micro
                 loss = unit.loss.detach()

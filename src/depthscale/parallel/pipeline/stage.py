@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from depthscale.config import ModelConfig
+from depthscale.model.documents import Documents
 from depthscale.model.residual import DepthState, block_assignment, link_groups
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.observe import spans
@@ -107,15 +108,16 @@ class PipelineStage(nn.Module):
         inputs: Tensor | DepthState,
         labels: Tensor | None = None,
         positions: Tensor | None = None,
+        documents: Documents | None = None,
     ) -> Any:
         """tokens (first stage) or the received depth state → the depth state to send on; the last
         stage, given `labels`, returns the loss (`loss_fn`) instead. `positions`: the tokens'
-        global positions (None: 0..T-1)."""
+        global positions (None: 0..T-1); `documents`: the rows' packed documents."""
         m = self.model
         state = m.embed(inputs) if self.spec.is_first else inputs
-        cos, sin = m.rope_for(state, positions)
+        cos, sin = m.rope_for(state, positions, documents)
         for layer in self.layers:
-            state = layer(state, cos, sin, positions)
+            state = layer(state, cos, sin, positions, None, 0, documents)
         if self.spec.is_last and labels is not None:
             return self.loss_fn(m.head(state), labels)
         return state
