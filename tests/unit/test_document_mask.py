@@ -33,6 +33,14 @@ def test_a_document_starts_at_each_eos():
     assert docs.rope_positions(pos, 24).tolist() == [[0, 1, 2, 1], [0, 0, 0, 2]]
 
 
+def test_rows_without_a_boundary_need_no_documents():
+    """A row inside one document computes as an unmasked row: the packing says so (None), and
+    the unmasked kernels run."""
+    assert DocumentPacking(EOS).documents(ROWS) is not None
+    one_each = torch.tensor([[1, 4, 5, 6], [7, 8, 9, 2]])  # a document's start; a middle
+    assert DocumentPacking(EOS).documents(one_each) is None
+
+
 def test_the_eos_target_mask_is_optional():
     labels = ROWS[:, 1:]
     assert torch.equal(DocumentPacking(EOS).labels(labels), labels)

@@ -138,3 +138,31 @@ def test_group_creation_internals_the_sync_counter_patches():
     assert {"split_ranks", "group_desc"} <= split.keys()
     assert callable(distributed_c10d._get_default_store)
     assert "len(_world.pg_names)" in inspect.getsource(distributed_c10d._hash_ranks_to_str)
+
+
+def test_autograd_graph_task_id_tells_backward_apart():
+    """model/moe.py counts an MoE layer's load in training forwards but not in the forward that
+    activation checkpointing recomputes inside backward: `torch._C._current_graph_task_id()` is
+    -1 outside a backward pass and a task id inside one."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(torch._C._current_graph_task_id())
+            return g
+
+    assert torch._C._current_graph_task_id() == -1
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen and seen[0] != -1
+
+
+def test_grouped_mm_takes_offsets():
+    """model/moe.py: `torch._grouped_mm(x, w, offs=...)`, the MoE experts' grouped GEMM on CUDA
+    (its call is checked on the meta device in tests/unit/test_moe.py)."""
+    schema = str(torch.ops.aten._grouped_mm.default._schema)
+    assert schema.startswith("aten::_grouped_mm(Tensor self, Tensor mat2, Tensor? offs=None")

@@ -248,3 +248,30 @@ def test_recompute_and_offload_leave_training_bitwise_unchanged(tmp_path, residu
         ]
         offloaded[mode] = hist[-1]["offloaded_mb"]
     assert offloaded["none"] > offloaded["sublayer"] > offloaded["full"] > 0, offloaded
+
+
+def test_document_mask_reaches_the_plan_and_changes_what_packed_rows_see(tmp_path):
+    """`data.document_mask`: the trainer cuts every row at the tokenizer's EOS (with the EOS
+    target mask when asked); short documents, so every row packs several and the loss differs
+    from the unmasked run's from the first step (the parity itself: tests/unit/
+    test_document_mask.py and tests/dist/test_document_mask_layouts.py)."""
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"text": f"doc {i}: fox {i * 7} dog"}) + "\n" for i in range(300))
+    )
+    short = ("--data.path", str(corpus), "--train.steps", "2", "--checkpoint.every", "0")
+    plain = Trainer(make_cfg(tmp_path / "a", *short))
+    masked = Trainer(
+        make_cfg(
+            tmp_path / "b", *short, "--data.document_mask", "true", "--data.mask_eos_target", "true"
+        )
+    )
+    packing = masked.plan.sequence.packing
+    assert packing is not None and packing.eos_id == masked.data.tokenizer.eos_id
+    assert packing.mask_eos_target and plain.plan.sequence.packing is None
+    assert masked.fit()[0]["loss"] != plain.fit()[0]["loss"]
+
+
+def test_an_eos_target_mask_without_document_masking_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="data.mask_eos_target needs data.document_mask"):
+        make_cfg(tmp_path, "--data.mask_eos_target", "true").validate()

@@ -67,6 +67,33 @@ class ModelConfig:
     """How depth reads are computed; all exact. two_phase: batched inter-block read + online-softmax
     merge (fused Triton kernels on CUDA); efficient: one read per sublayer saving only per-token
     scalars for backward; reference: plain autograd."""
+    moe_experts: int = 0
+    """Mixture-of-Experts FFN (`model/moe.py`): routed experts per MoE layer; 0 = dense FFNs."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (dropless: every token reaches all of them)."""
+    moe_shared_experts: int = 0
+    """Experts every token goes through as well (one dense FFN this many times wider)."""
+    moe_ffn_dim: int = 0
+    """Hidden size of one expert (fine-grained experts are narrow); 0 = the dense hidden size."""
+    moe_gate: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Mixtral, Qwen3-MoE) or per-expert sigmoids
+    (DeepSeek-V3)."""
+    moe_normalize_top_k: bool = True
+    """Rescale each token's top-k weights to sum to 1."""
+    moe_balance: Literal["aux_loss", "bias"] = "aux_loss"
+    """Load balancing: an auxiliary loss (Switch / GShard, coefficient moe_aux_loss), or
+    aux-loss-free (DeepSeek-V3): a per-expert bias added to the scores for selection only, moved
+    by moe_bias_rate towards the mean load after every step."""
+    moe_aux_loss: float = 0.01
+    """Coefficient of the load-balancing loss (moe_balance = 'aux_loss')."""
+    moe_bias_rate: float = 0.001
+    """Step of the aux-loss-free bias update (moe_balance = 'bias')."""
+    moe_z_loss: float = 0.0
+    """Coefficient of the router z-loss (mean squared log-sum-exp of the router logits)."""
+    moe_every: int = 1
+    """Every k-th layer is MoE (counted from the first after moe_first_dense)."""
+    moe_first_dense: int = 0
+    """The first layers keep a dense FFN."""
 
     @property
     def head_dim(self) -> int:
@@ -82,6 +109,15 @@ class ModelConfig:
             return self.ffn_dim
         hidden = int(8 * self.dim / 3)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def moe_hidden_dim(self) -> int:
+        return self.moe_ffn_dim or self.hidden_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` has a Mixture-of-Experts FFN."""
+        k = layer_id - self.moe_first_dense
+        return self.moe_experts > 0 and k >= 0 and k % self.moe_every == 0
 
     @property
     def n_sublayers(self) -> int:
@@ -265,6 +301,10 @@ class ParallelConfig:
     pp: int = 1
     pp_virtual: int = 1
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
+    ep: int = 1
+    """Expert parallelism (MoE): the routed experts are split over groups of this many dp_shard
+    ranks, tokens reach them by all-to-all (`parallel/expert_parallel.py`); a slice of the
+    data-parallel dimension, not a dimension of its own. Divides dp_shard and model.moe_experts."""
     timeout_s: float = 600.0
     """How long a collective or message may wait for its peers before it fails (the process
     group's timeout), from the first completed step on; every rank then writes its hang dump."""

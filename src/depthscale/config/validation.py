@@ -87,11 +87,13 @@ def validate(cfg: Config) -> Config:
         "tp",
         "pp",
         "pp_virtual",
+        "ep",
         "nproc",
         "tp_overlap_chunks",
     ):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    _check_expert_layout(m, p)
     if m.dim % m.n_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
@@ -113,6 +115,7 @@ def validate(cfg: Config) -> Config:
             f"model.attnres_n_blocks={m.attnres_n_blocks} must be in 1..{m.n_sublayers} "
             f"(the number of sublayers) when model.attnres_block_size is 0"
         )
+    _check_moe(m)
     if m.residual == "block" and m.attnres_block_size > m.n_sublayers:
         raise ConfigError(
             f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
@@ -279,6 +282,58 @@ def _positive(cfg: Config, *keys: str) -> None:
     for key in keys:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+
+
+def _check_moe(m) -> None:
+    """model.moe_*: top-k within the experts, rates and coefficients finite and >= 0."""
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts={m.moe_experts} must be >= 0 (0: dense FFNs)")
+    if m.moe_experts == 0:
+        return
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(
+            f"model.moe_top_k={m.moe_top_k} must be in 1..{m.moe_experts} (model.moe_experts)"
+        )
+    for key in ("moe_shared_experts", "moe_ffn_dim", "moe_first_dense"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0")
+    if m.moe_every < 1:
+        raise ConfigError(f"model.moe_every={m.moe_every} must be >= 1")
+    if m.moe_first_dense >= m.n_layers:
+        raise ConfigError(
+            f"model.moe_first_dense={m.moe_first_dense} leaves no MoE layer of {m.n_layers}; "
+            f"allowed: 0..{m.n_layers - 1}"
+        )
+    for key in ("moe_aux_loss", "moe_bias_rate", "moe_z_loss"):
+        value = getattr(m, key)
+        if not 0.0 <= value < math.inf:
+            raise ConfigError(f"model.{key}={value} must be a finite number >= 0")
+    if m.parallel_block:
+        raise ConfigError(
+            "model.parallel_block with model.moe_experts > 0 is not supported; allowed: one of them"
+        )
+
+
+def _check_expert_layout(m, p) -> None:
+    """parallel.ep: a slice of dp_shard over which the experts split evenly; MoE layouts this
+    build runs (the dense parts' tensor and context parallelism with MoE are not built yet)."""
+    if p.ep > 1 and m.moe_experts == 0:
+        raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.moe_experts > 0)")
+    if p.dp_shard % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide parallel.dp_shard={p.dp_shard} (expert parallelism "
+            "is a slice of the data-parallel dimension)"
+        )
+    if m.moe_experts and m.moe_experts % p.ep:
+        raise ConfigError(
+            f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each rank holds "
+            "an equal share of the experts)"
+        )
+    if m.moe_experts and (p.tp > 1 or p.cp > 1):
+        raise ConfigError(
+            f"an MoE model (model.moe_experts={m.moe_experts}) with parallel.tp={p.tp}, "
+            f"cp={p.cp}: not built yet; allowed: tp = cp = 1 (dp_shard, dp_replicate, ep, pp)"
+        )
 
 
 def _non_negative(cfg: Config, *keys: str) -> None:

@@ -94,5 +94,10 @@ class DocumentPacking:
             return labels
         return labels.masked_fill(labels == self.eos_id, IGNORE_INDEX)
 
-    def documents(self, tokens: Tensor, device: torch.device | str | None = None) -> Documents:
-        return Documents.of(tokens, self.eos_id, device)
+    def documents(
+        self, tokens: Tensor, device: torch.device | str | None = None
+    ) -> Documents | None:
+        """The rows' documents; None when no row holds a boundary (every row one document, or
+        part of one): the rows then compute exactly as unmasked ones, on the unmasked kernels."""
+        documents = Documents.of(tokens, self.eos_id, device)
+        return documents if bool(documents.host_ids[:, -1].any()) else None

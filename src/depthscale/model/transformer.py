@@ -27,6 +27,7 @@ from depthscale.model.layers import (
     SwiGLU,
     rope_tables,
 )
+from depthscale.model.moe import MoE
 from depthscale.model.recompute import LAYER_MODES, RecomputeMode, check_mode, checkpoint_layer
 from depthscale.model.residual import (
     AttnResidual,
@@ -52,7 +53,7 @@ class TransformerBlock(nn.Module):
         self.parallel = cfg.parallel_block
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
-        self.feed_forward = SwiGLU(cfg)
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg)
         if self.parallel:
             self.residual = make_residual(cfg, layer_id)
         else:
@@ -206,7 +207,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            if name.endswith(("wo.weight", "w_down.weight")):
+            if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")):
                 fill_seeded_(
                     p, self._init_key(name), seed, lambda t, g: t.normal_(0.0, out_std, generator=g)
                 )
@@ -218,6 +219,9 @@ class Transformer(nn.Module):
                 fill_constant_(p, 0.0)
             else:
                 fill_constant_(p, 1.0)
+        for name, buffer in self.named_buffers():
+            if name.endswith("expert_bias") and not buffer.is_meta:
+                buffer.zero_()
         if not self.rope_cos.is_meta:
             cfg = self.cfg
             cos, sin = rope_tables(

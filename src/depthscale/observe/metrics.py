@@ -37,13 +37,17 @@ __all__ = [
 def matmul_params(cfg: ModelConfig) -> int:
     """N: weights that take part in a matmul per token (attention q/k/v/o with GQA, SwiGLU's three
     matrices, the LM head). The embedding lookup is a gather, not a matmul, so it is left out even
-    when tied to the head (the head's d·V is counted once, as the head)."""
+    when tied to the head (the head's d·V is counted once, as the head). MoE layers count their
+    *active* weights: the router, top-k routed experts and the shared experts."""
     if cfg.vocab_size <= 0:
         raise ValueError("flops_per_token: model.vocab_size must be resolved (> 0) first")
     d, hd = cfg.dim, cfg.head_dim
     attention = d * hd * (2 * cfg.n_heads + 2 * cfg.kv_heads)  # wq, wo: H·hd; wk, wv: Hkv·hd
-    mlp = 3 * d * cfg.hidden_dim
-    return cfg.n_layers * (attention + mlp) + d * cfg.vocab_size
+    dense = 3 * d * cfg.hidden_dim
+    active = cfg.moe_top_k + cfg.moe_shared_experts
+    moe = 3 * d * cfg.moe_hidden_dim * active + d * cfg.moe_experts
+    mlp = sum(moe if cfg.is_moe_layer(i) else dense for i in range(cfg.n_layers))
+    return cfg.n_layers * attention + mlp + d * cfg.vocab_size
 
 
 def attended_keys(seq_len: int, window: int = 0) -> float:

@@ -74,6 +74,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     roots: list[nn.Module] | None = None,
     offload: bool = False,
+    leave: list[nn.Parameter] | None = None,
 ) -> list[nn.Parameter]:
     """Shard `model` in place with FSDP2: each TransformerBlock is a unit, then the root, which keeps
     the tied embedding/head weight, the final norm and the output AttnRes query (one weight, so the
@@ -120,7 +121,7 @@ def apply_fsdp(
     if offload:
         policies["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     queries = depth_query_params(model)
-    ignored = set(queries)
+    ignored = set(queries) | set(leave or [])  # `leave`: reduced by their owner (experts)
     layers = list(model.layers.values())
     for layer in layers:
         fully_shard(layer, ignored_params=ignored, **policies)

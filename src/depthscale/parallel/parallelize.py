@@ -135,6 +135,14 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"], chunks=cfg.parallel.tp_overlap_chunks)
         for stage in stages:  # the embedding and head are new modules now
             stage.register_modules()
+    experts = None
+    if cfg.parallel.ep > 1:
+        from depthscale.parallel import expert_parallel as ep
+
+        ep_group, replicas = ep.expert_groups(dims, cfg.parallel.ep)
+        device_type = device.type if device is not None else mesh.device_type
+        names = ep.apply_expert_parallel(model, ep_group, device_type)
+        experts = ep.ExpertShards(names, replicas, cfg.parallel.ep)
     if dims.cp > 1:
         from depthscale.parallel.context_parallel import apply_context_parallel
 
@@ -167,6 +175,7 @@ def parallelize(
             reshard_after_forward=reshard and sharded,
             offload=offload,
             roots=stages or None,
+            leave=_named(model, experts.names) if experts is not None else None,
         )
         whole = _names(model, whole)
         materialize(model, device, params_on_host=offload)
@@ -187,7 +196,13 @@ def parallelize(
         defer_reduce_scatter=cfg.parallel.fsdp_defer_reduce_scatter,
         replicated=whole,
         tp_chunks=cfg.parallel.tp_overlap_chunks,
+        experts=experts,
     )
+
+
+def _named(model: nn.Module, names: list[str]) -> list[nn.Parameter]:
+    params = dict(model.named_parameters())
+    return [params[n] for n in names]
 
 
 def _names(model: nn.Module, params: list[nn.Parameter]) -> list[str]:

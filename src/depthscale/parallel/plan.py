@@ -36,6 +36,8 @@ from depthscale.model.documents import DocumentPacking
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans
 from depthscale.parallel.data_parallel import average_replicated_grads, clip_grad_norm_
+from depthscale.parallel.expert_load import ExpertLoad
+from depthscale.parallel.expert_parallel import ExpertShards
 from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.mesh import ParallelDims, flat
 from depthscale.parallel.pipeline.pipeline import Pipeline
@@ -66,6 +68,7 @@ class ParallelPlan:
         defer_reduce_scatter: bool = False,
         replicated: list[str] | None = None,
         tp_chunks: int = 1,
+        experts: ExpertShards | None = None,
     ) -> None:
         self.model, self.mesh, self.dims, self.stages = model, mesh, dims, stages
         self.tp_chunks = tp_chunks
@@ -86,6 +89,15 @@ class ParallelPlan:
             vocab_group=mesh["tp"].get_group() if dims.tp > 1 else None,
             sequence_group=mesh["cp"].get_group() if dims.cp > 1 else None,
         )
+        self.experts = experts
+        """Expert parallelism: which parameters are split over the ep groups, and how their
+        gradients are reduced (None: experts, if any, are sharded like every other weight)."""
+        groups = ()
+        if mesh is not None:
+            groups = (flat(mesh, "dp_cp").get_group(),) if dims.dp * dims.cp > 1 else ()
+            groups += (mesh["pp"].get_group(),) if dims.pp > 1 else ()
+        self.expert_load = ExpertLoad(model, model.cfg, groups, dims.dp)
+        self.expert_load.set_aux_scale(1.0 / microbatches)
         self.pipeline = None
         if stages:
             self.pipeline = Pipeline(model.cfg, mesh, stages, microbatches)
@@ -107,6 +119,7 @@ class ParallelPlan:
         `forward` is the model or its compiled form; `around_forward` is entered around every
         micro-batch's forward (e.g. activation offloading)."""
         device, microbatches = self._device(), self.microbatches
+        self.expert_load.reset()
         pieces = self._pieces(inputs, labels)
         if self.pipeline is not None:
             return self._pipeline_step(pieces, True, autocast, around_forward)
@@ -222,8 +235,15 @@ class ParallelPlan:
 
     # ------------------------------------------------------------------ gradients
 
+    def finish_step(self) -> dict[str, Tensor]:
+        """After the optimizer step: the MoE layers' routing over the step's tokens, summed over
+        the ranks, and the aux-loss-free bias update (`parallel/expert_load.py`); {} without MoE."""
+        return self.expert_load.finish_step(self._device())
+
     def reduce_gradients(self) -> None:
         """What FSDP2 / DDP do not: once per optimizer step, after the last backward."""
+        if self.experts is not None:
+            self.experts.reduce_gradients(self.model)
         if self.replicated:
             params = dict(self.model.named_parameters())
             grads = [params[name] for name in self.replicated]

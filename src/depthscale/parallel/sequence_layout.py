@@ -87,7 +87,7 @@ def pad_for_cp(
 class MicroBatch(NamedTuple):
     """One micro-batch as this rank's model takes it: its tokens and labels (a sequence shard
     under cp), the tokens' global positions (None: the whole row, 0..T−1) and the rows' packed
-    documents (None: no document masking)."""
+    documents (None: no document masking, or no boundary in any row)."""
 
     tokens: Tensor
     labels: Tensor

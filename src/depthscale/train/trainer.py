@@ -24,6 +24,7 @@ from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import PeersFailed, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.documents import DocumentPacking
+from depthscale.model.moe import idle_params
 from depthscale.model.transformer import Transformer
 from depthscale.observe import flight_recorder, spans, startup
 from depthscale.observe.metrics import Throughput, flops_per_token
@@ -260,6 +261,7 @@ class Trainer:
         self.stop_agreed, self.busy_rows = self.vote.exchange(stop, self.telemetry.busy_row())
         metrics = {"loss": total.detach(), "lr": lr, "grad_norm": grad_norm.detach()}
         metrics["finite"] = flag
+        metrics |= self.plan.finish_step()  # MoE: experts' loads, the balancing bias update
         if self.offload is not None:  # this rank's bytes moved to host memory during the step
             metrics["offloaded_mb"] = self.offload.bytes / 1e6
             self.offload.reset()
@@ -405,8 +407,14 @@ class Trainer:
                 f"{self.run_dir}: already trained to step {self.step} (train.steps={cfg.train.steps}); nothing to do"
             )
             return history
+        total = self.plan.num_params()
+        active = (
+            f" ({(total - idle_params(cfg.model)) / 1e6:.2f}M active)"
+            if cfg.model.moe_experts
+            else ""
+        )
         console.say(
-            f"depthscale: {self.plan.num_params() / 1e6:.2f}M parameters, residual={cfg.model.residual}, "
+            f"depthscale: {total / 1e6:.2f}M parameters{active}, residual={cfg.model.residual}, "
             f"device={self.device}, dtype={cfg.train.dtype}, run_dir={self.run_dir}"
             + (f", resumed at step {self.step}" if self.step else "")
         )

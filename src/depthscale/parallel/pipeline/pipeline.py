@@ -143,5 +143,5 @@ def _where(pieces: list[MicroBatch]) -> dict:
     documents = [p.documents for p in pieces]
     return {
         "positions": pieces[0].positions,
-        "documents": None if documents[0] is None else documents,
+        "documents": None if all(d is None for d in documents) else documents,
     }

@@ -1,0 +1,178 @@
+"""Expert parallelism: the routed experts of every MoE layer split over groups of `ep` data-parallel
+ranks, tokens sent to the rank that holds their expert and back by all-to-all.
+
+"EP/CP are just variations on the DP dimension" (the Attention Residuals infra note): the ep ranks
+are consecutive ranks of dp_shard, each still training its own rows of the batch. Only the routed
+experts are split: rank i of an ep group holds experts [i·E/ep, (i+1)·E/ep) as a DTensor sharded on
+the expert dimension (so checkpoints reshard to any other ep), everything else is sharded by FSDP
+as without MoE. Per MoE layer and micro-batch (`AllToAllDispatch`):
+
+1. every rank sorts its (token, expert) slots by expert (`model/moe.py`) and tells each peer how many
+   rows it will send for each of that peer's experts (one small all-to-all of counts, then one host
+   copy: the row splits must be known to post the exchange);
+2. the rows go out in one all-to-all with uneven splits and arrive grouped by source; they are
+   regrouped by local expert for the grouped GEMM;
+3. the outputs take the inverse path (regroup, all-to-all back) and are combined by the router's
+   weights where they came from. Backward runs the same two exchanges the other way round.
+
+Every rank posts the same collectives in the same order (the layers' order), so the schedule is
+NCCL-safe; each exchange is a span on the timeline.
+
+Gradients (`reduce_expert_gradients`): an expert's gradient on its holder already sums the
+contributions of every token the ep group sent it; the gradient the optimizer needs is the mean
+over all data-parallel ranks, i.e. the mean over the ranks holding the same experts (the expert
+"replicas": the other ep groups), divided by ep. The balancing loads and bias updates are summed
+over all ranks in `parallel/expert_load.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from depthscale.model.moe import MoE
+from depthscale.observe import spans
+from depthscale.parallel import startup
+from depthscale.parallel.mesh import ParallelDims
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged with uneven splits; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        out_splits, in_splits = ctx.splits
+        return _exchange(dy, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    x = x.contiguous()
+    with spans.collective("all_to_all", group, x):
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """Differentiable all-to-all of rows: `in_splits[r]` rows of x go to rank r, `out_splits[r]`
+    arrive from it."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def regroup(counts: Tensor) -> Tensor:
+    """Rows arriving as [source][local expert] segments (`counts` [sources, experts] on the host)
+    → the order [local expert][source]: the index of each row of the new order in the old."""
+    starts = (counts.flatten().cumsum(0) - counts.flatten()).view_as(counts)
+    lengths = counts.t().flatten()
+    first = starts.t().flatten()
+    offset_in_segment = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+        lengths.cumsum(0) - lengths, lengths
+    )
+    return torch.repeat_interleave(first, lengths) + offset_in_segment
+
+
+class AllToAllDispatch:
+    """The MoE dispatcher under expert parallelism (see the module doc)."""
+
+    def __init__(self, group: ProcessGroup, n_experts: int) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.local = n_experts // self.size
+
+    def dispatch(self, x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, tuple]:
+        n, L = self.size, self.local
+        with torch.no_grad():
+            incoming = torch.empty_like(counts)
+            with spans.collective("all_to_all", self.group, counts):
+                dist.all_to_all_single(incoming, counts.contiguous(), group=self.group)
+            both = torch.stack([counts, incoming]).cpu()  # the splits must be on the host
+        sent, arriving = both[0].view(n, L), both[1].view(n, L)
+        send, recv = sent.sum(1).tolist(), arriving.sum(1).tolist()
+        rows = all_to_all(x, recv, send, self.group)
+        order = regroup(arriving).to(x.device)
+        local_counts = arriving.sum(0).to(x.device)
+        return rows.index_select(0, order), local_counts, (order, send, recv)
+
+    def combine(self, y: Tensor, handle: tuple) -> Tensor:
+        order, send, recv = handle
+        arrived = torch.zeros_like(y).index_copy(0, order, y)  # back to [source][expert]
+        return all_to_all(arrived, send, recv, self.group)
+
+    def __repr__(self) -> str:
+        return f"all_to_all(ep={self.size})"
+
+
+def expert_groups(dims: ParallelDims, ep: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """(this rank's ep group: `ep` consecutive dp_shard ranks; its replica group: the ranks that
+    hold the same experts — the same place in the other ep groups of its pipeline stage)."""
+    ranks = torch.arange(dims.world_size).reshape(
+        dims.pp, dims.dp_replicate, dims.dp_shard // ep, ep, dims.cp, dims.tp
+    )
+    ep_parts = ranks.movedim(3, -1).reshape(-1, ep).tolist()
+    replicas = ranks.permute(0, 3, 5, 1, 2, 4)  # pp, ep, tp | dp_replicate, blocks, cp
+    replica_parts = replicas.reshape(dims.pp * ep * dims.tp, -1).tolist()
+    ep_group = startup.own_group(ep_parts, "expert_parallel")
+    replica_group = startup.own_group(replica_parts, "expert_replicas")
+    assert ep_group is not None and replica_group is not None
+    return ep_group, replica_group
+
+
+def apply_expert_parallel(model: nn.Module, group: ProcessGroup, device_type: str) -> list[str]:
+    """Split every MoE layer's routed experts over `group` (in place; meta or real weights) and
+    route its tokens by all-to-all. Returns the names of the expert parameters (FSDP leaves them
+    to `reduce_expert_gradients`)."""
+    mesh = DeviceMesh.from_group(group, device_type)
+    names = []
+    for layer_name, layer in model.layers.items():
+        ffn = layer.feed_forward
+        if not isinstance(ffn, MoE):
+            continue
+        experts = ffn.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            sharded = distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None)
+            setattr(experts, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+            names.append(f"layers.{layer_name}.feed_forward.experts.{name}")
+        ffn.dispatcher = AllToAllDispatch(group, ffn.router.n_experts)
+    return names
+
+
+class ExpertShards:
+    """The expert-parallel parameters (by name: materialising replaces the parameter objects) and
+    the group that holds the same experts on other ep groups."""
+
+    def __init__(self, names: list[str], replicas: ProcessGroup, ep: int) -> None:
+        self.names, self.replicas, self.ep = names, replicas, ep
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        params = dict(model.named_parameters())
+        reduce_expert_gradients([params[n] for n in self.names], self.replicas, self.ep)
+
+
+@torch.no_grad()
+def reduce_expert_gradients(params: list[Tensor], replicas: ProcessGroup, ep: int) -> None:
+    """The data-parallel mean of the expert gradients: their mean over the replica group, / ep."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    if dist.get_world_size(replicas) > 1:
+        with spans.collective("all_reduce", replicas, flat):
+            dist.all_reduce(flat, group=replicas)
+    flat /= dist.get_world_size(replicas) * ep
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

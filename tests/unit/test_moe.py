@@ -1,0 +1,193 @@
+"""Mixture-of-Experts FFN (`model/moe.py`) against the math written out per token, per expert:
+outputs, auxiliary losses and gradients; dropless routing; the aux-loss-free bias update; the
+grouped GEMM's call on the real op (meta device); an MoE model end to end; bad settings."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from depthscale.config import Config, ConfigError, ModelConfig
+from depthscale.model import moe
+from depthscale.model.transformer import Transformer
+from tolerances import check, fp32_model_bound, fp32_sum_bound, scaled_err
+
+D, HIDDEN, E = 16, 24, 6
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(
+        vocab_size=32, dim=D, n_layers=2, n_heads=2, max_seq_len=16, moe_experts=E, moe_top_k=2,
+        moe_ffn_dim=HIDDEN, moe_z_loss=1e-3,
+    )  # fmt: skip
+    return ModelConfig(**(base | kw))
+
+
+def _layer(**kw) -> moe.MoE:
+    torch.manual_seed(0)
+    layer = moe.MoE(_cfg(**kw))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer
+
+
+def _by_hand(layer: moe.MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, auxiliary loss) token by token: its scores, its top-k, each chosen expert's
+    SwiGLU, the shared experts; the Switch loss and z-loss from their definitions."""
+    r, ex = layer.router, layer.experts
+    tokens = x.reshape(-1, x.shape[-1])
+    outs, probs, counts, lse = [], [], torch.zeros(E), []
+    for t in tokens:
+        logits = r.weight @ t
+        scores = logits.softmax(-1) if r.gate == "softmax" else logits.sigmoid()
+        pick = scores + r.expert_bias if r.balance == "bias" else scores
+        chosen = pick.topk(r.top_k).indices
+        w = scores[chosen]
+        if r.normalize:
+            w = w / w.sum()
+        y = sum(
+            w[j] * (F.silu(t @ ex.w_gate[e]) * (t @ ex.w_up[e])) @ ex.w_down[e]
+            for j, e in enumerate(chosen.tolist())
+        )
+        if layer.shared is not None:
+            y = y + layer.shared(t)
+        outs.append(y)
+        probs.append(scores / scores.sum())
+        counts[chosen] += 1
+        lse.append(logits.logsumexp(-1))
+    aux = torch.zeros(())
+    if r.balance == "aux_loss":
+        share = counts / (len(tokens) * r.top_k)
+        aux = aux + r.aux_coef * E * (share * torch.stack(probs).mean(0)).sum()
+    aux = aux + r.z_coef * torch.stack(lse).square().mean()
+    return torch.stack(outs).view(x.shape), aux
+
+
+CASES = {
+    "softmax_aux": dict(),
+    "sigmoid_bias_shared": dict(moe_gate="sigmoid", moe_balance="bias", moe_shared_experts=1),
+    "softmax_top1_unnormalised": dict(moe_top_k=1, moe_normalize_top_k=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_layer_is_its_math_with_gradients(case):
+    layer = _layer(**CASES[case])
+    if layer.router.balance == "bias":
+        layer.router.expert_bias.copy_(torch.linspace(-0.2, 0.3, E))
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(2))
+    twin = _layer(**CASES[case])
+    twin.load_state_dict(layer.state_dict())
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer.aux_scale = 0.5
+    y = layer(x1)
+    (y * dy).sum().backward()  # the layer's aux loss joins through its output, scaled by 0.5
+    want, aux = _by_hand(twin, x2)
+    ((want * dy).sum() + 0.5 * aux).backward()
+    bound = fp32_sum_bound(2 * (D + HIDDEN) + 2 * 14 + E)
+    check(scaled_err(y, want), bound, "out")
+    check(scaled_err(x1.grad, x2.grad), bound, "dx")
+    for (name, p), q in zip(layer.named_parameters(), twin.parameters(), strict=True):
+        check(scaled_err(p.grad, q.grad), bound, name)
+
+
+def test_routing_is_dropless_however_unbalanced():
+    """Every token reaches all k of its experts even when all choose the same two (no capacity):
+    the output is the math's, and the load counts every slot."""
+    layer = _layer()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[[1, 4], 0] = 5.0  # experts 1 and 4 win for every token with x_0 > 0
+    x = torch.randn(1, 9, D, generator=torch.Generator().manual_seed(3)).abs()
+    layer.train()
+    y = layer(x)
+    load = layer.take_load()
+    assert torch.equal(load[:E], torch.tensor([0, 9, 0, 0, 9, 0.0])) and load[E] > 0  # aux last
+    check(scaled_err(y, _by_hand(layer, x)[0]), fp32_sum_bound(2 * (D + HIDDEN)), "out")
+
+
+def test_aux_loss_free_bias_moves_towards_the_mean_load():
+    router = _layer(moe_balance="bias").router
+    router.expert_bias.copy_(torch.tensor([0.1, 0.0, -0.1, 0.0, 0.2, 0.0]))
+    load = torch.tensor([3.0, 1.0, 0.0, 4.0, 2.0, 2.0])  # mean 2
+    moe.update_bias(router, load, 0.01)
+    want = torch.tensor([0.09, 0.01, -0.09, -0.01, 0.2, 0.0])
+    assert torch.allclose(router.expert_bias, want, atol=1e-7, rtol=0)
+
+
+def test_load_is_counted_once_under_recompute_and_never_in_evaluation():
+    torch.manual_seed(0)
+    model = Transformer(_cfg(n_layers=2))
+    model.set_recompute("full")
+    tokens = torch.randint(0, 32, (2, 8))
+    model.train()
+    model(tokens).sum().backward()  # backward recomputes every layer's forward
+    loads = [layer.feed_forward.take_load() for layer in model.layers.values()]
+    assert all(int(load[:E].sum()) == 2 * 8 * 2 for load in loads)
+    with torch.no_grad():
+        model(tokens)
+    model.eval()
+    model(tokens)
+    assert all(not layer.feed_forward.take_load().any() for layer in model.layers.values())
+
+
+def test_grouped_mm_path_and_its_call_on_the_real_op():
+    assert moe.grouped_mm_path("cuda", torch.bfloat16, True) == "grouped"
+    assert moe.grouped_mm_path("cuda", torch.float32, True) == "loop"
+    assert moe.grouped_mm_path("cuda", torch.bfloat16, False) == "loop"
+    assert moe.grouped_mm_path("cpu", torch.bfloat16, True) == "loop"
+    x = torch.empty(10, 16, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(3, 16, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    counts = torch.empty(3, dtype=torch.int64, device="meta")
+    y = moe.grouped_mm(x, w, counts, path="grouped")
+    assert y.shape == (10, 8) and y.dtype == torch.bfloat16
+    y.backward(torch.empty_like(y))
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+def test_an_moe_model_trains_through_its_experts_with_block_attnres():
+    """Only layers from moe_first_dense on, every moe_every-th, are MoE; the model's loss and
+    gradients are those of the same model with each MoE FFN computed by hand."""
+    cfg = _cfg(n_layers=4, moe_first_dense=1, moe_every=2, residual="block", attnres_n_blocks=2)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    torch.manual_seed(0)
+    twin = Transformer(cfg)
+    kinds = [type(layer.feed_forward).__name__ for layer in model.layers.values()]
+    assert kinds == ["SwiGLU", "MoE", "SwiGLU", "MoE"]
+    for layer in twin.layers.values():
+        if isinstance(layer.feed_forward, moe.MoE):
+            f = layer.feed_forward
+            f.forward = lambda x, proj=None, f=f: _attach(*_by_hand(f, x))
+    tokens, labels = torch.randint(0, 32, (2, 2, 12)).unbind(0)
+    for m in (model, twin):
+        F.cross_entropy(m(tokens).flatten(0, 1), labels.flatten()).backward()
+    bound = fp32_model_bound(cfg, 12, 2)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        check(scaled_err(p.grad, q.grad), bound, name)
+    assert model.layers["1"].feed_forward.router.weight.grad.abs().sum() > 0
+
+
+def _attach(y, aux):
+    return moe.AuxLoss.apply(y, aux, 1.0)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"moe_experts": 4, "moe_top_k": 5}, "moe_top_k=5 must be in 1..4"),
+        ({"moe_experts": 4, "moe_first_dense": 4}, "leaves no MoE layer"),
+        ({"moe_experts": 4, "moe_aux_loss": math.inf}, "moe_aux_loss=inf"),
+        ({"moe_experts": 4, "parallel_block": True}, "parallel_block with model.moe_experts"),
+        ({"moe_experts": -1}, "moe_experts=-1"),
+    ],
+)
+def test_bad_moe_settings_are_one_line_errors(settings, message):
+    cfg = Config()
+    for key, value in settings.items():
+        setattr(cfg.model, key, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        cfg.validate()
