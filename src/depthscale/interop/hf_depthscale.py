@@ -63,6 +63,12 @@ def remote_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[
     depthscale's `[model]` table for the way back."""
     if cfg.vocab_size <= 0:
         raise ConfigError("model.vocab_size must be resolved (> 0) before exporting")
+    if cfg.moe_experts:
+        raise ConfigError(
+            "an MoE model with AttnRes, a parallel block or a sliding window has no Hugging Face "
+            "export yet (modeling_depthscale.py has no MoE); allowed: residual='standard' MoE "
+            "models, exported as Mixtral"
+        )
     attnres = cfg.residual != "standard"
     return {
         "architectures": ["DepthscaleForCausalLM"],

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from depthscale.config import ModelConfig
 from depthscale.errors import CheckpointError, ConfigError
+from depthscale.interop import hf_moe
 from depthscale.interop.hf_depthscale import (
     MODEL_TYPE,
     hf_dimensions,
@@ -217,8 +218,11 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         return _hf_value(hf_config, key)
 
     model_type = hf_config.get("model_type")
-    if model_type != "llama":
-        raise ConfigError(f"HF config model_type={model_type!r} is not supported; allowed: 'llama'")
+    if model_type not in ("llama", hf_moe.MODEL_TYPE):
+        raise ConfigError(
+            f"HF config model_type={model_type!r} is not supported; allowed: 'llama', 'mixtral'"
+        )
+    moe = hf_moe.moe_fields(hf_config) if model_type == hf_moe.MODEL_TYPE else {}
     _check_hf_numbers(hf_config)
     rope = _rope_fields(hf_config)
     for key in ("attention_bias", "mlp_bias"):
@@ -250,6 +254,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         init_std=float(get("initializer_range")),
         residual="standard",
         **rope,
+        **moe,
     )
 
 
@@ -267,6 +272,8 @@ def _check_exportable(cfg: ModelConfig) -> None:
             f"model.sliding_window={cfg.sliding_window} has no Hugging Face Llama counterpart "
             "(Llama attends to the full context)"
         )
+    if cfg.moe_experts:
+        hf_moe.check_exportable(cfg)
 
 
 def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -282,6 +289,7 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     rope_type = {kind: hf for hf, kind in _ROPE_KINDS.items()}[cfg.rope_scaling]
     scaling: dict[str, Any] = {"rope_type": rope_type}
     scaling |= {hf: getattr(cfg, field) for hf, field in _ROPE_KEYS.get(rope_type, {}).items()}
+    moe = hf_moe.hf_fields(cfg) if cfg.moe_experts else {}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -299,7 +307,7 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "pad_token_id": None,
         "use_cache": True,
         "dtype": str(dtype).removeprefix("torch."),
-    }
+    } | moe
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,9 +315,9 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
 
 
 def state_dict_from_hf(
-    hf_sd: Mapping[str, Tensor], tie_embeddings: bool = False
+    hf_sd: Mapping[str, Tensor], tie_embeddings: bool = False, cfg: ModelConfig | None = None
 ) -> dict[str, Tensor]:
-    """Rename HF Llama tensors to depthscale names.
+    """Rename HF Llama tensors to depthscale names (and Mixtral's experts with `cfg`: `hf_moe`).
 
     Old checkpoints' `rotary_emb.inv_freq` buffers are dropped (depthscale recomputes RoPE tables).
     Unknown names pass through unchanged so strict loading reports them. With `tie_embeddings`,
@@ -317,6 +325,8 @@ def state_dict_from_hf(
     when tied.
     """
     out: dict[str, Tensor] = {}
+    if cfg is not None and cfg.moe_experts:
+        out, hf_sd = hf_moe.from_hf(hf_sd, cfg)
     for name, tensor in hf_sd.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue
@@ -335,6 +345,8 @@ def state_dict_to_hf(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Te
     `lm_head` to the embedding on load, and safetensors refuses shared tensors)."""
     _check_exportable(cfg)
     out: dict[str, Tensor] = {}
+    if cfg.moe_experts:
+        out, sd = hf_moe.to_hf(sd, cfg)
     unknown: list[str] = []
     for name, tensor in sd.items():
         if name == "output.weight" and cfg.tie_embeddings:
@@ -439,7 +451,7 @@ def load_hf_checkpoint(path: str | Path) -> Transformer:
     except ConfigError as err:
         raise ConfigError(f"{config_file}: {err}") from None
     model = Transformer(cfg)
-    sd = state_dict_from_hf(_load_weights(path), tie_embeddings=cfg.tie_embeddings)
+    sd = state_dict_from_hf(_load_weights(path), tie_embeddings=cfg.tie_embeddings, cfg=cfg)
     load_exactly(model, sd, path)
     return model
 
