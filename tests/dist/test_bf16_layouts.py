@@ -38,7 +38,11 @@ U_BF16 = 2.0**-8
 
 
 def _config(residual: str, dims_kw: dict) -> Config:
-    cfg = small_config(residual, dims_kw, BATCH, SEQ, VOCAB)
+    """`residual` 'moe': block AttnRes with MoE FFNs (8 experts, top 2, the first layer dense)."""
+    cfg = small_config("block" if residual == "moe" else residual, dims_kw, BATCH, SEQ, VOCAB)
+    if residual == "moe":
+        m = cfg.model
+        m.moe_experts, m.moe_top_k, m.moe_ffn_dim, m.moe_first_dense = 8, 2, 32, 1
     cfg.train.dtype = "bfloat16"
     cfg.optim.lr, cfg.optim.weight_decay = 1e-2, 0.0
     return cfg
@@ -86,7 +90,7 @@ _ONE_PROCESS: dict[str, dict] = {}  # per worker: the reference curves, computed
 
 def _layout_curves(residual: str, dims_kw: dict) -> dict:
     """On every rank: the layout's bf16 curve, and the one-process bf16 and fp32 curves."""
-    dims = ParallelDims(**{k: v for k, v in dims_kw.items() if k != "pp_virtual"})
+    dims = ParallelDims(**{k: v for k, v in dims_kw.items() if k not in ("pp_virtual", "ep")})
     mesh = cached_mesh(dims)
     out = {"layout": _curve(_config(residual, dims_kw), mesh, dims)}
     if residual not in _ONE_PROCESS:
@@ -118,8 +122,11 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("residual", ["standard", "block"])
-@pytest.mark.parametrize("dims_kw,world", LAYOUTS, ids=lambda v: str(v))
+CASES = [(r, *layout) for r in ("standard", "block") for layout in LAYOUTS]
+CASES.append(("moe", {"dp_shard": 2, "ep": 2}, 2))  # expert parallelism: all-to-all in bf16
+
+
+@pytest.mark.parametrize("residual,dims_kw,world", CASES, ids=lambda v: str(v))
 def test_bf16_loss_curve_matches_one_process(dist_pool, residual, dims_kw, world):
     results = dist_pool(world).run(_layout_curves, residual, dims_kw)
     r = results[0]

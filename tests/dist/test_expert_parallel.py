@@ -1,8 +1,8 @@
 """Expert parallelism (`parallel.ep`, `parallel/expert_parallel.py`): a training step of an MoE
 model through the trainer's `ParallelPlan` equals one process's — loss, every gradient (the
 experts' gathered from their ep shards), the routing metrics and the aux-loss-free bias after the
-step — with ep = 2 and ep = 4 over FSDP, ep = 2 inside dp_shard = 4 (expert replicas), and ep = 2
-× pp = 2 with block AttnRes.
+step — with ep = 2 and ep = 4 over FSDP, ep = 2 inside dp_shard = 4 (expert replicas), ep = 2 ×
+pp = 2 with block AttnRes, and ep = 2 × cp = 2 (the auxiliary losses over whole rows).
 
 fp32 tolerances (tests/tolerances.py): the layouts reorder sums (reduce-scatters, the experts'
 gradient sums over the tokens other ranks sent, micro-batch accumulation), bounded by
@@ -82,8 +82,9 @@ def _step(dims_kw: dict, balance: str):
         ({"dp_shard": 4, "ep": 4}, "bias", 4),
         ({"dp_shard": 4, "ep": 2}, "aux_loss", 4),
         ({"dp_shard": 2, "ep": 2, "pp": 2}, "bias", 4),
+        ({"dp_shard": 2, "ep": 2, "cp": 2}, "aux_loss", 4),
     ],
-    ids=["ep2", "ep4-bias", "ep2-in-dp4", "ep2-pp2-bias"],
+    ids=["ep2", "ep4-bias", "ep2-in-dp4", "ep2-pp2-bias", "ep2-cp2"],
 )
 def test_an_expert_parallel_step_equals_one_process(dist_pool, dims_kw, balance, world):
     bound = fp32_model_bound(_config(dims_kw, balance).model, SEQ, BATCH)

@@ -26,6 +26,7 @@ w.r.t. them is `aux_scale`), so they need no path of their own through pipeline 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -60,8 +61,11 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
         """Aux-loss-free balancing's per-expert bias (checkpointed with the model)."""
 
-    def forward(self, x: Tensor) -> Routing:
-        """x [N, dim] → the routing of its N tokens."""
+    def forward(self, x: Tensor, totals: Callable[[Tensor], Tensor] | None = None) -> Routing:
+        """x [N, dim] → the routing of its N tokens. `totals`: sums per-expert counts over the
+        ranks holding the other tokens of the same rows (context parallelism), so that the
+        auxiliary losses are those of the whole rows: this rank's `aux` is its share of them
+        (the shares sum to the whole)."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
             scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
@@ -72,12 +76,16 @@ class Router(nn.Module):
                 weights = weights / weights.sum(-1, keepdim=True)
             load = torch.bincount(experts.flatten(), minlength=self.n_experts).float()
             aux = logits.new_zeros(())
+            if (self.balance == "aux_loss" and self.aux_coef > 0) or self.z_coef > 0:
+                counted = torch.cat([load, load.new_full((1,), x.shape[0])])
+                counted = totals(counted) if totals is not None else counted
+                whole, n = counted[:-1], counted[-1]  # over the whole rows: no gradient
             if self.balance == "aux_loss" and self.aux_coef > 0:
-                share = load / experts.numel()  # f_e: no gradient (a count)
+                share = whole / (n * self.top_k)  # f_e
                 probs = scores / scores.sum(-1, keepdim=True)  # P_e: softmax already sums to 1
-                aux = aux + self.aux_coef * self.n_experts * (share * probs.mean(0)).sum()
+                aux = aux + self.aux_coef * self.n_experts * (share * probs.sum(0) / n).sum()
             if self.z_coef > 0:
-                aux = aux + self.z_coef * logits.logsumexp(-1).square().mean()
+                aux = aux + self.z_coef * logits.logsumexp(-1).square().sum() / n
         return Routing(experts, weights, aux, load)
 
 
@@ -164,6 +172,10 @@ class MoE(nn.Module):
         self.dispatcher = LocalDispatch()
         self.aux_scale = 1.0
         """d(loss)/d(aux) in backward: 1 / micro-batches (set by the parallel plan)."""
+        self.token_totals: Callable[[Tensor], Tensor] | None = None
+        self.token_scale = 1.0
+        """Context parallelism: the sum of counts over the ranks holding the same rows (see
+        `Router.forward`), and the factor the gradient average over them divides by."""
         self.load: Tensor | None = None
         """Routed slots per expert since the last `take_load` (training forwards only), and last
         the auxiliary loss they added (as scaled into the step's loss)."""
@@ -171,21 +183,26 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, proj: Projections = LOCAL) -> Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        routing = self.router(tokens)
+        routing = self.router(tokens, self.token_totals)
         self._count(routing)
         k = routing.experts.shape[1]
         slots = routing.experts.flatten()
         order = slots.argsort(stable=True)  # the N·k (token, expert) slots grouped by expert
         token_of = order // k
         counts = torch.bincount(slots, minlength=self.router.n_experts)
-        rows, local_counts, handle = self.dispatcher.dispatch(tokens[token_of], counts)
+        # the rows travel and meet the experts in the compute dtype (a Linear's, under autocast);
+        # each token's k outputs are weighted and summed in fp32
+        compute = _compute_dtype(tokens)
+        rows = tokens[token_of].to(compute)
+        rows, local_counts, handle = self.dispatcher.dispatch(rows, counts)
         out_rows = self.dispatcher.combine(self.experts(rows, local_counts), handle)
-        weighted = out_rows * routing.weights.flatten()[order, None].to(out_rows.dtype)
-        y = torch.zeros_like(tokens).index_add_(0, token_of, weighted.to(tokens.dtype))
+        weighted = out_rows.float() * routing.weights.flatten()[order, None]
+        y = torch.zeros(tokens.shape, device=tokens.device).index_add_(0, token_of, weighted)
+        y = y.to(compute)
         if self.shared is not None:
             y = y + self.shared(tokens, proj)
         if routing.aux.requires_grad:
-            y = AuxLoss.apply(y, routing.aux, self.aux_scale)
+            y = AuxLoss.apply(y, routing.aux, self.aux_scale * self.token_scale)
         return y.view(shape)
 
     def _count(self, routing: Routing) -> None:
@@ -206,6 +223,11 @@ class MoE(nn.Module):
         return (
             f"experts={r.n_experts}, top_k={r.top_k}, gate={r.gate}, dispatch={self.dispatcher!r}"
         )
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def _local(t: Tensor) -> Tensor:

@@ -157,6 +157,29 @@ class ExpertShards:
         reduce_expert_gradients([params[n] for n in self.names], self.replicas, self.ep)
 
 
+class SumOver:
+    """Per-expert counts summed over a group (no gradient: they are counts)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, counts: Tensor) -> Tensor:
+        counts = counts.clone()
+        with spans.collective("all_reduce", self.group, counts):
+            dist.all_reduce(counts, group=self.group)
+        return counts
+
+
+def apply_sequence_shards(model: nn.Module, group: ProcessGroup) -> None:
+    """Context parallelism: every MoE layer computes its auxiliary losses over whole rows (counts
+    summed over the cp group, each rank's share of the loss scaled by cp, as the token loss is:
+    the gradient average over the cp ranks divides by cp)."""
+    for layer in model.layers.values():
+        if isinstance(layer.feed_forward, MoE):
+            layer.feed_forward.token_totals = SumOver(group)
+            layer.feed_forward.token_scale = float(dist.get_world_size(group))
+
+
 @torch.no_grad()
 def reduce_expert_gradients(params: list[Tensor], replicas: ProcessGroup, ep: int) -> None:
     """The data-parallel mean of the expert gradients: their mean over the replica group, / ep."""
