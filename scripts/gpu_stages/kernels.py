@@ -55,6 +55,7 @@ SLOW_LAST = (8192, 1)
 
 def run(ctx: Context) -> None:
     shapes = DRY if ctx.dry_run else REAL
+    ctx.measure("moe_grouped_mm", lambda: moe_grouped_mm(ctx))
     try:
         from depthscale.kernels import attnres_triton  # noqa: F401
     except ImportError as err:
@@ -274,3 +275,38 @@ def _compiled(fn) -> list[dict]:
                 "num_stages": getattr(md, "num_stages", None),
             })  # fmt: skip
     return out
+
+
+def moe_grouped_mm(ctx: Context) -> dict:
+    """The MoE experts' GEMM (`model/moe.grouped_mm`) in bf16 at a Mixtral-like shape (8 experts,
+    4096 → 14336, 8192 routed rows; tiny under --dry-run): the path depthscale chose
+    (`grouped`: one `torch._grouped_mm` kernel), forward + backward ms of the grouped and the
+    per-expert loop, and the grouped result's error against the loop in fp32 (bf16 bound 2e-2)."""
+    from depthscale.model import moe
+
+    E, a, b, rows = (8, 4096, 14336, 8192) if not ctx.dry_run else (4, 64, 96, 256)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    gen = torch.Generator(ctx.device).manual_seed(3)
+    counts = torch.full((E,), rows // E, device=ctx.device)
+    x = _randn(ctx, gen, rows, a, dtype=dtype)
+    w = _randn(ctx, gen, E, a, b, scale=a**-0.5, dtype=dtype)
+    up = torch.randn(rows, b, generator=gen, device=ctx.device).to(dtype)
+    works = moe.grouped_mm_works(ctx.device, dtype)
+    values = {"path": moe.grouped_mm_path(ctx.device.type, dtype, (a, b), works),
+              "shape": [E, a, b, rows], "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    for path in ("grouped", "loop") if works else ("loop",):
+
+        def step(path=path):
+            torch.autograd.grad(moe.grouped_mm(x, w, counts, path), (x, w), up)
+
+        values[f"{path}_fwd_bwd_ms"] = sig(time_ms(ctx, step, 2, 5))
+    if works:
+        values["grouped_over_loop"] = sig(
+            values["grouped_fwd_bwd_ms"] / values["loop_fwd_bwd_ms"], 3
+        )
+        want = moe.grouped_mm(x.detach().float(), w.detach().float(), counts, "loop")
+        err = rel_err(moe.grouped_mm(x.detach(), w.detach(), counts, "grouped"), want)
+        values["rel_err"] = sig(err, 3)
+        if not err <= 2e-2:
+            raise OutOfBounds(f"grouped GEMM rel error {err:.2e} > 2e-2", values)
+    return values

@@ -94,6 +94,28 @@ def test_the_layer_is_its_math_with_gradients(case):
         check(scaled_err(p.grad, q.grad), bound, name)
 
 
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+def test_both_gemm_paths_are_the_math(path):
+    """The grouped GEMM and the per-expert loop each give every group's rows times its weights,
+    forward and backward — with an empty group and an expanded upstream gradient (a sum's)."""
+    if path == "grouped" and not moe.grouped_mm_works(torch.device("cpu"), torch.float32):
+        # a build without it on CPU (torch 2.11 here may lack it): the loop must be chosen
+        assert moe.grouped_mm_path("cpu", torch.float32, (D, HIDDEN), False) == "loop"
+        return
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, D, generator=g, requires_grad=True)
+    w = torch.randn(3, D, HIDDEN, generator=g, requires_grad=True)
+    counts = torch.tensor([4, 0, 5])
+    moe.grouped_mm(x, w, counts, path).sum().backward()
+    want = torch.cat([x[:4] @ w[0], x[4:] @ w[2]])
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.cat([x2[:4] @ w2[0], x2[4:] @ w2[2]]).sum().backward()
+    bound = fp32_sum_bound(D + 9)
+    check(scaled_err(moe.grouped_mm(x, w, counts, path), want), bound, "out")
+    check(scaled_err(x.grad, x2.grad), bound, "dx")
+    check(scaled_err(w.grad, w2.grad), bound, "dw")
+
+
 def test_routing_is_dropless_however_unbalanced():
     """Every token reaches all k of its experts even when all choose the same two (no capacity):
     the output is the math's, and the load counts every slot."""
@@ -135,10 +157,13 @@ def test_load_is_counted_once_under_recompute_and_never_in_evaluation():
 
 
 def test_grouped_mm_path_and_its_call_on_the_real_op():
-    assert moe.grouped_mm_path("cuda", torch.bfloat16, True) == "grouped"
-    assert moe.grouped_mm_path("cuda", torch.float32, True) == "loop"
-    assert moe.grouped_mm_path("cuda", torch.bfloat16, False) == "loop"
-    assert moe.grouped_mm_path("cpu", torch.bfloat16, True) == "loop"
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert moe.grouped_mm_path("cuda", bf16, (64, 128), True) == "grouped"
+    assert moe.grouped_mm_path("cuda", fp32, (64, 128), True) == "loop"
+    assert moe.grouped_mm_path("cuda", bf16, (64, 128), False) == "loop"
+    assert moe.grouped_mm_path("cuda", bf16, (64, 36), True) == "loop"  # 72-byte rows: unaligned
+    assert moe.grouped_mm_path("cpu", fp32, (16, 24), True) == "grouped"
+    assert moe.grouped_mm_path("cpu", torch.float16, (16, 24), True) == "loop"
     x = torch.empty(10, 16, dtype=torch.bfloat16, device="meta", requires_grad=True)
     w = torch.empty(3, 16, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
     counts = torch.empty(3, dtype=torch.int64, device="meta")

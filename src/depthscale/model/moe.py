@@ -9,7 +9,8 @@ around a dense MLP.
     y       = Σ_k weights_k · expert_{chosen_k}(x) + shared(x)
 
 Tokens are sorted by expert and every expert's rows run as one group of a grouped GEMM
-(`grouped_mm`: `torch._grouped_mm` on CUDA in bf16, one matmul per expert elsewhere). Between the
+(`grouped_mm`: `torch._grouped_mm` on CUDA in bf16 and on CPU where the build runs it, one matmul
+per expert elsewhere). Between the
 sort and the GEMMs sits the `dispatcher`, the seam expert parallelism replaces: locally it hands the
 sorted rows to this rank's experts as they are; `parallel/expert_parallel.py` sends them with
 all-to-all to the ranks that hold their experts and brings the outputs back.
@@ -27,6 +28,7 @@ w.r.t. them is `aux_scale`), so they need no path of their own through pipeline 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -106,21 +108,62 @@ class AuxLoss(torch.autograd.Function):
         return dy, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def grouped_mm_path(device_type: str, dtype: torch.dtype, has_op: bool) -> str:
-    """'grouped' (`torch._grouped_mm`: one kernel for every expert) on CUDA in bf16, where this
-    torch has it; 'loop' (one matmul per expert) elsewhere."""
-    if device_type == "cuda" and dtype == torch.bfloat16 and has_op:
-        return "grouped"
-    return "loop"
+def grouped_mm_path(
+    device_type: str, dtype: torch.dtype, dims: tuple[int, int], works: bool
+) -> str:
+    """'grouped' (`torch._grouped_mm`: one kernel for every expert, no host sync) on CUDA in
+    bf16 and on CPU in fp32 or bf16, where this build runs it (`works`: `grouped_mm_works`) and
+    the rows are 16-byte aligned (the kernels' stride rule); else 'loop' (one matmul per expert,
+    the group sizes read on the host)."""
+    aligned = all(d * torch.finfo(dtype).bits // 8 % 16 == 0 for d in dims)
+    wanted = (device_type == "cuda" and dtype == torch.bfloat16) or (
+        device_type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    )
+    return "grouped" if wanted and aligned and works else "loop"
+
+
+@lru_cache(maxsize=8)
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward here and agrees with the loop (a
+    probe, once per device and dtype: torch builds differ in which devices and dtypes it has)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(6, 16, generator=g).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 8, generator=g).to(device, dtype).requires_grad_()
+        counts = torch.tensor([1, 0, 5], device=device)
+        y = grouped_mm(x, w, counts, "grouped")
+        want = grouped_mm(x, w, counts, "loop")
+        y.backward(torch.ones_like(y))
+        ok = torch.allclose(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+        return bool(ok and x.grad is not None and w.grad is not None)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (`_grouped_mm`'s backward refuses
+    expanded ones, such as a sum's)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g.contiguous()
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, path: str | None = None) -> Tensor:
     """Rows of x [M, a] grouped by expert (counts [E] rows each, in order) times each group's
     w [E, a, b] → [M, b]."""
-    path = path or grouped_mm_path(x.device.type, x.dtype, hasattr(torch, "_grouped_mm"))
+    if path is None:
+        works = grouped_mm_works(x.device, x.dtype)
+        path = grouped_mm_path(x.device.type, x.dtype, tuple(w.shape[1:]), works)
     if path == "grouped":
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w.to(x.dtype), offs=offsets))
     outs = [rows @ w[e].to(x.dtype) for e, rows in enumerate(x.split(counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
 
