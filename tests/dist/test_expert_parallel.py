@@ -2,7 +2,8 @@
 model through the trainer's `ParallelPlan` equals one process's — loss, every gradient (the
 experts' gathered from their ep shards), the routing metrics and the aux-loss-free bias after the
 step — with ep = 2 and ep = 4 over FSDP, ep = 2 inside dp_shard = 4 (expert replicas), ep = 2 ×
-pp = 2 with block AttnRes, and ep = 2 × cp = 2 (the auxiliary losses over whole rows).
+pp = 2 with block AttnRes, ep = 2 × cp = 2 and ep = 2 × tp = 2 (the auxiliary losses over whole
+rows; under tp the shared experts sharded like a dense FFN, the routed ones whole on each tp rank).
 
 fp32 tolerances (tests/tolerances.py): the layouts reorder sums (reduce-scatters, the experts'
 gradient sums over the tokens other ranks sent, micro-batch accumulation), bounded by
@@ -29,7 +30,7 @@ def _config(dims_kw: dict, balance: str):
     cfg = small_config("block", dims_kw, batch=BATCH, seq=SEQ)
     m = cfg.model
     m.moe_experts, m.moe_top_k, m.moe_ffn_dim, m.moe_balance = 8, 2, 24, balance
-    m.moe_z_loss, m.moe_first_dense = 1e-3, 1
+    m.moe_z_loss, m.moe_first_dense, m.moe_shared_experts = 1e-3, 1, 1
     return cfg
 
 
@@ -83,8 +84,9 @@ def _step(dims_kw: dict, balance: str):
         ({"dp_shard": 4, "ep": 2}, "aux_loss", 4),
         ({"dp_shard": 2, "ep": 2, "pp": 2}, "bias", 4),
         ({"dp_shard": 2, "ep": 2, "cp": 2}, "aux_loss", 4),
+        ({"dp_shard": 2, "ep": 2, "tp": 2}, "aux_loss", 4),
     ],
-    ids=["ep2", "ep4-bias", "ep2-in-dp4", "ep2-pp2-bias", "ep2-cp2"],
+    ids=["ep2", "ep4-bias", "ep2-in-dp4", "ep2-pp2-bias", "ep2-cp2", "ep2-tp2"],
 )
 def test_an_expert_parallel_step_equals_one_process(dist_pool, dims_kw, balance, world):
     bound = fp32_model_bound(_config(dims_kw, balance).model, SEQ, BATCH)

@@ -315,8 +315,7 @@ def _check_moe(m) -> None:
 
 
 def _check_expert_layout(m, p) -> None:
-    """parallel.ep: a slice of dp_shard over which the experts split evenly; MoE layouts this
-    build runs (the dense parts' tensor parallelism with MoE is not built yet)."""
+    """parallel.ep: a slice of dp_shard over which the experts split evenly."""
     if p.ep > 1 and m.moe_experts == 0:
         raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.moe_experts > 0)")
     if p.dp_shard % p.ep:
@@ -328,11 +327,6 @@ def _check_expert_layout(m, p) -> None:
         raise ConfigError(
             f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each rank holds "
             "an equal share of the experts)"
-        )
-    if m.moe_experts and p.tp > 1:
-        raise ConfigError(
-            f"an MoE model (model.moe_experts={m.moe_experts}) with parallel.tp={p.tp}: not "
-            "built yet; allowed: tp = 1 (dp_shard, dp_replicate, ep, cp, pp)"
         )
 
 

@@ -242,8 +242,8 @@ class MoE(nn.Module):
         weighted = out_rows.float() * routing.weights.flatten()[order, None]
         y = torch.zeros(tokens.shape, device=tokens.device).index_add_(0, token_of, weighted)
         y = y.to(compute)
-        if self.shared is not None:
-            y = y + self.shared(tokens, proj)
+        if self.shared is not None:  # on the rows as they came (sequence-parallel projections)
+            y = y + self.shared(x, proj).reshape(y.shape)
         if routing.aux.requires_grad:
             y = AuxLoss.apply(y, routing.aux, self.aux_scale * self.token_scale)
         return y.view(shape)

@@ -3,8 +3,8 @@ balancing that follows from it (`model/moe.py`).
 
 After each optimizer step (`ParallelPlan.finish_step`) every MoE layer hands over the slots it
 routed to each expert during the step's training forwards (and the auxiliary loss it added). They
-are summed over the data-parallel ranks (different tokens) and the pipeline stages (each layer
-lives on one; the others add zeros), so every rank sees the whole batch's load, moves the
+are summed over the data-parallel and sequence-parallel ranks (different tokens) and the pipeline
+stages (each layer lives on one; the others add zeros), so every rank sees the whole batch's load, moves the
 balancing bias by the same amount, and logs the same numbers:
 
     moe/layer{i}/load_cv   coefficient of variation of the experts' loads (0 = balanced)

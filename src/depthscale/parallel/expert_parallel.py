@@ -181,14 +181,25 @@ class SumOver:
         return counts
 
 
-def apply_sequence_shards(model: nn.Module, group: ProcessGroup) -> None:
-    """Context parallelism: every MoE layer computes its auxiliary losses over whole rows (counts
-    summed over the cp group, each rank's share of the loss scaled by cp, as the token loss is:
-    the gradient average over the cp ranks divides by cp)."""
+def row_group(dims: ParallelDims) -> ProcessGroup:
+    """The ranks holding parts of the same rows: cp × tp (sequence shards of both)."""
+    ranks = torch.arange(dims.world_size).reshape(
+        dims.pp * dims.dp_replicate * dims.dp_shard, dims.cp * dims.tp
+    )
+    group = startup.own_group(ranks.tolist(), "moe_rows")
+    assert group is not None
+    return group
+
+
+def apply_sequence_shards(model: nn.Module, group: ProcessGroup, cp: int) -> None:
+    """Context and sequence (tp) parallelism: every MoE layer computes its auxiliary losses over
+    whole rows — expert counts summed over `group` (the ranks holding the rows' other tokens) —
+    and scales its share of them by cp, as the token loss is (the gradient mean over the cp ranks
+    divides by cp; tp ranks sum the gradients of what they replicate)."""
     for layer in model.layers.values():
         if isinstance(layer.feed_forward, MoE):
             layer.feed_forward.token_totals = SumOver(group)
-            layer.feed_forward.token_scale = float(dist.get_world_size(group))
+            layer.feed_forward.token_scale = float(cp)
 
 
 @torch.no_grad()

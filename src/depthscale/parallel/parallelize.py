@@ -143,10 +143,10 @@ def parallelize(
         device_type = device.type if device is not None else mesh.device_type
         names = ep.apply_expert_parallel(model, ep_group, device_type)
         experts = ep.ExpertShards(names, replicas, cfg.parallel.ep)
-    if dims.cp > 1 and cfg.model.moe_experts:
-        from depthscale.parallel.expert_parallel import apply_sequence_shards
+    if dims.cp * dims.tp > 1 and cfg.model.moe_experts:
+        from depthscale.parallel.expert_parallel import apply_sequence_shards, row_group
 
-        apply_sequence_shards(model, mesh["cp"].get_group())
+        apply_sequence_shards(model, row_group(dims), dims.cp)
     if dims.cp > 1:
         from depthscale.parallel.context_parallel import apply_context_parallel
 

@@ -96,6 +96,7 @@ class ParallelPlan:
         if mesh is not None:
             groups = (flat(mesh, "dp_cp").get_group(),) if dims.dp * dims.cp > 1 else ()
             groups += (mesh["pp"].get_group(),) if dims.pp > 1 else ()
+            groups += (mesh["tp"].get_group(),) if dims.tp > 1 else ()  # sequence shards
         self.expert_load = ExpertLoad(model, model.cfg, groups, dims.dp)
         self.expert_load.set_aux_scale(1.0 / microbatches)
         self.pipeline = None

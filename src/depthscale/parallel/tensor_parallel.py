@@ -216,6 +216,7 @@ def check_tp_divides(cfg: ModelConfig, tp: int) -> None:
         ("kv_heads (n_kv_heads or n_heads)", cfg.kv_heads),
         ("hidden_dim (ffn_dim)", cfg.hidden_dim),
         ("vocab_size", cfg.vocab_size),
+        ("moe_shared_experts × moe_hidden_dim", cfg.moe_shared_experts * cfg.moe_hidden_dim),
     ):
         if value % tp:
             raise ConfigError(
@@ -243,7 +244,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, chunks: int =
     check_tp_divides(model.cfg, tp)
     ctx = TPContext(tp_mesh, tp_mesh.get_group(), tp, tp_mesh.get_local_rank(), chunks)
     for block in model.layers.values():
-        for parent in (block.attention, block.feed_forward):
+        # an MoE layer's routed experts stay whole on every tp rank (each routes its own sequence
+        # shard); its shared experts are a SwiGLU, sharded like a dense one
+        ffn = getattr(block.feed_forward, "shared", None) or block.feed_forward
+        for parent in (block.attention, ffn):
             for name, child in list(parent.named_children()):
                 if name in COLUMN:
                     setattr(parent, name, ColumnParallelLinear(child, ctx))
