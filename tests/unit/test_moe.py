@@ -216,3 +216,10 @@ def test_bad_moe_settings_are_one_line_errors(settings, message):
         setattr(cfg.model, key, value)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         cfg.validate()
+
+
+def test_the_planner_refuses_what_it_does_not_model():
+    from depthscale.plan.spec import ModelSpec
+
+    with pytest.raises(ValueError, match="does not model Mixture-of-Experts layers yet"):
+        ModelSpec.from_config(_cfg())

@@ -45,7 +45,13 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, name: str = "") -> ModelSpec:
-        """Our model as `Transformer(cfg)` builds it."""
+        """Our model as `Transformer(cfg)` builds it (dense: MoE layers are not modelled yet, and a
+        plan that counted them as dense FFNs would be wrong in memory, FLOPs and bytes)."""
+        if cfg.moe_experts:
+            raise ValueError(
+                f"depthscale plan does not model Mixture-of-Experts layers yet "
+                f"(model.moe_experts={cfg.moe_experts}); allowed: a dense model (moe_experts = 0)"
+            )
         n_sub = cfg.n_sublayers
         blocks = () if cfg.residual == "standard" else tuple(_block_assignment(cfg, n_sub))
         return cls(
