@@ -362,3 +362,23 @@ def test_a_damaged_calibration_file_is_named(tmp_path, capsys, text, words):
     assert main(["plan", "--gpus", "2", "--model.vocab_size", "256", "--cluster", str(bad)]) == 2
     err = capsys.readouterr().err
     assert words in err and str(bad) in err and "Traceback" not in err
+
+
+def test_long_context_searches_cp_beyond_eight(monkeypatch):
+    """cp is bounded by the sequence and the mesh (`max_cp`), not a constant: a 7B model at 256K
+    tokens, 4 sequences on 1024 GPUs, fits only with more than 8-way context parallelism — the
+    search finds cp = 32, where a cap of 8 (what it had) finds no layout at all; a short sequence
+    is not cut finer than 256 tokens per rank."""
+    from depthscale.plan import search as planner
+
+    assert planner.max_cp(262144) == 1024 and planner.max_cp(2048) == 8
+    assert planner.max_cp(100) == 1
+    spec = ModelSpec(32, 4096, 32, 8, 14336, 128256)
+    w = Workload(spec, 262144, 4)
+    result = search(w, PRESETS["h100"], DEPTHSCALE, 1024)
+    assert result.ranked and min(e.layout.cp for e in result.ranked) > 8
+    monkeypatch.setattr(planner, "max_cp", lambda seq: 8)
+    assert not search(w, PRESETS["h100"], DEPTHSCALE, 1024).ranked
+    monkeypatch.undo()
+    short = search(Workload(spec, 1024, 512), PRESETS["h100"], DEPTHSCALE, 64)
+    assert max(e.layout.cp for e in short.ranked + short.rejected) <= planner.max_cp(1024) == 4

@@ -13,7 +13,16 @@ from depthscale.plan.layout import Layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 8
-MAX_CP = 8
+MIN_CP_CHUNK = 128
+"""Tokens in each of a cp rank's two zigzag chunks, at least: one attention tile of the fused
+kernels (below it a ring step is launch-bound). So cp is bounded by the sequence — up to
+seq / 256 — and by the mesh, not by a constant: 128K tokens may take cp = 512."""
+
+
+def max_cp(seq: int) -> int:
+    """The largest cp a sequence of `seq` tokens is cut over (zigzag: 2·cp chunks of at least
+    MIN_CP_CHUNK tokens); 1 for sequences too short to cut."""
+    return max(1, seq // (2 * MIN_CP_CHUNK))
 
 
 @dataclass
@@ -41,10 +50,11 @@ def layouts(w: Workload, c: Cluster, fw: Framework, gpus: int) -> Iterator[Layou
     """Candidate layouts: tp a power of two up to a node, pp a divisor of the layers, v up to
     MAX_VIRTUAL, cp a power of two, the rest data parallel — FSDP over the node's remaining
     GPUs (HSDP across nodes), whole-world FSDP or plain replicas (ours), replicas with or without
-    the distributed optimizer (Megatron) — times micro-batch sizes and recompute modes."""
+    the distributed optimizer (Megatron) — times micro-batch sizes and recompute modes. cp is
+    bounded by the sequence (`max_cp`) and the GPUs left beside tp."""
     s = w.spec
     for tp in _powers_of_two(min(c.gpus_per_node, gpus)):
-        for cp in _powers_of_two(min(MAX_CP, gpus // tp)):
+        for cp in _powers_of_two(min(max_cp(w.seq), gpus // tp)):
             for pp in _divisors(s.n_layers):
                 if tp * cp * pp > gpus or gpus % (tp * cp * pp):
                     continue
