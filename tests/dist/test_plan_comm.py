@@ -1,7 +1,7 @@
 """`plan.comm` against the collectives and messages real ranks issue (gloo): every
 `torch.distributed` call of one step's forward, backward and gradient reduction is counted per
-operation and process group — tp, pp with the AttnRes cache, cp ring attention, FSDP, HSDP — and
-must equal the planner's bytes exactly, on every rank. (DDP's all-reduce runs inside its C++
+operation and process group — tp, pp with the AttnRes cache, cp ring attention, FSDP, HSDP, with
+gradients reduced in fp32 or bf16 — and must equal the planner's bytes exactly, on every rank. (DDP's all-reduce runs inside its C++
 reducer, out of Python's sight; the planner's formula for it is not counted here.)"""
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ CASES = [
     ({"tp": 2, "pp": 2}, 4, "block", "full"),
     ({"pp": 2, "dp_shard": 2}, 4, "block", "none"),
     ({"pp": 2, "dp_shard": 2, "fsdp_reshard_after_forward": True}, 4, "block", "none"),
+    ({"dp_shard": 2, "grad_reduce_dtype": "bfloat16"}, 2, "block", "none"),
+    ({"dp_replicate": 2, "dp_shard": 2, "grad_reduce_dtype": "bfloat16"}, 4, "standard", "none"),
 ]
 
 
@@ -148,6 +150,9 @@ def test_bytes_per_group_are_predicted_exactly(dist_pool, dims_kw, world, residu
         lay = Layout(tp=p.tp, pp=p.pp, v=p.pp_virtual, cp=p.cp, dp_shard=p.dp_shard,
                      dp_replicate=p.dp_replicate, micro_batch=r["micro_batch"],
                      recompute=recompute, zero3=p.fsdp_reshard_after_forward is True)  # fmt: skip
-        predicted = rank_payload(spec, lay, SEQ, BATCH, False, r["pp"], r["cp"], r["shard"])
+        reduce_bytes = 2 if p.grad_reduce_dtype == "bfloat16" else 4
+        predicted = rank_payload(
+            spec, lay, SEQ, BATCH, False, r["pp"], r["cp"], r["shard"], reduce_bytes
+        )
         expected = {k: v for k, v in predicted.items() if k[0] != "all_reduce(ddp)" and v}
         assert r["log"] == expected, (r["pp"], r["cp"])

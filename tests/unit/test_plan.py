@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 
@@ -382,3 +383,29 @@ def test_long_context_searches_cp_beyond_eight(monkeypatch):
     monkeypatch.undo()
     short = search(Workload(spec, 1024, 512), PRESETS["h100"], DEPTHSCALE, 64)
     assert max(e.layout.cp for e in short.ranked + short.rejected) <= planner.max_cp(1024) == 4
+
+
+def test_gradient_reduction_dtype_is_a_setting_of_the_framework():
+    """A small model at large data-parallel degree under Megatron: its un-overlapped fp32
+    all-reduce is a large share of the step, and reducing in bf16 halves those bytes (and its
+    gradient buffer); depthscale keeps fp32 gradients and halves only the reduce-scatter."""
+    spec = ModelSpec(24, 2304, 24, 24, 9216, 51200)
+    w, c, lay = Workload(spec, 2048, 1024), PRESETS["h100"], Layout(dp_replicate=256, micro_batch=4)
+    fp32, bf16 = (estimate(w, c, lay, MEGATRON_2022.with_reduce_dtype(d), 256)
+                  for d in ("float32", "bfloat16"))  # fmt: skip
+    assert bf16.comm["dp"] == pytest.approx(fp32.comm["dp"] / 2)
+    assert bf16.step_s < fp32.step_s and bf16.memory["grads"] < fp32.memory["grads"]
+    ours = DEPTHSCALE.with_reduce_dtype("bfloat16")
+    assert ours.grad_bytes == DEPTHSCALE.grad_bytes and ours.reduce_bytes == 2
+    with pytest.raises(ValueError, match="allowed: float32, bfloat16"):
+        DEPTHSCALE.with_reduce_dtype("float16")
+
+
+def test_the_table_names_assumed_efficiencies_and_rejected_throughput(capsys):
+    main(["plan", "--gpus", "8", "--cluster", "h100", "--model.dim", "4096",
+          "--model.n_layers", "32", "--model.n_heads", "32", "--data.seq_len", "4096",
+          "--train.batch_size", "64", "--grad-reduce-dtype", "bfloat16", "--top", "50"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "efficiencies assumed: gemm 0.72" in out and "gradients reduced in bfloat16" in out
+    assert re.search(r"OOM by [\d.]+ GiB \(would run [\d.]+ s/step, \d+ tok/s\)", out), out
+    assert "--parallel.grad_reduce_dtype bfloat16" in out

@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype"
     )
+    plan.add_argument(
+        "--grad-reduce-dtype",
+        choices=["float32", "bfloat16"],
+        help="dtype of the data-parallel gradient reduction (default: the config's "
+        "parallel.grad_reduce_dtype; for megatron/megascale: float32)",
+    )
     plan.add_argument("--top", type=_positive_int, default=10, help="layouts to show")
     plan.add_argument(
         "--tokens", type=_positive_float, help="token budget: print the days it takes"

@@ -57,6 +57,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         layout=args.layout,
         top=args.top,
         tokens=args.tokens or 0.0,
+        grad_reduce_dtype=args.grad_reduce_dtype
+        or (cfg.parallel.grad_reduce_dtype if args.framework == "depthscale" else "float32"),
     )
     try:
         report = plan_layouts(request)
@@ -89,6 +91,7 @@ def _launch_command(
         ("data.seq_len", args.seq, cfg.data.seq_len),
         ("train.batch_size", args.batch, cfg.train.batch_size),
         ("train.dtype", args.dtype, cfg.train.dtype),
+        ("parallel.grad_reduce_dtype", args.grad_reduce_dtype, cfg.parallel.grad_reduce_dtype),
     ):
         if value is not None and value != ours:
             cmd += [f"--{key}", str(value)]

@@ -326,6 +326,12 @@ class ParallelConfig:
     """MegaScale TP overlap: split the sequence-parallel all-gather / reduce-scatter around the
     column- / row-parallel GEMMs into this many chunks, so communication of chunk i+1 overlaps the
     GEMM of chunk i. 1 = no chunking."""
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype data parallelism reduces gradients in: FSDP's reduce-scatter and HSDP's
+    all-reduce (replicas without dp_shard take FSDP's replicate mode for bfloat16: DDP's reducer
+    sums fp32). bfloat16 halves those bytes; the sum of many bf16 shards loses bits (8 of them),
+    which small models at large data-parallel degree may afford. The gradients kept for the
+    optimizer stay fp32."""
     fsdp_reshard_after_forward: Literal["auto", True, False] = "auto"
     """FSDP: true frees gathered parameters after forward (ZeRO-3: gathered again for backward);
     false keeps them until backward (ZeRO-2-like). Under pipeline parallelism false keeps a

@@ -155,7 +155,12 @@ def parallelize(
     sharded = dims.dp_shard * dims.cp > 1
     # Plain replicas (no tp, no pipeline) take DDP's bucketed reducer (`apply_ddp`); everything
     # else FSDP2 — with a shard group of one (dp_replicate beside tp or pp) it replicates.
-    plain_replicas = not sharded and dims.tp == 1 and not stages
+    plain_replicas = (
+        not sharded
+        and dims.tp == 1
+        and not stages
+        and cfg.parallel.grad_reduce_dtype == "float32"  # DDP's reducer sums in fp32
+    )
     if sharded or (dims.dp_replicate > 1 and not plain_replicas):
         # cp ranks hold the same parameters and each sees part of every sequence: shard over
         # dp_shard × cp, as torchtitan does, so FSDP's reduce-scatter also averages over cp
@@ -175,7 +180,7 @@ def parallelize(
             # replicas compute like DDP's: fp32 weights under autocast, and the unsharded copy kept
             # from forward to backward (re-copying it would save memory, not communication)
             param_dtype=dtype if sharded else torch.float32,
-            reduce_dtype=torch.float32,
+            reduce_dtype=getattr(torch, cfg.parallel.grad_reduce_dtype),
             reshard_after_forward=reshard and sharded,
             offload=offload,
             roots=stages or None,

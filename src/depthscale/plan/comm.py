@@ -14,7 +14,8 @@ layouts, op by op, as `parallel/` issues them:
   backward sends it again, and each rank passes the gradients of the blocks it received on to the
   next rank of the ring.
 - FSDP over dp_shard × cp: every micro-batch all-gathers each unit's padded shards twice (forward,
-  and backward after resharding) and reduce-scatters padded fp32 gradients; under pipelines a
+  and backward after resharding) and reduce-scatters padded gradients (fp32, or bf16 with
+  `parallel.grad_reduce_dtype`); under pipelines a
   stage keeps its gathered parameters for the step (`fsdp_reshard_after_forward = "auto"`), so
   each unit is gathered once and reduce-scattered once per step (`zero3`: gathered twice per
   micro-batch, reduce-scattered once); HSDP all-reduces the reduced shards across replicas; the
@@ -63,8 +64,10 @@ def rank_payload(
     pp_rank: int = 0,
     cp_rank: int = 0,
     shard_rank: int = 0,
+    reduce_bytes: int = 4,
 ) -> Counter:
-    """(operation, group) → bytes this rank hands over in one step."""
+    """(operation, group) → bytes this rank hands over in one step; gradients are reduced in
+    `reduce_bytes` per element (`parallel.grad_reduce_dtype`: 4 fp32, 2 bf16)."""
     e = 2 if bf16 else 4
     out: Counter = Counter()
     m = batch // (lay.dp * lay.micro_batch)
@@ -133,12 +136,13 @@ def rank_payload(
         out["all_gather", shard] += (
             (1 if lay.pp > 1 and not lay.zero3 else m * 2) * padded * e_param
         )
-        out["reduce_scatter", shard] += (1 if lay.pp > 1 else m) * padded * 4
+        g = reduce_bytes
+        out["reduce_scatter", shard] += (1 if lay.pp > 1 else m) * padded * g
         if lay.dp_replicate > 1:
-            out["all_reduce", group(lay, "dp_replicate")] += padded // lay.shard * 4
+            out["all_reduce", group(lay, "dp_replicate")] += padded // lay.shard * g
     elif lay.dp_replicate > 1:
         whole = sum(math.prod(p.shape) for p in held if p.fsdp)
-        out["all_reduce(ddp)", group(lay, "dp_replicate")] += whole * 4
+        out["all_reduce(ddp)", group(lay, "dp_replicate")] += whole * reduce_bytes
     if data and spec.attnres:
         queries = sum(math.prod(p.shape) for p in held if not p.fsdp)
         out["all_reduce", data] += queries * 4

@@ -450,8 +450,8 @@ def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp
         return _Fsdp()
     sh = lay.shard
     layer = s.layer_params() / lay.tp
-    gather = layer * e  # payloads: the gathered layer, its fp32 gradients
-    scatter = layer * 4
+    gather = layer * e  # payloads: the gathered layer, its gradients in the reduction dtype
+    scatter = layer * fw.reduce_bytes
     root = (s.embedding_params() + s.head_params()) / lay.tp * e
     inter = lay.tp * lay.cp * lay.dp_shard > c.gpus_per_node
     part = (sh - 1) / sh
@@ -488,23 +488,24 @@ def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float) -> tuple[flo
     sent = seconds = 0.0
     if fw.ours and lay.shard > 1:
         sh = lay.shard
+        g = fw.reduce_bytes
         if lay.pp > 1:
-            sent += (sh - 1) / sh * params * 4
-            seconds += c.op_time("reduce_scatter", params * 4, sh, inter)
+            sent += (sh - 1) / sh * params * g
+            seconds += c.op_time("reduce_scatter", params * g, sh, inter)
         if lay.dp_replicate > 1:
             r = lay.dp_replicate
-            sent += 2 * (r - 1) / r * params / sh * 4
-            seconds += c.op_time("all_reduce", params / sh * 4, r, True)
+            sent += 2 * (r - 1) / r * params / sh * g
+            seconds += c.op_time("all_reduce", params / sh * g, r, True)
     elif lay.dp > 1:
         d = lay.dp
         if lay.zero1:
-            grads, weights = params * fw.grad_bytes, params * fw.weight_bytes
+            grads, weights = params * fw.reduce_bytes, params * fw.weight_bytes
             sent += (d - 1) / d * (grads + weights)
             buckets = max(1.0, grads / DDP_BUCKET_BYTES)
             seconds += c.op_time("reduce_scatter", grads, d, inter, buckets)
             seconds += c.op_time("all_gather", weights, d, inter, buckets)
         else:
-            grads = params * fw.grad_bytes
+            grads = params * fw.reduce_bytes
             sent += 2 * (d - 1) / d * grads
             buckets = max(1.0, grads / DDP_BUCKET_BYTES)
             seconds += c.op_time("all_reduce", grads, d, inter, buckets)

@@ -3,7 +3,7 @@ systems of the published tables (Megatron-LM as Korthikanti et al. 2022 and Mega
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,20 @@ class Framework:
     """depthscale's activation inventory and FSDP; else Megatron's Table 2 and ZeRO-1."""
     cp_overlap: bool = True
     """Ring attention's K/V rotation runs behind the attention of the block in hand."""
+    reduce_bytes: int = 4
+    """Bytes per gradient element the data-parallel reduction moves (reduce-scatter, all-reduce):
+    4 for fp32, 2 for a bf16/fp16 reduction (`with_reduce_dtype`)."""
+
+    def with_reduce_dtype(self, dtype: str) -> Framework:
+        """This framework reducing gradients in `dtype` ('float32' or 'bfloat16'). depthscale
+        keeps fp32 gradients and casts for the reduction (FSDP's reduce_dtype); Megatron's
+        gradient buffer is then bf16 too (no fp32 main gradients: `--accumulate-allreduce-grads-in-
+        fp32` off), so its memory shrinks as well."""
+        allowed = {"float32": 4, "bfloat16": 2}
+        if dtype not in allowed:
+            raise ValueError(f"gradient reduction dtype {dtype!r}; allowed: float32, bfloat16")
+        grad = self.grad_bytes if self.ours else min(self.grad_bytes, allowed[dtype])
+        return replace(self, reduce_bytes=allowed[dtype], grad_bytes=grad)
 
 
 DEPTHSCALE = Framework("depthscale", 4, 4, 0, 8, "flash", True, True, True, True)

@@ -58,6 +58,21 @@ class Cluster:
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
 
+    def efficiencies(self) -> dict[str, dict[str, float | str]]:
+        """Each efficiency the estimates use, its value and where it comes from: 'measured' (a
+        calibration: `depthscale plan --calibrate`, or a GPU run's preset) or 'assumed' (a
+        number from the literature, not measured on this hardware). `plan` prints both."""
+        measured = {
+            "gemm_efficiency": bool(self.gemm_curve),
+            "comm_efficiency": bool(self.collectives),
+            "attention_efficiency": False,
+            "memory_efficiency": False,
+        }
+        return {
+            name: {"value": getattr(self, name), "source": "measured" if m else "assumed"}
+            for name, m in measured.items()
+        }
+
     def gemm_flops(self, dtype: str, smallest_dim: float) -> float:
         """Achieved FLOP/s of a GEMM whose smallest dimension is `smallest_dim`."""
         x = max(smallest_dim, 1.0)

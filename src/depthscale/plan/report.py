@@ -29,6 +29,8 @@ class PlanRequest:
     layout: str | None = None
     top: int = 10
     tokens: float = 0.0
+    grad_reduce_dtype: str = "float32"
+    """The dtype the data-parallel gradient reduction moves (the framework's setting)."""
 
 
 def run(req: PlanRequest) -> dict:
@@ -38,7 +40,7 @@ def run(req: PlanRequest) -> dict:
     if req.framework not in FRAMEWORKS:
         raise ValueError(f"--framework {req.framework!r}; allowed: {', '.join(FRAMEWORKS)}")
     c = cluster(req.cluster)
-    fw = FRAMEWORKS[req.framework]
+    fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
     w = Workload(req.spec, req.seq, req.batch, req.dtype)
     header = _header(req, c, fw.name)
     started = time.perf_counter()
@@ -46,7 +48,10 @@ def run(req: PlanRequest) -> dict:
     def row(e: Estimate) -> dict:
         out = _row(e, req)
         if e.ok and fw.ours and req.spec.family == "llama":
-            payload = rank_payload(req.spec, e.layout, req.seq, req.batch, req.dtype == "bfloat16")
+            payload = rank_payload(
+                req.spec, e.layout, req.seq, req.batch, req.dtype == "bfloat16",
+                reduce_bytes=fw.reduce_bytes,
+            )  # fmt: skip
             out["bytes_per_group_gb"] = {
                 f"{op} {grp}": b / 1e9 for (op, grp), b in sorted(payload.items()) if b
             }
@@ -108,6 +113,8 @@ def _header(req: PlanRequest, c: Cluster, fw: str) -> dict:
         "seq": req.seq,
         "batch": req.batch,
         "dtype": req.dtype,
+        "grad_reduce_dtype": req.grad_reduce_dtype,
+        "efficiencies": c.efficiencies(),
         "flops": {
             "formula": s.flop_formula(),
             "model_flops_per_sequence": s.model_flops(req.seq),
@@ -125,6 +132,28 @@ def _row(e: Estimate, req: PlanRequest) -> dict:
     return row
 
 
+def _would_run(row: dict) -> str:
+    """A rejected layout's predicted speed, where it was estimated before it was found not to
+    fit (out of memory): what fitting it would be worth."""
+    if not row.get("tokens_per_s"):
+        return ""
+    return f" (would run {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tok/s)"
+
+
+def _efficiency_words(e: dict) -> str:
+    return ", ".join(f"{k.removesuffix('_efficiency')} {v['value']:.2g}" for k, v in e.items())
+
+
+def _efficiency_line(efficiencies: dict) -> str:
+    """Which efficiencies are measured and which assumed (a GPU run or --calibrate measures)."""
+    parts = []
+    for source in ("measured", "assumed"):
+        chosen = {k: v for k, v in efficiencies.items() if v["source"] == source}
+        if chosen:
+            parts.append(f"{source}: {_efficiency_words(chosen)}")
+    return "efficiencies " + "; ".join(parts)
+
+
 def format_table(report: dict) -> str:
     m = report["model"]
     lines = [
@@ -132,7 +161,9 @@ def format_table(report: dict) -> str:
         f"d={m['dim']}, {m['heads']} heads ({m['kv_heads']} kv), residual={m['residual']}"
         + (f" ({m['blocks']} blocks)" if m["blocks"] else ""),
         f"{report['gpus']} × {report['cluster']} GPUs, {report['framework']}, seq {report['seq']}, "
-        f"batch {report['batch']} sequences, {report['dtype']}",
+        f"batch {report['batch']} sequences, {report['dtype']}, gradients reduced in "
+        f"{report['grad_reduce_dtype']}",
+        _efficiency_line(report["efficiencies"]),
         f"FLOPs: {report['flops']['formula']}; peak {report['flops']['peak_flops_per_gpu'] / 1e12:.3g}"
         " TFLOP/s per GPU",
     ]
@@ -148,7 +179,7 @@ def format_table(report: dict) -> str:
     lines.append(head)
     for r in report["layouts"]:
         if not r["ok"]:
-            lines.append(f"{r['label']:44s} rejected: {r['reason']}")
+            lines.append(f"{r['label']:44s} rejected{_would_run(r)}: {r['reason']}")
             continue
         line = (
             f"{r['label']:44s} {r['step_s']:8.3f} {r['mfu'] * 100:5.1f}% {r['hfu'] * 100:5.1f}% "
@@ -161,7 +192,9 @@ def format_table(report: dict) -> str:
         lines.append(line)
     if report.get("rejected_examples"):
         lines += ["", "rejected (one example per reason; counts below):"]
-        lines += [f"  {r['label']:44s} {r['reason']}" for r in report["rejected_examples"]]
+        lines += [
+            f"  {r['label']:44s} {r['reason']}{_would_run(r)}" for r in report["rejected_examples"]
+        ]
         counts = list(report["rejected_by_reason"].items())
         lines += [f"  {n:6d} × {reason}" for reason, n in counts[:8]]
         if len(counts) > 8:
