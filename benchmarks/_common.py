@@ -28,6 +28,17 @@ def device_info() -> dict:
     }
 
 
+def print_result(result: dict, out: str | None) -> None:
+    """Print a benchmark's JSON object, and write it to `out` when given."""
+    import json
+    from pathlib import Path
+
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

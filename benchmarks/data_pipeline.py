@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import device_info  # noqa: E402
+from _common import device_info, print_result  # noqa: E402
 
 from depthscale.config import DataConfig  # noqa: E402
 from depthscale.data.loader import PackedBatches, tokenize_corpus  # noqa: E402
@@ -226,10 +226,7 @@ def main() -> None:
             "masked_mixture_over_one": round(medians["mixture_of_3_document_mask"] / one_rate, 3),
             "rounds": args.rounds,
         }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Prints one JSON object; `--out` also writes it. Absolute times only mean somethi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import device_info, interleaved_times, run_ranks  # noqa: E402
+from _common import device_info, interleaved_times, print_result, run_ranks  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model import moe  # noqa: E402
@@ -174,10 +173,7 @@ def main() -> None:
         "experts_gemm": grouped_vs_loop(args.rounds),
         "all_to_all": all_to_all(),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_result(result, args.out)
 
 
 if __name__ == "__main__":

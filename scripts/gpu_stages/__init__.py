@@ -32,6 +32,8 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("env", "env", "run", 40, 15, 120,
           "versions, device, SM count, SDPA backends, TF32 flags, copy and matmul ceilings"),
+    Stage("calibrate", "calibrate", "run", 30, 10, 120,
+          "GEMM curve, flash attention and HBM efficiencies as a cluster file for `plan`"),
     Stage("unit_tests", "unit_tests", "run", 120, 30, 240,
           "the kernel, attention and dispatch unit tests, run on CUDA"),
     Stage("kernels", "kernels", "run", 130, 30, 240,

@@ -54,6 +54,9 @@ class Cluster:
     gemm_curve: tuple[tuple[float, float], ...] = ()
     """Measured (smallest dimension, fraction of peak) points (`depthscale plan --calibrate`);
     when given they replace the x / (x + gemm_half_dim) curve, interpolated in log x."""
+    measured: tuple[str, ...] = ()
+    """The efficiencies a calibration measured (a GPU run's `scripts/gpu_check.py` writes
+    them); a measured GEMM curve or collectives count as measured anyway."""
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
@@ -68,6 +71,7 @@ class Cluster:
             "attention_efficiency": False,
             "memory_efficiency": False,
         }
+        measured = {k: m or k in self.measured for k, m in measured.items()}
         return {
             name: {"value": getattr(self, name), "source": "measured" if m else "assumed"}
             for name, m in measured.items()
@@ -206,6 +210,8 @@ def load_cluster(path: Path) -> Cluster:
             }
         if "gemm_curve" in fields:
             fields["gemm_curve"] = tuple(tuple(p) for p in fields["gemm_curve"])
+        if "measured" in fields:
+            fields["measured"] = tuple(fields["measured"])
         return Cluster(**fields)
     except (TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a cluster description ({e})") from None
