@@ -218,8 +218,36 @@ def test_bad_moe_settings_are_one_line_errors(settings, message):
         cfg.validate()
 
 
-def test_the_planner_refuses_what_it_does_not_model():
+def test_the_planner_counts_moe_parameters_and_refuses_to_plan_them():
+    """The planner's model of an MoE model: every parameter (router, all experts, shared) and the
+    active ones (what MFU counts: `idle_params`), exactly; `depthscale plan` refuses the layouts
+    (experts per rank and all-to-all traffic are not modelled yet) in one line."""
+    from depthscale.plan.report import PlanRequest, run
     from depthscale.plan.spec import ModelSpec
 
-    with pytest.raises(ValueError, match="does not model Mixture-of-Experts layers yet"):
-        ModelSpec.from_config(_cfg())
+    cfg = _cfg(n_layers=3, moe_first_dense=1, moe_shared_experts=1)
+    spec = ModelSpec.from_config(cfg)
+    model = Transformer(cfg)
+    assert spec.params() == sum(p.numel() for p in model.parameters())
+    assert spec.active_params() == spec.params() - moe.idle_params(cfg)
+    with pytest.raises(ValueError, match="does not model Mixture-of-Experts layouts yet"):
+        run(PlanRequest(spec=spec, gpus=8, cluster="h100", seq=16, batch=8))
+
+
+def test_the_planners_moe_flops_are_what_the_model_computes(monkeypatch):
+    """FLOPs of an MoE model's training step (`FlopCounterMode`; the per-expert loop, whose
+    matmuls it counts, and attention through the math backend) equal the planner's: dropless
+    routing sends exactly N·k rows through the routed experts whatever the routing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from depthscale.plan.spec import ModelSpec
+
+    monkeypatch.setattr(moe, "grouped_mm_works", lambda device, dtype: False)
+    cfg = _cfg(n_layers=2, moe_first_dense=1, moe_shared_experts=1, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 32, (2, 16))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert counter.get_total_flops() == 2 * ModelSpec.from_config(cfg).model_flops(16)

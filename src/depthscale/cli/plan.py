@@ -42,12 +42,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         if note:
             print(f"depthscale: note: {note}", file=sys.stderr, flush=True)
     name = Path(args.config).stem if args.config else "defaults"
-    try:
-        spec = ModelSpec.from_config(cfg.model, name=name)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     request = PlanRequest(
-        spec=spec,
+        spec=ModelSpec.from_config(cfg.model, name=name),
         gpus=args.gpus,
         cluster=args.cluster,
         seq=args.seq or cfg.data.seq_len,

@@ -37,6 +37,11 @@ def run(req: PlanRequest) -> dict:
     """Evaluate the request; raises ValueError with a message naming bad input."""
     if req.gpus < 1:
         raise ValueError(f"--gpus {req.gpus} must be >= 1")
+    if req.spec.moe:  # memory, traffic and the search need the experts per rank and all-to-all
+        raise ValueError(
+            f"depthscale plan does not model Mixture-of-Experts layouts yet "
+            f"(model.moe_experts={req.spec.moe_experts}); allowed: a dense model (moe_experts = 0)"
+        )
     if req.framework not in FRAMEWORKS:
         raise ValueError(f"--framework {req.framework!r}; allowed: {', '.join(FRAMEWORKS)}")
     c = cluster(req.cluster)

@@ -41,18 +41,29 @@ class ModelSpec:
     key_norm_gain: bool = True
     max_positions: int = 0
     """gpt: learned position embeddings (SC'21 counts them with s = sequence length)."""
+    moe_experts: int = 0
+    """Mixture of Experts (`model/moe.py`): routed experts of each MoE layer (0: dense)."""
+    moe_top_k: int = 0
+    moe_ffn: int = 0
+    """One expert's hidden size."""
+    moe_shared: int = 0
+    moe_layers: tuple[int, ...] = ()
+    """The layers whose FFN is MoE."""
     name: str = ""
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, name: str = "") -> ModelSpec:
-        """Our model as `Transformer(cfg)` builds it (dense: MoE layers are not modelled yet, and a
-        plan that counted them as dense FFNs would be wrong in memory, FLOPs and bytes)."""
-        if cfg.moe_experts:
-            raise ValueError(
-                f"depthscale plan does not model Mixture-of-Experts layers yet "
-                f"(model.moe_experts={cfg.moe_experts}); allowed: a dense model (moe_experts = 0)"
-            )
+        """Our model as `Transformer(cfg)` builds it."""
         n_sub = cfg.n_sublayers
+        moe = {}
+        if cfg.moe_experts:
+            moe = dict(
+                moe_experts=cfg.moe_experts,
+                moe_top_k=cfg.moe_top_k,
+                moe_ffn=cfg.moe_hidden_dim,
+                moe_shared=cfg.moe_shared_experts,
+                moe_layers=tuple(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)),
+            )
         blocks = () if cfg.residual == "standard" else tuple(_block_assignment(cfg, n_sub))
         return cls(
             n_layers=cfg.n_layers,
@@ -68,6 +79,7 @@ class ModelSpec:
             tie_embeddings=cfg.tie_embeddings,
             key_norm_gain=cfg.attnres_key_norm_gain,
             name=name,
+            **moe,
         )
 
     @classmethod
@@ -116,14 +128,23 @@ class ModelSpec:
 
     # -- parameters ---------------------------------------------------------------------------
 
-    def layer_params(self) -> int:
+    def layer_params(self, layer: int | None = None) -> int:
+        """Parameters of layer `layer` (None: a dense layer); an MoE layer counts its router,
+        every routed expert and the shared experts."""
         d, f = self.dim, self.ffn_dim
         if self.family == "gpt":
             return 12 * d * d + 13 * d  # SC'21: QKV+O 4h²+4h, MLP 8h²+5h, two LayerNorms 4h
         attention = 2 * d * d + 2 * d * self.kv_dim  # wq, wo; wk, wv
         norms = d if self.parallel_block else 2 * d
         residual = self.sublayers_per_layer * self._residual_params()
-        return attention + 3 * d * f + norms + residual
+        ffn = 3 * d * f
+        if layer in self.moe_layers:
+            ffn = d * self.moe_experts + 3 * d * self.moe_ffn * (self.moe_experts + self.moe_shared)
+        return attention + ffn + norms + residual
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
 
     @property
     def sublayers_per_layer(self) -> int:
@@ -146,16 +167,26 @@ class ModelSpec:
         return self.dim + self._residual_params() + head
 
     def params(self) -> int:
-        return self.embedding_params() + self.n_layers * self.layer_params() + self.head_params()
+        layers = sum(self.layer_params(i) for i in range(self.n_layers))
+        return self.embedding_params() + layers + self.head_params()
+
+    def active_params(self) -> int:
+        """Parameters a token uses: an MoE layer's router, k routed and the shared experts."""
+        idle = (self.moe_experts - self.moe_top_k) * 3 * self.dim * self.moe_ffn
+        return self.params() - len(self.moe_layers) * idle
 
     # -- FLOPs (forward, per sequence of `seq` tokens) --------------------------------------
 
-    def layer_matmul_flops(self, seq: int) -> float:
-        """Forward FLOPs of one layer's weight matmuls for one sequence."""
+    def layer_matmul_flops(self, seq: int, layer: int | None = None) -> float:
+        """Forward FLOPs of one layer's weight matmuls for one sequence (an MoE layer: the
+        router, and the k routed and shared experts each token goes through)."""
         d, f = self.dim, self.ffn_dim
         if self.family == "gpt":
             return 2.0 * seq * (12 * d * d)
-        return 2.0 * seq * (2 * d * d + 2 * d * self.kv_dim + 3 * d * f)
+        ffn = 3 * d * f
+        if layer in self.moe_layers:
+            ffn = d * self.moe_experts + 3 * d * self.moe_ffn * (self.moe_top_k + self.moe_shared)
+        return 2.0 * seq * (2 * d * d + 2 * d * self.kv_dim + ffn)
 
     def attention_flops(self, seq: int) -> float:
         """Forward FLOPs of one layer's attention core (QKᵀ and AV) for one sequence: the full
@@ -168,8 +199,8 @@ class ModelSpec:
 
     def forward_flops(self, seq: int) -> float:
         """Model forward FLOPs per sequence (matmuls, attention, LM head)."""
-        per_layer = self.layer_matmul_flops(seq) + self.attention_flops(seq)
-        return self.n_layers * per_layer + self.logits_flops(seq)
+        matmuls = sum(self.layer_matmul_flops(seq, i) for i in range(self.n_layers))
+        return matmuls + self.n_layers * self.attention_flops(seq) + self.logits_flops(seq)
 
     def model_flops(self, seq: int) -> float:
         """Training FLOPs per sequence without recomputation (MFU's numerator): 3× forward."""
