@@ -251,3 +251,22 @@ def test_the_planners_moe_flops_are_what_the_model_computes(monkeypatch):
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     assert counter.get_total_flops() == 2 * ModelSpec.from_config(cfg).model_flops(16)
+
+
+def test_a_compiled_model_runs_its_moe_eagerly_and_compiles_once():
+    """Under torch.compile the MoE layer is left out of the graph (its routing is data-dependent):
+    the compiled model gives the eager logits, and another batch — other routing, other group
+    sizes — compiles nothing new."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = Transformer(_cfg(n_layers=2))
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    g = torch.Generator().manual_seed(9)
+    first, second = torch.randint(0, 32, (2, 2, 12), generator=g).unbind(0)
+    with torch.no_grad():
+        check(scaled_err(compiled(first), model(first)), fp32_sum_bound(2 * (D + HIDDEN)), "logits")
+        frames = counter.frame_count
+        compiled(second)
+    assert counter.frame_count == frames
