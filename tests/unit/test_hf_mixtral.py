@@ -2,6 +2,7 @@
 directory's MoE model exported as Mixtral, what Mixtral cannot express refused by name."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -69,7 +70,12 @@ def test_mixtral_imports_and_exports_with_its_logits(tmp_path):
     assert error(logits, reference) <= bound
 
 
-def test_what_mixtral_cannot_express_is_refused():
+def test_what_mixtral_cannot_express_exports_as_remote_code(tmp_path):
+    """Mixtral refuses, by name, what it does not compute; such a model (and any AttnRes MoE
+    model) exports as depthscale's remote-code model instead (its logits: test_hf_remote.py)."""
+    from depthscale.interop import hf_moe
+    from depthscale.interop.hf_depthscale import MODEL_TYPE
+
     base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, moe_experts=4, moe_top_k=2)
     for extra, message in [
         ({"moe_gate": "sigmoid"}, "moe_gate='sigmoid'"),
@@ -77,11 +83,11 @@ def test_what_mixtral_cannot_express_is_refused():
         ({"moe_balance": "bias"}, "moe_balance='bias'"),
         ({"moe_first_dense": 1}, "moe_first_dense=1"),
     ]:
-        model = Transformer(ModelConfig(**base, **extra))
+        cfg = ModelConfig(**base, **extra)
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-            save_hf_checkpoint(model, "/nonexistent/never-written")
-    attnres = Transformer(ModelConfig(**base, residual="block", attnres_n_blocks=2))
-    with pytest.raises(ConfigError, match="MoE model with AttnRes"):
-        save_hf_checkpoint(attnres, "/nonexistent/never-written")
+            hf_moe.check_exportable(cfg)
+        save_hf_checkpoint(Transformer(cfg), tmp_path / message)
+        config = json.loads((tmp_path / message / "config.json").read_text())
+        assert config["model_type"] == MODEL_TYPE and config["moe_experts"] == 4
     with pytest.raises(ConfigError, match="sliding_window=4096"):
         config_from_hf({"model_type": "mixtral", "sliding_window": 4096})

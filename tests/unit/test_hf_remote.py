@@ -1,5 +1,5 @@
 """Remote-code Hugging Face export of every architecture Llama lacks (AttnRes block and full,
-parallel blocks, sliding windows, with tied embeddings, GQA and RoPE scaling): transformers loads
+parallel blocks, sliding windows, with tied embeddings, GQA and RoPE scaling, an AttnRes MoE): transformers loads
 each directory with `trust_remote_code=True` in a fresh process that cannot import depthscale, and
 its logits (plain, and of a left-padded batch) and greedy generations equal depthscale's."""
 
@@ -23,6 +23,7 @@ from depthscale.interop.hf_llama import hf_config_from, load_hf_checkpoint, save
 from depthscale.interop.safetensors_shards import parse_size
 from depthscale.model.generate import generate
 from depthscale.model.transformer import Transformer
+from tolerances import fp32_model_bound
 
 pytest.importorskip("transformers")
 
@@ -42,6 +43,11 @@ ARCHITECTURES = {
         **{"rope_scaling_factor": 8.0, "rope_original_max_len": 16},
     },
     "block, sharded": {"residual": "block", "attnres_n_blocks": 2},
+    "block AttnRes MoE: sigmoid, shared, bias, first dense": {
+        **{"residual": "block", "attnres_n_blocks": 2, "moe_experts": 4, "moe_top_k": 2},
+        **{"moe_ffn_dim": 24, "moe_shared_experts": 1, "moe_gate": "sigmoid"},
+        **{"moe_balance": "bias", "moe_first_dense": 1},
+    },
 }
 SHARD_BYTES = {"block, sharded": 20_000}
 """Exports written in shards of at most this many bytes (an index maps tensors to files)."""
@@ -87,6 +93,9 @@ def _model(arch: dict, seed: int) -> Transformer:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # the balancing bias decides routing: it must travel
+                b.normal_(0.0, 0.2)
     return model
 
 
@@ -129,7 +138,15 @@ def _reference_and_bound(model: Transformer, tokens: torch.Tensor) -> tuple[torc
     derives its bound the same way)."""
     with torch.no_grad():
         reference = copy.deepcopy(model).double()(tokens)
-        return reference, 2 * (model(tokens).double() - reference).abs().max().item()
+        bound = 2 * (model(tokens).double() - reference).abs().max().item()
+    if model.cfg.moe_experts:
+        # the experts' grouped GEMM here and the modeling file's per-expert loop add in orders
+        # further apart than two evaluations of the dense layers: the forward's derived fp32
+        # bound (tests/tolerances.py) instead, relative to the logits — a routing that differed
+        # would move a token's logits by orders of magnitude more
+        derived = fp32_model_bound(model.cfg, tokens.shape[1], tokens.shape[0], backward=False)
+        bound = max(bound, derived * reference.abs().max().item())
+    return reference, bound
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))

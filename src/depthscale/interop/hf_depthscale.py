@@ -25,6 +25,7 @@ import torch
 
 from depthscale.config import ModelConfig
 from depthscale.errors import CheckpointError, ConfigError
+from depthscale.interop import hf_moe
 from depthscale.interop.safetensors_shards import DEFAULT_SHARD_BYTES, save_weights
 from depthscale.model.residual import block_assignment
 from depthscale.model.transformer import Transformer
@@ -38,7 +39,9 @@ AUTO_MAP = {
 
 
 def needs_remote_code(cfg: ModelConfig) -> bool:
-    """Whether plain HF Llama lacks something this model computes."""
+    """Whether plain HF Llama (or Mixtral, for MoE) lacks something this model computes."""
+    if cfg.moe_experts and not hf_moe.expressible(cfg):
+        return True
     return cfg.residual != "standard" or cfg.parallel_block or cfg.sliding_window > 0
 
 
@@ -63,12 +66,6 @@ def remote_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[
     depthscale's `[model]` table for the way back."""
     if cfg.vocab_size <= 0:
         raise ConfigError("model.vocab_size must be resolved (> 0) before exporting")
-    if cfg.moe_experts:
-        raise ConfigError(
-            "an MoE model with AttnRes, a parallel block or a sliding window has no Hugging Face "
-            "export yet (modeling_depthscale.py has no MoE); allowed: residual='standard' MoE "
-            "models, exported as Mixtral"
-        )
     attnres = cfg.residual != "standard"
     return {
         "architectures": ["DepthscaleForCausalLM"],
@@ -86,6 +83,13 @@ def remote_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[
         "attnres_eps": cfg.attnres_eps,
         "parallel_block": cfg.parallel_block,
         "attention_window": cfg.sliding_window,
+        "moe_experts": cfg.moe_experts,
+        "moe_top_k": cfg.moe_top_k,
+        "moe_ffn_dim": cfg.moe_hidden_dim,
+        "moe_shared_experts": cfg.moe_shared_experts,
+        "moe_gate": cfg.moe_gate,
+        "moe_normalize_top_k": cfg.moe_normalize_top_k,
+        "moe_layers": [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)],
         "tie_word_embeddings": False,
         "bos_token_id": None,
         "eos_token_id": None,

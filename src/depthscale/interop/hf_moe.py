@@ -67,6 +67,15 @@ def check_exportable(cfg: ModelConfig) -> None:
         )
 
 
+def expressible(cfg: ModelConfig) -> bool:
+    """Whether Mixtral computes this MoE model (else it exports as remote code)."""
+    try:
+        check_exportable(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
 def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The Mixtral config.json keys that differ from the Llama export's."""
     return {

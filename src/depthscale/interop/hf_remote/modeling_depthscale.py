@@ -2,7 +2,7 @@
 
 This file is copied verbatim into every directory `depthscale convert ds-to-hf` writes for a model
 plain `LlamaForCausalLM` cannot express: Attention Residuals (block or full), MegaScale parallel
-blocks, causal sliding windows. It imports torch and transformers only, never depthscale, so the
+blocks, causal sliding windows, Mixture-of-Experts FFNs. It imports torch and transformers only, never depthscale, so the
 export loads wherever transformers does:
 
     AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
@@ -19,6 +19,10 @@ versions live in depthscale; this is the reference they all equal):
   last sublayer of a block commits its running sum as a new source (`attnres_blocks` gives each
   sublayer's block). Before the final norm one more read (its own query) aggregates the sources.
   Reads are per token, so incremental decoding caches attention keys and values only.
+- Mixture of Experts (the layers in `moe_layers`): the router scores every expert in fp32
+  (softmax or sigmoid), each token goes to its top k (chosen with `router.expert_bias` added, the
+  aux-loss-free balancing bias; zero otherwise), weighted by its scores (renormalised when
+  `moe_normalize_top_k`), plus the shared experts every token uses.
 
 Parameter names are depthscale's, so the safetensors are its state dict as it is.
 """
@@ -73,6 +77,13 @@ class DepthscaleConfig(_ConfigBase):
         attnres_eps: float = 1e-6,
         parallel_block: bool = False,
         attention_window: int = 0,
+        moe_experts: int = 0,
+        moe_top_k: int = 2,
+        moe_ffn_dim: int = 0,
+        moe_shared_experts: int = 0,
+        moe_gate: str = "softmax",
+        moe_normalize_top_k: bool = True,
+        moe_layers: list[int] | None = None,
         use_cache: bool = True,
         **kwargs,
     ) -> None:
@@ -97,6 +108,10 @@ class DepthscaleConfig(_ConfigBase):
         self.attnres_eps = attnres_eps
         self.parallel_block = parallel_block
         self.attention_window = attention_window
+        self.moe_experts, self.moe_top_k, self.moe_ffn_dim = moe_experts, moe_top_k, moe_ffn_dim
+        self.moe_shared_experts, self.moe_gate = moe_shared_experts, moe_gate
+        self.moe_normalize_top_k = moe_normalize_top_k
+        self.moe_layers = list(moe_layers or [])
         self.use_cache = use_cache
         # Both matrices are stored (equal when depthscale tied them): no tying rules to differ
         # between transformers versions.
@@ -168,15 +183,62 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: DepthscaleConfig) -> None:
+    def __init__(self, cfg: DepthscaleConfig, hidden: int | None = None) -> None:
         super().__init__()
-        d, hidden = cfg.hidden_size, cfg.intermediate_size
+        d, hidden = cfg.hidden_size, hidden or cfg.intermediate_size
         self.w_gate = nn.Linear(d, hidden, bias=False)
         self.w_up = nn.Linear(d, hidden, bias=False)
         self.w_down = nn.Linear(hidden, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: DepthscaleConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.moe_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: DepthscaleConfig) -> None:
+        super().__init__()
+        e, d, f = cfg.moe_experts, cfg.hidden_size, cfg.moe_ffn_dim
+        self.w_gate = nn.Parameter(torch.zeros(e, d, f))
+        self.w_up = nn.Parameter(torch.zeros(e, d, f))
+        self.w_down = nn.Parameter(torch.zeros(e, f, d))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e]
+
+
+class MoE(nn.Module):
+    """Routed experts (top k per token) and shared ones; see the module doc."""
+
+    def __init__(self, cfg: DepthscaleConfig) -> None:
+        super().__init__()
+        self.top_k, self.gate, self.normalize = cfg.moe_top_k, cfg.moe_gate, cfg.moe_normalize_top_k
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        shared = cfg.moe_shared_experts * cfg.moe_ffn_dim
+        self.shared = SwiGLU(cfg, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = tokens.float() @ self.router.weight.float().t()
+        scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
+        chosen = (scores + self.router.expert_bias.float()).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        y = torch.zeros(tokens.shape, device=x.device)
+        for e in chosen.unique().tolist():
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out = self.experts.expert(e, tokens[token]).float() * weights[token, slot, None]
+            y.index_add_(0, token, out)
+        y = y.to(x.dtype).view(x.shape)
+        return y + self.shared(x) if self.shared is not None else y
 
 
 class AttnResidual(nn.Module):
@@ -229,7 +291,7 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_block
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, layer_idx)
-        self.feed_forward = SwiGLU(cfg)
+        self.feed_forward = MoE(cfg) if layer_idx in cfg.moe_layers else SwiGLU(cfg)
         blocks = cfg.attnres_blocks
 
         def residual(sublayer: int) -> AttnResidual | None:
