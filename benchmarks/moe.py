@@ -7,10 +7,10 @@
    the MoE's routing, sorting and per-group GEMMs over the dense GEMMs.
 2. The experts' GEMMs (forward + backward) as one grouped GEMM (`torch._grouped_mm`, where this
    build has it on this device) against one matmul per expert: the grouped/loop ratio.
-3. Expert parallelism on two gloo processes (ep = 2): the bytes each rank sends to its peer in a
-   training step of one MoE layer, counted at `all_to_all_single`, against
-   `expert_parallel.all_to_all_bytes` (the balanced-routing formula the planner uses): routing
-   that is not balanced sends more or less than the formula, by its imbalance.
+3. Expert parallelism on two gloo processes (ep = 2): the all-to-all payload (every call's input,
+   the planner's convention) of a training step of one MoE layer, counted at
+   `all_to_all_single`, against the planner's (`plan.comm.moe_payload`): equal summed over the
+   ep group whatever the routing, and on each rank off by its routing's imbalance.
 
 Prints one JSON object; `--out` also writes it. Absolute times only mean something on a GPU.
 """
@@ -112,11 +112,7 @@ def _a2a_rank(rank: int, port: int, queue) -> None:
     real = dist.all_to_all_single
 
     def counting(out, inp, out_splits=None, in_splits=None, group=None):
-        row = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
-        if in_splits is None:  # even splits: the counts
-            sent[0] += inp.numel() * inp.element_size() // 2
-        else:
-            sent[0] += in_splits[1 - rank] * row
+        sent[0] += inp.numel() * inp.element_size()
         return real(out, inp, out_splits, in_splits, group=group)
 
     dist.all_to_all_single = counting
@@ -135,21 +131,26 @@ def _a2a_rank(rank: int, port: int, queue) -> None:
     layer.dispatcher = AllToAllDispatch(dist.group.WORLD, EXPERTS)
     x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(rank + 3))
     layer(x.requires_grad_()).sum().backward()
-    from depthscale.parallel.expert_parallel import all_to_all_bytes
+    from depthscale.plan.comm import moe_payload
+    from depthscale.plan.layout import Layout
+    from depthscale.plan.spec import ModelSpec
 
-    formula = all_to_all_bytes(BATCH * SEQ, TOP_K, DIM, 2, 4)
-    queue.put({"rank": rank, "counted": sent[0], "formula": formula})
+    spec = ModelSpec.from_config(cfg)
+    planned = moe_payload(spec, Layout(dp_shard=2, ep=2), [], 1, BATCH * SEQ, 4)
+    queue.put({"rank": rank, "counted": sent[0], "planned": planned["all_to_all", "dp_shard"]})
     dist.destroy_process_group()
 
 
 def all_to_all() -> dict:
     ranks = run_ranks(_a2a_rank, 2)
+    planned = ranks[0]["planned"]
     return {
         "ep": 2,
         "tokens_per_rank": BATCH * SEQ,
         "counted_bytes": [r["counted"] for r in ranks],
-        "formula_bytes": ranks[0]["formula"],
-        "counted_over_formula": [round(r["counted"] / r["formula"], 3) for r in ranks],
+        "planned_bytes_per_rank": planned,
+        "counted_over_planned": [round(r["counted"] / planned, 4) for r in ranks],
+        "group_counted_over_planned": sum(r["counted"] for r in ranks) / (2 * planned),
     }
 
 

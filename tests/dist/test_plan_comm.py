@@ -1,7 +1,9 @@
 """`plan.comm` against the collectives and messages real ranks issue (gloo): every
 `torch.distributed` call of one step's forward, backward and gradient reduction is counted per
 operation and process group — tp, pp with the AttnRes cache, cp ring attention, FSDP, HSDP, with
-gradients reduced in fp32 or bf16 — and must equal the planner's bytes exactly, on every rank. (DDP's all-reduce runs inside its C++
+gradients reduced in fp32 or bf16, MoE expert parallelism (with replicas, recompute, cp, tp) — and
+must equal the planner's bytes exactly, on every rank (all-to-all bytes, which follow each rank's
+routing, summed over the ranks). (DDP's all-reduce runs inside its C++
 reducer, out of Python's sight; the planner's formula for it is not counted here.)"""
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ COLLECTIVES = {
     "reduce_scatter_single": ("reduce_scatter", "input"),
     "reduce_scatter_tensor": ("reduce_scatter", "input"),
     "all_reduce": ("all_reduce", "tensor"),
+    "all_to_all_single": ("all_to_all", "input"),
 }
 
 
 def _config(residual: str, dims_kw: dict, recompute: str) -> Config:
+    """`residual` 'moe': block AttnRes with MoE FFNs after a dense first layer (4 experts, top 2,
+    a shared expert, aux and z-loss)."""
+    moe = residual == "moe"
+    residual = "block" if moe else residual
     cfg = Config()
     m = cfg.model
+    if moe:
+        m.moe_experts, m.moe_top_k, m.moe_ffn_dim, m.moe_shared_experts = 4, 2, 24, 1
+        m.moe_first_dense, m.moe_z_loss = 1, 1e-3
     m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads = VOCAB, 40, 3, 4, 2
     m.ffn_dim, m.max_seq_len, m.residual, m.attnres_n_blocks = 42, SEQ, residual, 2
     cfg.data.seq_len = SEQ
@@ -54,7 +64,7 @@ def _counting(label):
 
     def collective(name, fn):
         op, key = COLLECTIVES[name]
-        position = 1 if op == "reduce_scatter" else 0
+        position = 1 if op in ("reduce_scatter", "all_to_all") else 0
 
         def run(*args, **kwargs):
             t = kwargs.get(key, args[position] if len(args) > position else None)
@@ -138,6 +148,11 @@ CASES = [
     ({"pp": 2, "dp_shard": 2, "fsdp_reshard_after_forward": True}, 4, "block", "none"),
     ({"dp_shard": 2, "grad_reduce_dtype": "bfloat16"}, 2, "block", "none"),
     ({"dp_replicate": 2, "dp_shard": 2, "grad_reduce_dtype": "bfloat16"}, 4, "standard", "none"),
+    ({"tp": 2, "dp_shard": 2}, 4, "block", "none"),
+    ({"dp_shard": 2, "ep": 2}, 2, "moe", "none"),
+    ({"dp_shard": 4, "ep": 2}, 4, "moe", "selective"),
+    ({"dp_shard": 2, "ep": 2, "cp": 2}, 4, "moe", "none"),
+    ({"dp_shard": 2, "ep": 2, "tp": 2}, 4, "moe", "none"),
 ]
 
 
@@ -146,13 +161,19 @@ def test_bytes_per_group_are_predicted_exactly(dist_pool, dims_kw, world, residu
     cfg = _config(residual, dims_kw, recompute)
     spec = ModelSpec.from_config(cfg.model)
     p = cfg.parallel
+    routed = Counter()  # all-to-all bytes depend on the routing per rank, not per ep group
     for r in dist_pool(world).run(_measure, residual, dims_kw, recompute):
         lay = Layout(tp=p.tp, pp=p.pp, v=p.pp_virtual, cp=p.cp, dp_shard=p.dp_shard,
                      dp_replicate=p.dp_replicate, micro_batch=r["micro_batch"],
-                     recompute=recompute, zero3=p.fsdp_reshard_after_forward is True)  # fmt: skip
+                     recompute=recompute, zero3=p.fsdp_reshard_after_forward is True,
+                     ep=p.ep)  # fmt: skip
         reduce_bytes = 2 if p.grad_reduce_dtype == "bfloat16" else 4
         predicted = rank_payload(
             spec, lay, SEQ, BATCH, False, r["pp"], r["cp"], r["shard"], reduce_bytes
         )
         expected = {k: v for k, v in predicted.items() if k[0] != "all_reduce(ddp)" and v}
+        for key in [k for k in expected if k[0] == "all_to_all"]:
+            routed["predicted"] += expected.pop(key)
+            routed["counted"] += r["log"].pop(key)
         assert r["log"] == expected, (r["pp"], r["cp"])
+    assert routed["counted"] == routed["predicted"]

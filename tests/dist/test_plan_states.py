@@ -24,8 +24,15 @@ BATCH, SEQ, VOCAB = 8, 16, 70
 
 
 def _config(residual: str, dims_kw: dict, tie: bool) -> Config:
+    """`residual` 'moe': block AttnRes with MoE FFNs after a dense first layer (4 experts, top 2,
+    a shared expert)."""
+    moe = residual == "moe"
+    residual = "block" if moe else residual
     cfg = Config()
     m = cfg.model
+    if moe:
+        m.moe_experts, m.moe_top_k, m.moe_ffn_dim, m.moe_shared_experts = 4, 2, 24, 1
+        m.moe_first_dense = 1
     m.vocab_size, m.dim, m.n_layers, m.n_heads, m.n_kv_heads = VOCAB, 40, 3, 4, 2
     m.ffn_dim, m.max_seq_len, m.residual, m.attnres_n_blocks = 42, SEQ, residual, 2
     cfg.data.seq_len = SEQ
@@ -42,7 +49,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _measure(residual: str, dims_kw: dict, tie: bool) -> dict:
     cfg = _config(residual, dims_kw, tie)
-    dims = ParallelDims(**{k: v for k, v in dims_kw.items() if k != "pp_virtual"})
+    dims = ParallelDims(**{k: v for k, v in dims_kw.items() if k not in ("pp_virtual", "ep")})
     mesh = cached_mesh(dims)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -92,10 +99,21 @@ def test_state_bytes_and_in_flight_are_predicted_exactly(dist_pool, dims_kw, wor
     spec = ModelSpec.from_config(cfg.model)
     p = cfg.parallel
     lay = Layout(tp=p.tp, pp=p.pp, v=p.pp_virtual, cp=p.cp, dp_shard=p.dp_shard,
-                 dp_replicate=p.dp_replicate)  # fmt: skip
+                 dp_replicate=p.dp_replicate, ep=p.ep)  # fmt: skip
     for r in dist_pool(world).run(_measure, residual, dims_kw, tie):
         predicted = rank_state_bytes(spec, lay, r["pp"], r["tp"], r["shard"])
         measured = (r["params"], r["grads"], r["optimizer"])
         assert measured == (predicted.params, predicted.grads, predicted.optimizer), r
         if r["peak_units"] is not None:
             assert r["peak_units"] == peak_in_flight(lay.pp, lay.v, r["microbatches"])[r["pp"]]
+
+
+@pytest.mark.parametrize(
+    "dims_kw,world",
+    [({"dp_shard": 2, "ep": 2}, 2), ({"dp_shard": 4, "ep": 2}, 4), ({"dp_shard": 2}, 2)],
+    ids=str,
+)
+def test_moe_state_bytes_are_predicted_exactly(dist_pool, dims_kw, world):
+    """MoE layers: the router and shared experts sharded by FSDP, the routed experts split over
+    ep (and left whole by FSDP) — or, without ep, FSDP-sharded like any weight."""
+    test_state_bytes_and_in_flight_are_predicted_exactly(dist_pool, dims_kw, world, "moe", False)

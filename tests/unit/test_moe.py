@@ -270,3 +270,23 @@ def test_a_compiled_model_runs_its_moe_eagerly_and_compiles_once():
         frames = counter.frame_count
         compiled(second)
     assert counter.frame_count == frames
+
+
+@pytest.mark.parametrize("mode", ["selective", "sublayer", "full"])
+def test_every_recompute_mode_gives_the_gradients_of_none(mode):
+    """With the grouped-GEMM probe first run from inside a recomputed layer (it once ran under the
+    layer's selective checkpoint, which then refused the backward): each mode's gradients are the
+    plain run's."""
+    moe.grouped_mm_works.cache_clear()
+    grads = {}
+    for m in ("none", mode):
+        torch.manual_seed(0)
+        model = Transformer(_cfg(n_layers=2, moe_balance="bias", moe_z_loss=0.0))
+        model.set_recompute(m)
+        tokens = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(4))
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        grads[m] = {n: p.grad for n, p in model.named_parameters()}
+        moe.grouped_mm_works.cache_clear()
+    bound = fp32_model_bound(_cfg(n_layers=2), 12, 2)
+    for name, g in grads["none"].items():
+        check(scaled_err(grads[mode][name], g), bound, name)

@@ -28,6 +28,7 @@ w.r.t. them is `aux_scale`), so they need no path of their own through pipeline 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -100,7 +101,7 @@ class AuxLoss(torch.autograd.Function):
     def forward(ctx, y: Tensor, aux: Tensor, scale: float) -> Tensor:
         ctx.scale = scale
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
-        return y.view_as(y)
+        return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -125,9 +126,17 @@ def grouped_mm_path(
 @lru_cache(maxsize=8)
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `torch._grouped_mm` runs forward and backward here and agrees with the loop (a
-    probe, once per device and dtype: torch builds differ in which devices and dtypes it has)."""
+    probe, once per device and dtype: torch builds differ in which devices and dtypes it has).
+    It runs in a thread of its own, whose autograd, autocast and dispatch-mode state are fresh:
+    called first from inside a layer, it must not run under that layer's recompute context (a
+    selective checkpoint then counted the probe's ops as the layer's), no-grad or compile."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_probe, device, dtype).result()
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(6, 16, generator=g).to(device, dtype).requires_grad_()
@@ -148,7 +157,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
+        return x
 
     @staticmethod
     def backward(ctx, g: Tensor) -> Tensor:

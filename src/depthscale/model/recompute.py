@@ -53,6 +53,7 @@ KEPT_OPS = _ops(
     "bmm",
     "baddbmm",
     "_scaled_mm",
+    "_grouped_mm",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",

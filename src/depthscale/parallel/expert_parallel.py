@@ -145,17 +145,6 @@ def apply_expert_parallel(model: nn.Module, group: ProcessGroup, device_type: st
     return names
 
 
-def all_to_all_bytes(tokens: int, top_k: int, dim: int, ep: int, element_bytes: int) -> float:
-    """Bytes one rank sends to the other ranks of its ep group per MoE layer and micro-batch,
-    forward and backward, when routing is balanced: four exchanges of rows (dispatch, combine and
-    their gradients), each tokens·k·(ep − 1)/ep rows of `dim` elements, and the counts (one int64
-    per expert and peer). What the planner counts; `benchmarks/moe.py` compares it with a run."""
-    if ep == 1:
-        return 0.0
-    rows = tokens * top_k * (ep - 1) / ep
-    return 4 * rows * dim * element_bytes
-
-
 class ExpertShards:
     """The expert-parallel parameters (by name: materialising replaces the parameter objects) and
     the group that holds the same experts on other ep groups."""

@@ -36,7 +36,7 @@ from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import hop_tensors
 from depthscale.plan.spec import ModelSpec
-from depthscale.plan.states import local_numel, rank_params
+from depthscale.plan.states import ep_shape, fsdp_sharded, local_numel, rank_params
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first."""
@@ -96,7 +96,9 @@ def rank_payload(
         out["reduce_scatter", tp] += m * scatters * tokens * d * e
         if last:
             out["all_reduce", tp] += m * 3 * tokens * 4
-        replicated = sum(math.prod(p.shape) for p in held if p.tp_dim is None)
+        # the gradients tp replicates, as this rank holds them: FSDP's shard (tp × dp_shard),
+        # an expert-parallel rank's experts
+        replicated = sum(local_numel(p, lay, 0, shard_rank) for p in held if p.tp_dim is None)
         out["all_reduce", tp] += replicated * 4
 
     pp = group(lay, "pp")
@@ -132,7 +134,7 @@ def rank_payload(
     data = group(lay, "dp_replicate", "dp_shard", "cp")
     if lay.shard > 1:
         e_param = e if bf16 else 4
-        padded = sum(_padded(p, lay) for p in held if p.fsdp)
+        padded = sum(_padded(p, lay) for p in held if fsdp_sharded(p, lay))
         out["all_gather", shard] += (
             (1 if lay.pp > 1 and not lay.zero3 else m * 2) * padded * e_param
         )
@@ -141,11 +143,42 @@ def rank_payload(
         if lay.dp_replicate > 1:
             out["all_reduce", group(lay, "dp_replicate")] += padded // lay.shard * g
     elif lay.dp_replicate > 1:
-        whole = sum(math.prod(p.shape) for p in held if p.fsdp)
+        whole = sum(math.prod(p.shape) for p in held if fsdp_sharded(p, lay))
         out["all_reduce(ddp)", group(lay, "dp_replicate")] += whole * reduce_bytes
     if data and spec.attnres:
         queries = sum(math.prod(p.shape) for p in held if not p.fsdp)
         out["all_reduce", data] += queries * 4
+    if spec.moe:
+        moe_layers = sum(1 for c in mine for i in ranges[c] if i in spec.moe_layers)
+        out += moe_payload(spec, lay, held, m * moe_layers, tokens // lay.tp, e)
+    return out
+
+
+def moe_payload(spec: ModelSpec, lay: Layout, held, passes: int, tokens: int, e: int) -> Counter:
+    """Expert parallelism's traffic (`parallel/expert_parallel.py`), `passes` = MoE layers on
+    this rank × micro-batches: per pass and forward, the experts' row counts (one int64 per
+    expert) and the routed rows out (tokens·k) and back; backward sends both again. The rows
+    that come back and the gradients sent back are those that arrived, tokens·k when routing is
+    balanced (over an ep group the sums are exact whatever the routing). Recompute runs the
+    forward's exchanges again. Then the expert gradients are averaged over the replicas (fp32),
+    and under cp/tp each pass sums the auxiliary loss's counts over the rows' ranks."""
+    out: Counter = Counter()
+    forwards = 2 if lay.recompute != "none" else 1
+    rows = tokens * spec.moe_top_k * spec.dim * e
+    if lay.ep > 1:
+        counts = spec.moe_experts * 8
+        out["all_to_all", group(lay, "dp_shard")] += passes * (
+            forwards * (counts + 2 * rows) + 2 * rows
+        )
+        replicas = [d for d in ("dp_replicate", "cp") if dim_sizes(lay)[d] > 1]
+        if lay.dp_shard // lay.ep > 1:
+            replicas.append("dp_shard")
+        if replicas:
+            experts = sum(math.prod(ep_shape(p, lay)) for p in held if p.experts)
+            out["all_reduce", group(lay, *replicas)] += experts * 4
+    rows_group = group(lay, "cp", "tp")
+    if rows_group and spec.moe_aux:
+        out["all_reduce", rows_group] += passes * forwards * (spec.moe_experts + 1) * 4
     return out
 
 

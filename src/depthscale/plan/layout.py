@@ -34,6 +34,8 @@ class Layout:
     """Pipelines under FSDP: gather each unit again for every micro-batch's forward and backward
     (`parallel.fsdp_reshard_after_forward = true`) instead of keeping a stage's gathered weights
     for the step (the default): less memory, 2·M gathers per step instead of one."""
+    ep: int = 1
+    """Expert parallelism: MoE experts split over groups of ep dp_shard ranks (`parallel.ep`)."""
 
     @property
     def dp(self) -> int:
@@ -67,6 +69,8 @@ class Layout:
             parts.append("no-cache")
         if self.zero3:
             parts.append("zero3")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return ",".join(parts)
 
     def to_json(self) -> dict:
@@ -114,6 +118,7 @@ _PARALLEL_SIZES = {
     "cp": "cp",
     "dp_shard": "dp_shard",
     "dp_replicate": "dp_replicate",
+    "ep": "ep",
 }
 """parallel.<key> → the Layout field it takes its size from."""
 

@@ -49,6 +49,9 @@ class ModelSpec:
     moe_shared: int = 0
     moe_layers: tuple[int, ...] = ()
     """The layers whose FFN is MoE."""
+    moe_aux: bool = False
+    """An auxiliary loss is computed (balance or z-loss): under cp/tp its counts are summed over
+    the ranks holding the rows' other tokens."""
     name: str = ""
 
     @classmethod
@@ -63,6 +66,8 @@ class ModelSpec:
                 moe_ffn=cfg.moe_hidden_dim,
                 moe_shared=cfg.moe_shared_experts,
                 moe_layers=tuple(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)),
+                moe_aux=(cfg.moe_balance == "aux_loss" and cfg.moe_aux_loss > 0)
+                or cfg.moe_z_loss > 0,
             )
         blocks = () if cfg.residual == "standard" else tuple(_block_assignment(cfg, n_sub))
         return cls(

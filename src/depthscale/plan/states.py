@@ -30,6 +30,9 @@ class Param:
     """'embed', 'layer:<i>' or 'head'."""
     fsdp: bool = True
     """False for what FSDP leaves whole (the layers' AttnRes queries)."""
+    experts: bool = False
+    """An MoE layer's routed experts: split over ep on dim 0 (then FSDP leaves them), else
+    FSDP-sharded like any weight."""
 
 
 def param_table(spec: ModelSpec) -> list[Param]:
@@ -48,10 +51,8 @@ def param_table(spec: ModelSpec) -> list[Param]:
             Param(p + "attention.wk.weight", (spec.kv_heads * hd, d), 0, stage),
             Param(p + "attention.wv.weight", (spec.kv_heads * hd, d), 0, stage),
             Param(p + "attention.wo.weight", (d, spec.n_heads * hd), 1, stage),
-            Param(p + "feed_forward.w_gate.weight", (spec.ffn_dim, d), 0, stage),
-            Param(p + "feed_forward.w_up.weight", (spec.ffn_dim, d), 0, stage),
-            Param(p + "feed_forward.w_down.weight", (d, spec.ffn_dim), 1, stage),
         ]
+        out += _ffn(spec, p + "feed_forward.", stage, i)
         if not spec.parallel_block:
             out.append(Param(p + "ffn_norm.weight", (d,), None, stage))
         if spec.attnres:
@@ -66,6 +67,43 @@ def param_table(spec: ModelSpec) -> list[Param]:
     out.append(Param("norm.weight", (d,), None, "head"))
     out.append(Param("output.weight", (spec.vocab, d), 0, "head"))
     return out
+
+
+def _ffn(spec: ModelSpec, p: str, stage: str, layer: int) -> list[Param]:
+    """A layer's FFN: SwiGLU, or the MoE router, routed experts [E, in, out] and shared SwiGLU."""
+    d = spec.dim
+    if layer not in spec.moe_layers:
+        return _swiglu(p, d, spec.ffn_dim, stage)
+    e, f = spec.moe_experts, spec.moe_ffn
+    out = [
+        Param(p + "router.weight", (e, d), None, stage),
+        Param(p + "experts.w_gate", (e, d, f), None, stage, experts=True),
+        Param(p + "experts.w_up", (e, d, f), None, stage, experts=True),
+        Param(p + "experts.w_down", (e, f, d), None, stage, experts=True),
+    ]
+    if spec.moe_shared:
+        out += _swiglu(p + "shared.", d, spec.moe_shared * f, stage)
+    return out
+
+
+def _swiglu(p: str, d: int, hidden: int, stage: str) -> list[Param]:
+    return [
+        Param(p + "w_gate.weight", (hidden, d), 0, stage),
+        Param(p + "w_up.weight", (hidden, d), 0, stage),
+        Param(p + "w_down.weight", (d, hidden), 1, stage),
+    ]
+
+
+def fsdp_sharded(p: Param, lay: Layout) -> bool:
+    """Whether FSDP shards `p` in this layout (expert-parallel experts and AttnRes queries not)."""
+    return p.fsdp and not (p.experts and lay.ep > 1)
+
+
+def ep_shape(p: Param, lay: Layout) -> tuple[int, ...]:
+    """`p`'s shape on one rank before tp and FSDP: experts split over ep on dim 0."""
+    if p.experts and lay.ep > 1:
+        return (p.shape[0] // lay.ep, *p.shape[1:])
+    return p.shape
 
 
 def _chunk(n: int, parts: int, index: int) -> int:
@@ -96,10 +134,10 @@ def rank_params(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[Param]:
 
 
 def local_numel(p: Param, lay: Layout, tp_rank: int, shard_rank: int) -> int:
-    shape = list(p.shape)
+    shape = list(ep_shape(p, lay))
     if p.tp_dim is not None and lay.tp > 1:
         shape[p.tp_dim] = _chunk(shape[p.tp_dim], lay.tp, tp_rank)
-    if p.fsdp and lay.shard > 1:
+    if fsdp_sharded(p, lay) and lay.shard > 1:
         shape[0] = _chunk(shape[0], lay.shard, shard_rank)
     return math.prod(shape)
 
