@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +138,7 @@ def sdpa_attention(
                 "document masking runs on whole rows (positions None); a sharded or cached "
                 "sequence attends through its own attention function"
             )
-        return _outside_graph(document_attention)(q, k, v, window, documents)
+        return outside_graph(document_attention)(q, k, v, window, documents)
     if q_pos is None and window == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q_pos is None and window < q.shape[2]:
@@ -150,12 +149,18 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-@lru_cache(maxsize=4)
-def _outside_graph(fn: Callable) -> Callable:
-    """`fn` left out of any compiled graph (`torch.compiler.disable`), as ring attention is: its
-    host-side planning (per batch of documents) is Python a graph cannot hold, and every batch's
-    documents would be a recompile. Wrapped on first use: the wrapper imports dynamo."""
-    return torch.compiler.disable(fn)
+_OUTSIDE_GRAPH: dict[Callable, Callable] = {}
+
+
+def outside_graph(fn: Callable) -> Callable:
+    """`fn` left out of any compiled graph (`torch.compiler.disable`), as ring attention is: for
+    work whose host-side planning or data-dependent shapes a graph cannot hold (packed documents,
+    MoE routing) and that would otherwise recompile per batch. Wrapped once, on first use (the
+    wrapper imports dynamo, which importing the model must not); call it once outside any compiled
+    region (a layer's constructor) where the first use could be inside one."""
+    if fn not in _OUTSIDE_GRAPH:
+        _OUTSIDE_GRAPH[fn] = torch.compiler.disable(fn)
+    return _OUTSIDE_GRAPH[fn]
 
 
 AttentionFn = Callable[

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from depthscale.config import ModelConfig
-from depthscale.model.layers import LOCAL, Projections, SwiGLU
+from depthscale.model.layers import LOCAL, Projections, SwiGLU, outside_graph
 
 
 class Routing(NamedTuple):
@@ -229,12 +229,12 @@ class MoE(nn.Module):
         """Context parallelism: the sum of counts over the ranks holding the same rows (see
         `Router.forward`), and the factor the gradient average over them divides by."""
         self.load: Tensor | None = None
-        _eager(MoE.routed)  # made here, not at import: the wrapper imports dynamo
+        outside_graph(MoE.routed)  # made here, outside any compiled region
         """Routed slots per expert since the last `take_load` (training forwards only), and last
         the auxiliary loss they added (as scaled into the step's loss)."""
 
     def forward(self, x: Tensor, proj: Projections = LOCAL) -> Tensor:
-        return _EAGER[MoE.routed](self, x, proj)
+        return outside_graph(MoE.routed)(self, x, proj)
 
     def routed(self, x: Tensor, proj: Projections = LOCAL) -> Tensor:
         """The layer, eagerly: its routing is data-dependent (top-k, sorting, group sizes read
@@ -283,16 +283,6 @@ class MoE(nn.Module):
         return (
             f"experts={r.n_experts}, top_k={r.top_k}, gate={r.gate}, dispatch={self.dispatcher!r}"
         )
-
-
-_EAGER: dict = {}
-
-
-def _eager(fn: Callable) -> Callable:
-    """`fn` left out of compiled graphs, wrapped once."""
-    if fn not in _EAGER:
-        _EAGER[fn] = torch.compiler.disable(fn)
-    return _EAGER[fn]
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

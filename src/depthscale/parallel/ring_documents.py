@@ -67,9 +67,9 @@ def _tile(plan: RingPlan, tile: Tile, documents: Documents) -> DocumentTile | No
     if bool((first == last).all()):
         return DocumentTile(tile, plan.tile_mask(tile), None)
     seen = (q_doc[:, :, None] == k_doc[:, None, :]).unsqueeze(1)  # [B, 1, rows, keys]
-    by_position = plan.mask(tile)
+    by_position = plan.mask(tile, host=True)
     if by_position is not None:
-        seen &= by_position.cpu()
+        seen &= by_position
     empty = ~seen.any(-1)
     empty_rows = empty.to(plan.device) if bool(empty.any()) else None
     seen = seen.to(plan.device)

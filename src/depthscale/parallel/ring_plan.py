@@ -293,12 +293,14 @@ class RingPlan:
         self._tiles[step] = tiles
         return tiles
 
-    def mask(self, tile: Tile) -> Tensor | None:
-        """bool [rows, keys] (True = visible), None when all are."""
+    def mask(self, tile: Tile, host: bool = False) -> Tensor | None:
+        """bool [rows, keys] (True = visible), None when all are; on the host with `host` (for
+        planning on top of it without a device sync)."""
         if tile.dense:
             return None
         window = 0 if self.span.hi is None else self.span.hi + 1
-        return attention_mask(tile.q_pos, tile.k_pos, window, causal=self.span.lo == 0)
+        q, k = (tile.host_q_pos, tile.host_k_pos) if host else (tile.q_pos, tile.k_pos)
+        return attention_mask(q, k, window, causal=self.span.lo == 0)
 
     def tile_mask(self, tile: Tile) -> TileMask:
         """The tile's mask in the form the tile kernels take, built once per tile: nothing for a
