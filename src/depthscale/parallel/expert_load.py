@@ -53,7 +53,7 @@ class ExpertLoad:
             layer.take_load()
 
     def finish_step(self, device: torch.device) -> dict[str, Tensor]:
-        """Sum the step's loads over the world, update the balancing biases, and return the
+        """Sum the step's loads over the ranks (`groups`), update the balancing biases, return the
         metrics (device scalars, read when the step is logged)."""
         if not self.ids:
             return {}
