@@ -218,11 +218,9 @@ def test_bad_moe_settings_are_one_line_errors(settings, message):
         cfg.validate()
 
 
-def test_the_planner_counts_moe_parameters_and_refuses_to_plan_them():
+def test_the_planner_counts_moe_parameters():
     """The planner's model of an MoE model: every parameter (router, all experts, shared) and the
-    active ones (what MFU counts: `idle_params`), exactly; `depthscale plan` refuses the layouts
-    (experts per rank and all-to-all traffic are not modelled yet) in one line."""
-    from depthscale.plan.report import PlanRequest, run
+    active ones (what MFU counts: `idle_params`), exactly (its layouts: tests/unit/test_plan_moe.py)."""
     from depthscale.plan.spec import ModelSpec
 
     cfg = _cfg(n_layers=3, moe_first_dense=1, moe_shared_experts=1)
@@ -230,8 +228,6 @@ def test_the_planner_counts_moe_parameters_and_refuses_to_plan_them():
     model = Transformer(cfg)
     assert spec.params() == sum(p.numel() for p in model.parameters())
     assert spec.active_params() == spec.params() - moe.idle_params(cfg)
-    with pytest.raises(ValueError, match="does not model Mixture-of-Experts layouts yet"):
-        run(PlanRequest(spec=spec, gpus=8, cluster="h100", seq=16, batch=8))
 
 
 def test_the_planners_moe_flops_are_what_the_model_computes(monkeypatch):

@@ -222,7 +222,7 @@ def _spawn(
 
 COLLECTIVE_SIZES = (2**12, 2**16, 2**20, 2**22)
 """Payload bytes each collective is timed at."""
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 COMM_ROUNDS = 9
 """Samples of each operation and size, interleaved with the compute-only loop they are taken
 against; their median resists a burst of load on a shared machine."""
@@ -318,6 +318,9 @@ def _comm_worker(rank: int, world: int, port: int, threads: int, queue) -> None:
                 "reduce_scatter": lambda full=full, part=part, g=group: scatter(
                     part, full, group=g
                 ),
+                "all_to_all": lambda full=full, g=group: dist.all_to_all_single(
+                    torch.empty_like(full), full, group=g
+                ),  # even splits: expert parallelism's rows with balanced routing
                 "p2p": p2p,
             }
             seconds = _costs_after_compute(runs, burst, before=dist.barrier)

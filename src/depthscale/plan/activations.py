@@ -49,8 +49,10 @@ def ours(
     recompute: str = "none",
     tp: int = 1,
     bf16_weights_gathered: bool = False,
+    ep: int = 1,
 ) -> Activations:
-    """depthscale's model for one micro-batch of `tokens` (micro-batch × local sequence `seq`)."""
+    """depthscale's model for one micro-batch of `tokens` (micro-batch × local sequence `seq`);
+    `ep`: expert parallelism, whose experts FSDP leaves (cast to bf16 per micro-batch)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {recompute!r}; allowed: {', '.join(RECOMPUTE_MODES)}")
     a = 2 if bf16 else F32
@@ -59,23 +61,29 @@ def ours(
     casts = bf16 and not bf16_weights_gathered
     attention = n * (a * (2 * d + 2 * kv) + F32 * h) + (4 * seq * spec.head_dim * a if bf16 else 0)
     mlp = n * 4 * a * f  # gate, up, silu(gate), silu·up
+    kept_attention = n * (a * (3 * d + 2 * kv) + F32 * h)  # q k v, attention out, wo
     if spec.parallel_block:
-        subs = [(5, 2 * d * d + 2 * d * kv + 3 * d * f, attention + mlp)]
-        kept_mm = n * (a * (4 * d + 2 * kv + 2 * f) + F32 * h)  # q k v out, gate up, 2 row outs
+        dense = [(5, 2 * d * d + 2 * d * kv + 3 * d * f, attention + mlp)]
     else:
-        subs = [(3, 2 * d * d + 2 * d * kv, attention), (2, 3 * d * f, mlp)]
-        kept_mm = n * (a * (4 * d + 2 * kv + 2 * f) + F32 * h)  # q k v out wo; gate up down
+        dense = [(3, 2 * d * d + 2 * d * kv, attention), (2, 3 * d * f, mlp)]
+    dense_mm = kept_attention + n * a * (2 * f + d)  # and gate, up, down
+    moe = _moe(spec, n, a, bf16, casts or ep > 1, ep, tp) if spec.moe else None
     norm_core = n * (F32 * d + F32 + a * d)  # fp32 input, rsqrt, x̂
     reads = _read_bytes(spec, n, a)
-    per = len(subs)
+    per = len(dense)
     layers = []
     for i in range(spec.n_layers):
+        subs, kept_mm, experts_cast = dense, dense_mm, 0.0
+        if moe and i in spec.moe_layers:
+            subs = [dense[0], (2, moe.shared_weights, moe.body)]
+            kept_mm, experts_cast = kept_attention + moe.matmul_outputs, moe.experts_cast
         read = sum(reads[i * per : (i + 1) * per])
         if recompute == "none":
             kept = read + sum(
                 norm_core + n * (2 * d * k if bf16 else F32 * d) + body for k, _, body in subs
             )
             kept += sum(2 * w / tp for _, w, _ in subs) if casts else 0.0
+            kept += experts_cast
         elif recompute == "sublayer":  # norms and reads stay; each body keeps its fp32 input
             kept = read + per * (norm_core + n * F32 * d + RNG_STATE_BYTES)
         elif recompute == "full":
@@ -93,6 +101,49 @@ def ours(
         if recompute in ("full", "selective"):  # the last layer's blocks: the output read's
             head += n * a * d * _writes(spec, spec.n_layers - 1, recompute == "selective")[0]
     return Activations(tuple(layers), embed, head)
+
+
+@dataclass(frozen=True)
+class _MoE:
+    body: float
+    """What an MoE FFN keeps past its fp32 input (the norm's output, which the router reads)."""
+    shared_weights: float
+    """Shared-expert parameters of this rank (cast to bf16 per micro-batch, like a dense FFN's)."""
+    experts_cast: float
+    """The routed experts' bf16 copies a micro-batch keeps (their weights are not gathered in
+    bf16: no FSDP, or expert parallelism, which FSDP leaves)."""
+    matmul_outputs: float
+    """What selective recompute keeps of it: the router's logits and the GEMMs' outputs."""
+
+
+def _moe(spec: ModelSpec, n: float, a: int, bf16: bool, cast: bool, ep: int, tp: int) -> _MoE:
+    """The MoE FFN (`model/moe.py`) for `n` routed tokens, read off the code (and checked with
+    saved-tensor hooks): in fp32 the router's scores [n, E], the top-k indices, the slot order and
+    each slot's token (int64, n·k each), each slot's weight, three grouped-GEMM offsets [E]; the
+    n·k rows in the compute dtype, the experts' gate, up, silu(gate), silu·up, and the combined
+    outputs and their weighted copy in fp32; renormalisation keeps the k weights and their sum,
+    the balance loss the score sums and counts, the z-loss the logits and their log-sum-exp.
+    Under expert parallelism a rank's experts compute the rows the ep group sends them: n·k when
+    routing is balanced, so the same bytes."""
+    d, e, f = spec.dim, spec.moe_experts, spec.moe_ffn
+    rows = n * spec.moe_top_k
+    body = F32 * n * e + 3 * 8 * rows + F32 * rows + 3 * F32 * e
+    body += a * rows * d + 4 * a * rows * f + 2 * F32 * rows * d
+    if spec.moe_normalize:
+        body += F32 * (n + rows)
+    if spec.moe_balance_loss:
+        body += F32 * (n + e)
+    if spec.moe_z_loss:
+        body += F32 * (n * e + n)
+    if spec.moe_aux:
+        body += F32 * (e + 1)  # the counts, summed over the rows' ranks
+    shared = spec.moe_shared * f
+    if shared:
+        # autocast casts the input once per projection (gate, up): it caches only leaves' casts
+        body += 4 * a * n * shared + (2 * a * n * d if bf16 else 0.0)
+    experts_cast = 3 * e // ep * d * f * 2 if bf16 and cast else 0.0
+    mm = F32 * n * e + a * rows * (2 * f + d) + a * n * (2 * shared + d) * (shared > 0)
+    return _MoE(body, 3 * d * shared, experts_cast, mm)
 
 
 def _read_bytes(spec: ModelSpec, n: float, a: int) -> list[float]:
@@ -121,11 +172,12 @@ def _read_bytes(spec: ModelSpec, n: float, a: int) -> list[float]:
 def _writes(spec: ModelSpec, layer: int, selective: bool) -> tuple[int, bool]:
     """(blocks the layer completes, whether its last write is a partial sum that goes on) — not
     counting, under selective recompute, a write that is a matmul's own output (the first
-    sublayer of a block writes y itself; the parallel block writes a sum), kept already."""
+    sublayer of a block writes y itself; the parallel block and MoE write sums), kept already."""
     bl, per = spec.blocks, spec.sublayers_per_layer
 
     def new(j: int) -> bool:
-        raw = (j == 0 or bl[j - 1] != bl[j]) and not spec.parallel_block
+        moe = j % per == 1 and j // per in spec.moe_layers  # its output is a weighted sum
+        raw = (j == 0 or bl[j - 1] != bl[j]) and not spec.parallel_block and not moe
         return not (selective and raw)
 
     ends = sum(

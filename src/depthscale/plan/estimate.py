@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from depthscale.plan import activations
+from depthscale.plan import activations, experts
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.hardware import Cluster
 from depthscale.plan.layout import Layout
+from depthscale.plan.memory import RankParams, memory, rank_params
 from depthscale.plan.pipeline import closed_form, hop_tensors, pipeline_time
 from depthscale.plan.spec import ModelSpec
 
@@ -117,6 +118,10 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         return "zero3 re-gathers per micro-batch under pipelines: it needs pp > 1 and FSDP"
     if lay.recompute == "sublayer" and not fw.ours:
         return f"{fw.name} has no sublayer recompute"
+    if lay.ep > 1 and not s.moe:
+        return f"ep {lay.ep} needs an MoE model"
+    if lay.ep > 1 and (lay.dp_shard % lay.ep or s.moe_experts % lay.ep):
+        return f"ep {lay.ep} does not divide dp_shard {lay.dp_shard} and {s.moe_experts} experts"
     return ""
 
 
@@ -138,11 +143,22 @@ def estimate(
     e = 2 if w.dtype == "bfloat16" else 4
     tokens = lay.micro_batch * w.seq // lay.cp  # per micro-batch on one cp rank
 
-    # -- compute per micro-batch per layer --------------------------------------------------
+    # -- compute per micro-batch per layer (an MoE model: the mean over its layer kinds) -------
     f_layer, b_layer, rc_layer, gemm_layer = _layer_times(w, c, lay, fw, tokens, e)
+    if s.moe:
+        share = len(s.moe_layers) / s.n_layers
+        moe = _layer_times(w, c, lay, fw, tokens, e, moe=True)
+        a2a_f, a2a_b = experts.all_to_all_seconds(s, c, lay, tokens, e)
+        a2a_rc = a2a_f if lay.recompute != "none" else 0.0
+        moe = (moe[0] + a2a_f, moe[1] + a2a_b, moe[2] + a2a_rc, moe[3])
+        f_layer, b_layer, rc_layer, gemm_layer = (
+            (1 - share) * dense + share * sparse
+            for dense, sparse in zip((f_layer, b_layer, rc_layer, gemm_layer), moe)
+        )
+    params = rank_params(s, lay)
     tp_f, tp_b = _tp_comm(s, c, lay, fw, tokens, e, gemm_layer)
     cp_f, cp_b = _cp_comm(w, c, lay, fw, e, f_layer)
-    fsdp = _fsdp(s, c, lay, fw, e)
+    fsdp = _fsdp(s, c, lay, fw, e, params)
     layer_f = f_layer + tp_f + cp_f
     layer_b = b_layer + rc_layer + tp_b + cp_b
     # FSDP prefetches the next layer's gather behind this layer's compute: what does not fit shows
@@ -176,10 +192,12 @@ def estimate(
         est.peak_in_flight = (1,)
 
     # -- data parallel and optimizer ---------------------------------------------------------
-    local_params = _rank_params(s, lay)
-    dp_bytes, dp_time = _dp_comm(c, lay, fw, local_params)
+    dp_bytes, dp_time = _dp_comm(c, lay, fw, params.fsdp)
     window = lay.v * b_stage[0]  # the last micro-batch's backward on this rank
     exposed_dp = max(dp_time / 8, dp_time - window) if fw.dp_overlap else dp_time
+    expert_bytes, expert_s = experts.expert_reduce(c, lay, params.experts)
+    dp_bytes += expert_bytes
+    exposed_dp += expert_s  # after the step's backward, before the optimizer
     dp_bytes += m * (lay.v * per_chunk * (fsdp.layer_f + fsdp.layer_b) + fsdp.root)
     # a pipeline stage gathers its units once per step, prefetched one unit ahead through the
     # first micro-batch's forward: the first unit's gather shows, and what outruns the compute
@@ -188,8 +206,10 @@ def estimate(
         exposed_dp += max(fsdp.first_s, fsdp.step_s - lay.v * per_chunk * layer_f)
     else:
         exposed_dp += fsdp.step_s
-    opt_bytes = local_params * (fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes)
-    opt_bytes /= lay.shard if fw.ours else (lay.dp if lay.zero1 else 1)
+    opt_bytes = fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes
+    opt_bytes *= (
+        params.states(lay.shard) if fw.ours else params.total / (lay.dp if lay.zero1 else 1)
+    )
     optimizer = 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
     if lay.offload:
         optimizer = 2 * opt_bytes / HOST_BW
@@ -209,98 +229,18 @@ def estimate(
         "pp": 2 * sum(hop_bytes) / max(lay.pp, 1) * m if lay.pp > 1 else 0.0,
         "dp": dp_bytes,
     }
+    if s.moe:  # expert parallelism's all-to-alls, rows out and back (balanced routing)
+        est.comm["ep"] = experts.all_to_all_bytes(s, lay, tokens, e, m * params.moe_layers)
     peak = c.peak(w.dtype)
     est.mfu = s.model_flops(w.seq) * w.batch / (est.step_s * gpus * peak)
     est.hfu = s.hardware_flops(w.seq, lay.recompute) * w.batch / (est.step_s * gpus * peak)
     est.tokens_per_s = w.batch * w.seq / est.step_s
 
-    est.memory = memory(w, lay, fw, est.peak_in_flight, local_params, tokens, e)
+    est.memory = memory(s, w.seq, lay, fw, est.peak_in_flight, params, tokens, e)
     if est.peak_bytes > c.usable_bytes():
         est.ok = False
         est.reason = f"OOM by {(est.peak_bytes - c.usable_bytes()) / 2**30:.1f} GiB"
     return est
-
-
-# ---------------------------------------------------------------------------------------------
-# memory
-
-
-def memory(
-    w: Workload,
-    lay: Layout,
-    fw: Framework,
-    in_flight: tuple[int, ...],
-    local_params: float,
-    tokens: int,
-    e: int,
-) -> dict[str, float]:
-    """Bytes on the fullest rank (the first pipeline rank holds the most micro-batches)."""
-    s = w.spec
-    if fw.ours:
-        states = local_params / lay.shard
-        weights, grads = states * fw.weight_bytes, states * fw.grad_bytes
-        optim = states * fw.moment_bytes
-        if lay.offload:
-            weights = grads = optim = 0.0
-    else:
-        weights, grads = local_params * fw.weight_bytes, local_params * fw.grad_bytes
-        optim = local_params * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
-    chunks = lay.pp * lay.v
-    per_chunk = s.n_layers // chunks
-    if fw.ours:
-        acts = activations.ours(
-            s,
-            tokens,
-            w.seq // lay.cp,
-            e == 2,
-            lay.recompute,
-            lay.tp,
-            bf16_weights_gathered=lay.shard > 1,
-        )
-        chunk_bytes = acts.of_layers(range(per_chunk))
-        first_extra, last_extra = acts.embed, acts.head
-    else:
-        sp = lay.tp > 1
-        layer = activations.megatron(s, lay.micro_batch, w.seq // lay.cp, lay.tp, sp, lay.recompute)
-        chunk_bytes = per_chunk * layer
-        sbh = lay.micro_batch * w.seq // lay.cp * s.dim
-        first_extra = 0.0
-        last_extra = 4 * sbh / lay.tp * (1 + s.vocab / s.dim) if lay.pp == 1 else 0.0
-    units = max(in_flight) if in_flight else 1
-    acts_bytes = units * chunk_bytes + first_extra * math.ceil(units / lay.v)
-    if lay.pp == 1:
-        acts_bytes += last_extra
-    hops = hop_tensors(s, lay)
-    # received depth states, kept until their backward: the cache receives only missing blocks
-    pipeline = units * (max(hops) if hops else 0) * tokens * s.dim * e / lay.tp
-    logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
-    transient = logits if lay.pp == 1 else 0.0
-    layer_local = s.layer_params() / lay.tp
-    if fw.ours and lay.shard > 1 and lay.pp > 1:
-        # a stage accumulates unsharded fp32 gradients until the step's reduce-scatter, and keeps
-        # its gathered weights for the step (zero3: two gathered layers, one prefetched)
-        gathered = 2 * layer_local * e if lay.zero3 else local_params * e
-        transient += gathered + local_params * 4
-    elif fw.ours and lay.shard > 1:  # two gathered layers (one prefetched), one unsharded grad
-        transient += layer_local * (2 * e + 4)
-    return {
-        "weights": weights,
-        "grads": grads,
-        "optimizer": optim,
-        "activations": acts_bytes,
-        "pipeline": pipeline,
-        "transient": transient,
-    }
-
-
-def _rank_params(s: ModelSpec, lay: Layout) -> float:
-    """Parameters on the fullest pipeline rank after tp sharding: its layers, and the embedding
-    (first stage) — the head, when untied or split from the embedding by pp, on the last."""
-    layers = s.n_layers // lay.pp * s.layer_params() / lay.tp
-    embed = s.embedding_params() / lay.tp
-    if lay.pp == 1:
-        return layers + embed + s.head_params() / lay.tp
-    return layers + embed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,14 +257,17 @@ def _gemms(s: ModelSpec, tokens: int, tp: int) -> list[tuple[float, float, float
 
 
 def _layer_times(
-    w: Workload, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int
+    w: Workload, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int, moe: bool = False
 ) -> tuple[float, float, float, float]:
-    """(forward, backward, recompute, GEMM forward) seconds of one layer and one micro-batch."""
+    """(forward, backward, recompute, GEMM forward) seconds of one layer (`moe`: an MoE layer,
+    its exchanges left to the caller) and one micro-batch."""
     s = w.spec
-    gemm = sum(
-        2 * m_ * n * k / c.gemm_flops(w.dtype, min(m_, n, k))
-        for m_, n, k in _gemms(s, tokens, lay.tp)
-    )
+    gemms = _gemms(s, tokens, lay.tp)
+    if moe:
+        gemms = gemms[:2]  # the attention's; the FFN's are the MoE layer's
+    gemm = sum(2 * m_ * n * k / c.gemm_flops(w.dtype, min(m_, n, k)) for m_, n, k in gemms)
+    if moe:
+        gemm += experts.ffn_gemm_seconds(s, c, lay, tokens, w.dtype)
     seq_local = w.seq // lay.cp
     keys = s.sliding_window if 0 < s.sliding_window < w.seq else w.seq
     heads_dim = s.dim / lay.tp
@@ -340,7 +283,8 @@ def _layer_times(
         traffic = scores * UNFUSED_SCORE_BYTES / (c.hbm_bw * c.memory_efficiency)
         attn_f, attn_b = bmm + traffic, 2 * (bmm + traffic)
     if fw.ours:
-        kept = activations.ours(s, tokens, seq_local, e == 2, "none", lay.tp, True).layers[0]
+        acts = activations.ours(s, tokens, seq_local, e == 2, "none", lay.tp, True, lay.ep)
+        kept = acts.layers[s.moe_layers[0] if moe else 0]
     else:
         kept = activations.megatron(s, lay.micro_batch, seq_local, lay.tp, lay.tp > 1, "none")
         kept -= 5 * s.n_heads * seq_local / s.dim * lay.micro_batch * seq_local * s.dim / lay.tp
@@ -439,7 +383,9 @@ class _Fsdp:
     first_s: float = 0.0
 
 
-def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp:
+def _fsdp(
+    s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int, params: RankParams
+) -> _Fsdp:
     """depthscale's FSDP2 (`parallel/data_parallel.apply_fsdp`): every micro-batch gathers each
     layer in the compute dtype before its forward and again before its backward (reshard after
     forward), and reduce-scatters its fp32 gradients after its backward. Under pipelines a stage
@@ -449,7 +395,7 @@ def _fsdp(s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int) -> _Fsdp
     if not fw.ours or lay.shard == 1:
         return _Fsdp()
     sh = lay.shard
-    layer = s.layer_params() / lay.tp
+    layer = params.fsdp_per_layer()  # expert-parallel experts are not FSDP's
     gather = layer * e  # payloads: the gathered layer, its gradients in the reduction dtype
     scatter = layer * fw.reduce_bytes
     root = (s.embedding_params() + s.head_params()) / lay.tp * e
@@ -483,7 +429,7 @@ def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float) -> tuple[flo
     """(bytes on the wire, seconds) of the gradient reduction at the end of a step: FSDP's
     deferred reduce-scatter (pipelines), the all-reduce across HSDP replicas, DDP's all-reduce
     (fp32, in buckets), or Megatron's all-reduce / distributed-optimizer reduce-scatter and
-    gather."""
+    gather; `params`: what FSDP or DDP reduces."""
     inter = lay.tp * lay.cp * lay.dp > c.gpus_per_node
     sent = seconds = 0.0
     if fw.ours and lay.shard > 1:

@@ -97,7 +97,7 @@ class Cluster:
         """Seconds of `calls` collectives of kind `op` moving `payload` bytes in all over a
         group of `n` ranks: measured rates where calibrated, else a ring — an all-gather or
         reduce-scatter puts (n−1)/n of its payload on the wire in n−1 steps, an all-reduce twice
-        that, a send all of it in one."""
+        that, an all-to-all (n−1)/n in one (each peer's share at once), a send all of it in one."""
         if n <= 1 or payload <= 0:
             return 0.0
         if op in self.collectives:
@@ -107,6 +107,7 @@ class Cluster:
             "all_reduce": (2 * (n - 1) / n, 2 * (n - 1)),
             "all_gather": ((n - 1) / n, n - 1),
             "reduce_scatter": ((n - 1) / n, n - 1),
+            "all_to_all": ((n - 1) / n, 1),  # every peer's share posted at once
             "p2p": (1.0, 1),
         }[op]
         bw, lat = self.link(n, span_nodes)

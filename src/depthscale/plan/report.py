@@ -37,13 +37,13 @@ def run(req: PlanRequest) -> dict:
     """Evaluate the request; raises ValueError with a message naming bad input."""
     if req.gpus < 1:
         raise ValueError(f"--gpus {req.gpus} must be >= 1")
-    if req.spec.moe:  # memory, traffic and the search need the experts per rank and all-to-all
-        raise ValueError(
-            f"depthscale plan does not model Mixture-of-Experts layouts yet "
-            f"(model.moe_experts={req.spec.moe_experts}); allowed: a dense model (moe_experts = 0)"
-        )
     if req.framework not in FRAMEWORKS:
         raise ValueError(f"--framework {req.framework!r}; allowed: {', '.join(FRAMEWORKS)}")
+    if req.spec.moe and not FRAMEWORKS[req.framework].ours:
+        raise ValueError(
+            f"--framework {req.framework} models the published dense GPT runs, not an MoE model "
+            f"(model.moe_experts={req.spec.moe_experts}); allowed: --framework depthscale"
+        )
     c = cluster(req.cluster)
     fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
     w = Workload(req.spec, req.seq, req.batch, req.dtype)
@@ -111,6 +111,7 @@ def _header(req: PlanRequest, c: Cluster, fw: str) -> dict:
             "vocab": s.vocab,
             "residual": s.residual,
             "blocks": s.n_blocks - 1 if s.attnres else 0,
+            **(_moe_header(s) if s.moe else {}),
         },
         "gpus": req.gpus,
         "cluster": c.name,
@@ -128,6 +129,35 @@ def _header(req: PlanRequest, c: Cluster, fw: str) -> dict:
             "hfu": "the same with recomputed FLOPs counted",
         },
     }
+
+
+def _moe_header(s: ModelSpec) -> dict:
+    return {
+        "active_params": s.active_params(),
+        "moe": {
+            "experts": s.moe_experts,
+            "top_k": s.moe_top_k,
+            "shared": s.moe_shared,
+            "expert_ffn": s.moe_ffn,
+            "layers": len(s.moe_layers),
+        },
+    }
+
+
+def _model_line(m: dict) -> str:
+    line = f"{m['name'] or 'model'}: {m['params'] / 1e9:.3g}B params"
+    if "moe" in m:
+        moe = m["moe"]
+        shared = f" + {moe['shared']} shared" if moe["shared"] else ""
+        line += (
+            f" ({m['active_params'] / 1e9:.3g}B active: top-{moe['top_k']} of {moe['experts']} "
+            f"experts{shared} in {moe['layers']} layers)"
+        )
+    line += (
+        f", {m['layers']} layers, d={m['dim']}, {m['heads']} heads ({m['kv_heads']} kv), "
+        f"residual={m['residual']}"
+    )
+    return line + (f" ({m['blocks']} blocks)" if m["blocks"] else "")
 
 
 def _row(e: Estimate, req: PlanRequest) -> dict:
@@ -162,9 +192,7 @@ def _efficiency_line(efficiencies: dict) -> str:
 def format_table(report: dict) -> str:
     m = report["model"]
     lines = [
-        f"{m['name'] or 'model'}: {m['params'] / 1e9:.3g}B params, {m['layers']} layers, "
-        f"d={m['dim']}, {m['heads']} heads ({m['kv_heads']} kv), residual={m['residual']}"
-        + (f" ({m['blocks']} blocks)" if m["blocks"] else ""),
+        _model_line(m),
         f"{report['gpus']} × {report['cluster']} GPUs, {report['framework']}, seq {report['seq']}, "
         f"batch {report['batch']} sequences, {report['dtype']}, gradients reduced in "
         f"{report['grad_reduce_dtype']}",

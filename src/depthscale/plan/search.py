@@ -10,6 +10,7 @@ from depthscale.plan.estimate import Estimate, Workload, check, estimate
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.hardware import Cluster
 from depthscale.plan.layout import Layout
+from depthscale.plan.spec import ModelSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 8
@@ -50,8 +51,9 @@ def layouts(w: Workload, c: Cluster, fw: Framework, gpus: int) -> Iterator[Layou
     """Candidate layouts: tp a power of two up to a node, pp a divisor of the layers, v up to
     MAX_VIRTUAL, cp a power of two, the rest data parallel — FSDP over the node's remaining
     GPUs (HSDP across nodes), whole-world FSDP or plain replicas (ours), replicas with or without
-    the distributed optimizer (Megatron) — times micro-batch sizes and recompute modes. cp is
-    bounded by the sequence (`max_cp`) and the GPUs left beside tp."""
+    the distributed optimizer (Megatron) — times micro-batch sizes and recompute modes, and for
+    an MoE model the expert-parallel splits of dp_shard. cp is bounded by the sequence
+    (`max_cp`) and the GPUs left beside tp."""
     s = w.spec
     for tp in _powers_of_two(min(c.gpus_per_node, gpus)):
         for cp in _powers_of_two(min(max_cp(w.seq), gpus // tp)):
@@ -63,12 +65,15 @@ def layouts(w: Workload, c: Cluster, fw: Framework, gpus: int) -> Iterator[Layou
                     [1] if pp == 1 else [v for v in _divisors(s.n_layers // pp) if v <= MAX_VIRTUAL]
                 )
                 for shard, rep, zero1 in _dp_splits(c, fw, tp, cp, dp):
-                    for v in vs:
-                        for mb in MICRO_BATCHES:
-                            for rc in RECOMPUTE_MODES:
-                                if rc == "sublayer" and not fw.ours:
-                                    continue
-                                yield Layout(tp, pp, v, cp, shard, rep, mb, rc, True, False, zero1)
+                    for ep in _expert_splits(s, shard):
+                        for v in vs:
+                            for mb in MICRO_BATCHES:
+                                for rc in RECOMPUTE_MODES:
+                                    if rc == "sublayer" and not fw.ours:
+                                        continue
+                                    yield Layout(
+                                        tp, pp, v, cp, shard, rep, mb, rc, True, False, zero1, ep=ep
+                                    )
 
 
 def _dp_splits(c: Cluster, fw: Framework, tp: int, cp: int, dp: int) -> list[tuple]:
@@ -79,6 +84,14 @@ def _dp_splits(c: Cluster, fw: Framework, tp: int, cp: int, dp: int) -> list[tup
     if dp % in_node == 0:
         splits.add((in_node, dp // in_node))
     return [(s, r, False) for s, r in sorted(splits)]
+
+
+def _expert_splits(s: ModelSpec, dp_shard: int) -> list[int]:
+    """Expert parallelism's candidates for an MoE model: every power of two dividing both
+    dp_shard and the experts (1: experts sharded by FSDP like any weight)."""
+    if not s.moe:
+        return [1]
+    return [ep for ep in _powers_of_two(dp_shard) if dp_shard % ep == 0 and s.moe_experts % ep == 0]
 
 
 def _regathers(lay: Layout, fw: Framework) -> bool:

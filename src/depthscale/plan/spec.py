@@ -49,9 +49,12 @@ class ModelSpec:
     moe_shared: int = 0
     moe_layers: tuple[int, ...] = ()
     """The layers whose FFN is MoE."""
-    moe_aux: bool = False
-    """An auxiliary loss is computed (balance or z-loss): under cp/tp its counts are summed over
-    the ranks holding the rows' other tokens."""
+    moe_balance_loss: bool = False
+    """The load-balancing auxiliary loss is computed (`moe_balance = "aux_loss"`, coefficient > 0)."""
+    moe_z_loss: bool = False
+    """The router z-loss is computed (`moe_z_loss` > 0)."""
+    moe_normalize: bool = True
+    """Each token's top-k weights are renormalised (`moe_normalize_top_k`)."""
     name: str = ""
 
     @classmethod
@@ -66,8 +69,9 @@ class ModelSpec:
                 moe_ffn=cfg.moe_hidden_dim,
                 moe_shared=cfg.moe_shared_experts,
                 moe_layers=tuple(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)),
-                moe_aux=(cfg.moe_balance == "aux_loss" and cfg.moe_aux_loss > 0)
-                or cfg.moe_z_loss > 0,
+                moe_balance_loss=cfg.moe_balance == "aux_loss" and cfg.moe_aux_loss > 0,
+                moe_z_loss=cfg.moe_z_loss > 0,
+                moe_normalize=cfg.moe_normalize_top_k,
             )
         blocks = () if cfg.residual == "standard" else tuple(_block_assignment(cfg, n_sub))
         return cls(
@@ -150,6 +154,18 @@ class ModelSpec:
     @property
     def moe(self) -> bool:
         return self.moe_experts > 0
+
+    @property
+    def moe_aux(self) -> bool:
+        """An auxiliary loss is computed (balance or z-loss): under cp/tp its counts are summed
+        over the ranks holding the rows' other tokens."""
+        return self.moe_balance_loss or self.moe_z_loss
+
+    def expert_params(self, layer: int) -> int:
+        """Parameters of layer `layer`'s routed experts (0 in a dense layer)."""
+        if layer not in self.moe_layers:
+            return 0
+        return 3 * self.dim * self.moe_ffn * self.moe_experts
 
     @property
     def sublayers_per_layer(self) -> int:

@@ -1,0 +1,136 @@
+"""Bytes on a layout's fullest rank: model states, activations, pipeline buffers, transients.
+
+Model states follow `plan/states.py`'s placement in closed form (the search evaluates thousands of
+layouts): tensor parallelism splits the dense weights, FSDP shards what it wraps over
+dp_shard × cp, and expert parallelism splits an MoE layer's routed experts over ep — which FSDP
+then leaves whole — while the experts, like the router, are replicated over tp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from depthscale.plan import activations
+from depthscale.plan.frameworks import Framework
+from depthscale.plan.layout import Layout
+from depthscale.plan.pipeline import hop_tensors
+from depthscale.plan.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters on the fullest pipeline rank (the first: it holds the embedding), after tp."""
+
+    fsdp: float
+    """What FSDP shards (everything, without expert parallelism)."""
+    experts: float
+    """Expert-parallel experts: this rank's E/ep of each MoE layer, not sharded by FSDP."""
+    layers: int
+    """Layers on the rank."""
+    ends: float
+    """Of `fsdp`, the embedding and (without pipelining) the final norm, output read and head."""
+    moe_layers: int = 0
+    """Of `layers`, the MoE layers."""
+
+    @property
+    def total(self) -> float:
+        return self.fsdp + self.experts
+
+    def states(self, shard: int) -> float:
+        """Elements of model states the rank keeps under FSDP over `shard` ranks."""
+        return self.fsdp / shard + self.experts
+
+    def fsdp_per_layer(self) -> float:
+        """What FSDP gathers for one layer, on average over the rank's layers."""
+        return (self.fsdp - self.ends) / max(self.layers, 1)
+
+
+def rank_params(s: ModelSpec, lay: Layout) -> RankParams:
+    """The first pipeline rank's parameters: its layers (chunk c of each v holds layers
+    [c·L/(pp·v), (c+1)·L/(pp·v))), the embedding, and — without pipelining — the head."""
+    chunks = lay.pp * lay.v
+    per_chunk = s.n_layers // chunks
+    mine = [i for c in range(0, chunks, lay.pp) for i in range(c * per_chunk, (c + 1) * per_chunk)]
+    experts = sum(s.expert_params(i) for i in mine)
+    dense = sum(s.layer_params(i) for i in mine) - experts
+    ends = (s.embedding_params() + (s.head_params() if lay.pp == 1 else 0)) / lay.tp
+    fsdp = dense / lay.tp + ends
+    moe_layers = sum(i in s.moe_layers for i in mine)
+    if lay.ep > 1:
+        return RankParams(fsdp, experts / lay.ep, len(mine), ends, moe_layers)
+    return RankParams(fsdp + experts, 0.0, len(mine), ends, moe_layers)
+
+
+def memory(
+    spec: ModelSpec,
+    seq: int,
+    lay: Layout,
+    fw: Framework,
+    in_flight: tuple[int, ...],
+    params: RankParams,
+    tokens: int,
+    e: int,
+) -> dict[str, float]:
+    """Bytes on the fullest rank (the first pipeline rank holds the most micro-batches)."""
+    s = spec
+    local_params = params.total
+    if fw.ours:
+        states = params.states(lay.shard)
+        weights, grads = states * fw.weight_bytes, states * fw.grad_bytes
+        optim = states * fw.moment_bytes
+        if lay.offload:
+            weights = grads = optim = 0.0
+    else:
+        weights, grads = local_params * fw.weight_bytes, local_params * fw.grad_bytes
+        optim = local_params * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
+    chunks = lay.pp * lay.v
+    per_chunk = s.n_layers // chunks
+    if fw.ours:
+        acts = activations.ours(
+            s,
+            tokens,
+            seq // lay.cp,
+            e == 2,
+            lay.recompute,
+            lay.tp,
+            bf16_weights_gathered=lay.shard > 1,
+            ep=lay.ep,
+        )
+        chunk_bytes = acts.of_layers(range(per_chunk))
+        if s.moe:  # layers differ (dense first layers, every k-th MoE): the rank's mean chunk
+            mine = [range(c * per_chunk, (c + 1) * per_chunk) for c in range(0, chunks, lay.pp)]
+            chunk_bytes = sum(acts.of_layers(r) for r in mine) / len(mine)
+        first_extra, last_extra = acts.embed, acts.head
+    else:
+        sp = lay.tp > 1
+        layer = activations.megatron(s, lay.micro_batch, seq // lay.cp, lay.tp, sp, lay.recompute)
+        chunk_bytes = per_chunk * layer
+        sbh = lay.micro_batch * seq // lay.cp * s.dim
+        first_extra = 0.0
+        last_extra = 4 * sbh / lay.tp * (1 + s.vocab / s.dim) if lay.pp == 1 else 0.0
+    units = max(in_flight) if in_flight else 1
+    acts_bytes = units * chunk_bytes + first_extra * math.ceil(units / lay.v)
+    if lay.pp == 1:
+        acts_bytes += last_extra
+    hops = hop_tensors(s, lay)
+    # received depth states, kept until their backward: the cache receives only missing blocks
+    pipeline = units * (max(hops) if hops else 0) * tokens * s.dim * e / lay.tp
+    logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
+    transient = logits if lay.pp == 1 else 0.0
+    layer_local = params.fsdp_per_layer() if fw.ours else s.layer_params() / lay.tp
+    if fw.ours and lay.shard > 1 and lay.pp > 1:
+        # a stage accumulates unsharded fp32 gradients until the step's reduce-scatter, and keeps
+        # its gathered weights for the step (zero3: two gathered layers, one prefetched)
+        gathered = 2 * layer_local * e if lay.zero3 else params.fsdp * e
+        transient += gathered + params.fsdp * 4
+    elif fw.ours and lay.shard > 1:  # two gathered layers (one prefetched), one unsharded grad
+        transient += layer_local * (2 * e + 4)
+    return {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optim,
+        "activations": acts_bytes,
+        "pipeline": pipeline,
+        "transient": transient,
+    }
