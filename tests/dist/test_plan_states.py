@@ -110,10 +110,16 @@ def test_state_bytes_and_in_flight_are_predicted_exactly(dist_pool, dims_kw, wor
 
 @pytest.mark.parametrize(
     "dims_kw,world",
-    [({"dp_shard": 2, "ep": 2}, 2), ({"dp_shard": 4, "ep": 2}, 4), ({"dp_shard": 2}, 2)],
+    [
+        ({"dp_shard": 2, "ep": 2}, 2),
+        ({"dp_shard": 4, "ep": 2}, 4),
+        ({"dp_shard": 2, "ep": 2, "cp": 2}, 4),
+        ({"dp_shard": 2}, 2),
+    ],
     ids=str,
 )
 def test_moe_state_bytes_are_predicted_exactly(dist_pool, dims_kw, world):
     """MoE layers: the router and shared experts sharded by FSDP, the routed experts split over
-    ep (and left whole by FSDP) — or, without ep, FSDP-sharded like any weight."""
+    ep and FSDP-sharded on dim 1 over the other ranks holding the same experts (the other ep
+    group of dp_shard = 4; the cp ranks) — or, without ep, FSDP-sharded like any weight."""
     test_state_bytes_and_in_flight_are_predicted_exactly(dist_pool, dims_kw, world, "moe", False)

@@ -1,6 +1,7 @@
 """An MoE run as a user makes one: trained on two processes with expert parallelism (ep = 2), its
-checkpoint resumed on one process (ep = 1), on two (ep = 2) and on four (ep = 4): the experts'
-shards are resharded by the checkpoint, and the three resumed runs log the same losses, gradient
+checkpoint resumed on one process (ep = 1), on two (ep = 2), on four (ep = 4), and on four with
+ep = 2 (the experts also FSDP-sharded over the other ep group): the experts' shards are resharded
+by the checkpoint, and the resumed runs log the same losses, gradient
 norms and routing metrics (the aux-loss-free balancing bias, checkpointed with the model, included:
 it decides the routing).
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_cli import cli
 
-# four CLI runs, one of four processes (~40 s): CI runs it after the default suite
+# five CLI runs, two of four processes (~55 s): CI runs it after the default suite
 pytestmark = pytest.mark.slow
 
 MOE = (
@@ -42,17 +43,19 @@ def test_an_expert_parallel_checkpoint_resumes_at_other_ep(tmp_path):
     first = _train(tmp_path, "ep2", 3, *ep2)
     assert [r["step"] for r in first] == [1, 2, 3]
     assert {"moe/aux_loss", "moe/load_cv", "moe/layer0/load_max"} <= set(first[-1])
-    for name in ("ep1", "ep4"):
+    for name in ("ep1", "ep4", "ep2-fsdp4"):
         shutil.copytree(tmp_path / "ep2", tmp_path / name)
     resumed = {
         "ep1": _train(tmp_path, "ep1", 6),
         "ep2": _train(tmp_path, "ep2", 6, *ep2),
         "ep4": _train(tmp_path, "ep4", 6, "--nproc", "4", "--parallel.dp_shard", "4",
                       "--parallel.ep", "4"),
+        "ep2-fsdp4": _train(tmp_path, "ep2-fsdp4", 6, "--nproc", "4", "--parallel.dp_shard", "4",
+                            "--parallel.ep", "2"),
     }  # fmt: skip
     reference = [r for r in resumed["ep2"] if r["step"] > 3]
     assert [r["step"] for r in reference] == [4, 5, 6]
-    for name in ("ep1", "ep4"):
+    for name in ("ep1", "ep4", "ep2-fsdp4"):
         got = [r for r in resumed[name] if r["step"] > 3]
         for a, b in zip(got, reference, strict=True):
             assert a["loss"] == pytest.approx(b["loss"], abs=2e-4), name

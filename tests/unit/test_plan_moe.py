@@ -46,9 +46,9 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=Layout.label)
 def test_closed_form_states_are_the_exact_placement(lay):
-    """What the search charges for model states (FSDP's share of the dense weights, the whole
-    E/ep experts FSDP leaves under expert parallelism) equals `plan/states.py`'s element-exact
-    placement — which gloo ranks' allocations check — up to what the closed form rounds: FSDP's
+    """What the search charges for model states (FSDP's share of the dense weights; under
+    expert parallelism E/ep experts, FSDP-sharded over the (dp_shard / ep) × cp ranks holding the
+    same ones) equals `plan/states.py`'s element-exact placement — which gloo ranks' allocations check — up to what the closed form rounds: FSDP's
     uneven chunks, and the router and norms it divides by tp though tp replicates them."""
     spec = _spec()
     closed = rank_params(spec, lay).states(lay.shard)
@@ -82,21 +82,22 @@ def test_fine_grained_experts_cost_more_at_equal_flops():
     assert t_fine > 1.5 * t_coarse
 
 
-def test_expert_parallelism_trades_fsdp_gathers_for_all_to_alls():
-    """At ep = dp_shard a rank holds E/ep experts whole: the same states as FSDP's 1/dp_shard
-    share, but no expert is gathered (fewer data-parallel bytes) and the rows travel instead; the
-    exchanges are on the critical path (the step is slower than without them by at least their
-    time)."""
+@pytest.mark.parametrize("ep", [2, 8])
+def test_expert_parallelism_trades_fsdp_gathers_for_all_to_alls(ep):
+    """Under ep a rank keeps the same share of the experts' states as FSDP alone gives it (E/ep
+    experts over dp_shard / ep ranks), but gathers them over dp_shard / ep ranks (at ep =
+    dp_shard not at all): fewer data-parallel bytes, and the rows travel instead; the exchanges
+    are on the critical path (the layers take at least their time)."""
     spec, seq, batch = _spec(dim=1024, moe_ffn_dim=512), 2048, 64
     w = Workload(spec, seq, batch)
     fsdp = estimate(w, H100, Layout(dp_shard=8, micro_batch=2), DEPTHSCALE, 8)
-    ep = estimate(w, H100, Layout(dp_shard=8, micro_batch=2, ep=8), DEPTHSCALE, 8)
-    assert fsdp.ok and ep.ok
-    assert ep.memory["weights"] == pytest.approx(fsdp.memory["weights"], rel=1e-9)
-    assert ep.comm["dp"] < fsdp.comm["dp"] and ep.comm["ep"] > 0 == fsdp.comm["ep"]
-    a2a_f, a2a_b = experts.all_to_all_seconds(spec, H100, ep.layout, 2 * seq, 2)
+    split = estimate(w, H100, Layout(dp_shard=8, micro_batch=2, ep=ep), DEPTHSCALE, 8)
+    assert fsdp.ok and split.ok
+    assert split.memory["weights"] == pytest.approx(fsdp.memory["weights"], rel=1e-9)
+    assert split.comm["dp"] < fsdp.comm["dp"] and split.comm["ep"] > 0 == fsdp.comm["ep"]
+    a2a_f, a2a_b = experts.all_to_all_seconds(spec, H100, split.layout, 2 * seq, 2)
     per_layer = (a2a_f + a2a_b) * len(spec.moe_layers) / spec.n_layers
-    assert ep.times["layer_forward_s"] + ep.times["layer_backward_s"] >= per_layer
+    assert split.times["layer_forward_s"] + split.times["layer_backward_s"] >= per_layer
 
 
 def test_search_tries_every_expert_split():

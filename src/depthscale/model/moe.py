@@ -151,17 +151,8 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient (`_grouped_mm`'s backward refuses
-    expanded ones, such as a sum's)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> Tensor:
-        return g.contiguous()
+def _contiguous(grad: Tensor) -> Tensor:
+    return grad.contiguous()
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, path: str | None = None) -> Tensor:
@@ -172,7 +163,10 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, path: str | None = None) ->
         path = grouped_mm_path(x.device.type, x.dtype, tuple(w.shape[1:]), works)
     if path == "grouped":
         offsets = counts.cumsum(0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, w.to(x.dtype), offs=offsets))
+        y = torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
+        if y.requires_grad:  # its backward refuses expanded gradients, such as a sum's
+            y.register_hook(_contiguous)
+        return y
     outs = [rows @ w[e].to(x.dtype) for e, rows in enumerate(x.split(counts.tolist()))]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
 

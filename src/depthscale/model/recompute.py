@@ -26,6 +26,7 @@ from typing import Literal, get_args
 
 import torch
 from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
@@ -62,6 +63,25 @@ KEPT_OPS = _ops(
 )
 """Ops whose outputs `selective` keeps: the GEMMs and attention kernels (compute-bound; their
 outputs are what recomputation would pay for most)."""
+
+
+def _profiler_ops() -> set:
+    """The profiler's record-function annotations: not tensor computation, and FSDP's hooks of a
+    unit nested inside the layer (expert-parallel experts) run a different number of them in the
+    recomputation than in the forward, which selective checkpointing counts per op and refuses.
+    Left out of its replay, as a proposed torch fix does (pytorch/pytorch#196862; torch <= 2.13
+    has none)."""
+    profiler = torch.ops.profiler
+    names = ("_record_function_enter_new", "_record_function_enter", "_record_function_exit")
+    ops = set()
+    for name in names:
+        packet = getattr(profiler, name, None)
+        if packet is not None:
+            ops.update(getattr(packet, o) for o in packet.overloads())
+    return ops
+
+
+SAC_IGNORED_OPS.update(_profiler_ops())
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans
@@ -75,6 +75,7 @@ def apply_fsdp(
     roots: list[nn.Module] | None = None,
     offload: bool = False,
     leave: list[nn.Parameter] | None = None,
+    inner: Iterable[tuple[nn.Module, DeviceMesh, int]] = (),
 ) -> list[nn.Parameter]:
     """Shard `model` in place with FSDP2: each TransformerBlock is a unit, then the root, which keeps
     the tied embedding/head weight, the final norm and the output AttnRes query (one weight, so the
@@ -87,6 +88,10 @@ def apply_fsdp(
     (embedding on the first stage; final norm, head and output query on the last).
 
     `dp_mesh` 1-D: ZeRO-3 over it. 2-D (dp_replicate, dp_shard): HSDP, placements (Replicate, Shard(0)).
+
+    `inner`: (module, mesh, dim) units sharded first, each over its own mesh on `dim` — expert
+    parallelism's experts, over the ranks holding the same experts (`ExpertGroups`); the layer
+    units around them leave their parameters to them.
 
     Mixed precision: with `param_dtype=bfloat16` the all-gathered parameters and the compute are bf16
     while the sharded master weights and the optimizer stay fp32; gradients are reduced in
@@ -122,6 +127,10 @@ def apply_fsdp(
         policies["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     queries = depth_query_params(model)
     ignored = set(queries) | set(leave or [])  # `leave`: reduced by their owner (experts)
+    for module, mesh, dim in inner:  # units of their own mesh, inside the layers' units
+        fully_shard(
+            module, **(policies | {"mesh": mesh}), shard_placement_fn=lambda p, d=dim: Shard(d)
+        )
     layers = list(model.layers.values())
     for layer in layers:
         fully_shard(layer, ignored_params=ignored, **policies)

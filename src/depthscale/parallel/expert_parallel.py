@@ -4,8 +4,9 @@ ranks, tokens sent to the rank that holds their expert and back by all-to-all.
 "EP/CP are just variations on the DP dimension" (the Attention Residuals infra note): the ep ranks
 are consecutive ranks of dp_shard, each still training its own rows of the batch. Only the routed
 experts are split: rank i of an ep group holds experts [i·E/ep, (i+1)·E/ep) as a DTensor sharded on
-the expert dimension (so checkpoints reshard to any other ep), everything else is sharded by FSDP
-as without MoE. Per MoE layer and micro-batch (`AllToAllDispatch`):
+the expert dimension (so checkpoints reshard to any other ep). FSDP then shards those experts over
+the ranks that hold the same ones — the other ep groups of dp_shard and the cp ranks, HSDP across
+replicas (`ExpertGroups`) — on their input dimension, and everything else as without MoE. Per MoE layer and micro-batch (`AllToAllDispatch`):
 
 1. every rank sorts its (token, expert) slots by expert (`model/moe.py`) and tells each peer how many
    rows it will send for each of that peer's experts (one small all-to-all of counts, then one host
@@ -18,14 +19,16 @@ as without MoE. Per MoE layer and micro-batch (`AllToAllDispatch`):
 Every rank posts the same collectives in the same order (the layers' order), so the schedule is
 NCCL-safe; each exchange is a span on the timeline.
 
-Gradients (`reduce_expert_gradients`): an expert's gradient on its holder already sums the
-contributions of every token the ep group sent it; the gradient the optimizer needs is the mean
-over all data-parallel ranks, i.e. the mean over the ranks holding the same experts (the expert
-"replicas": the other ep groups), divided by ep. The balancing loads and bias updates are summed
+Gradients: an expert's gradient on its holder already sums the contributions of every token the ep
+group sent it; the gradient the optimizer needs is the mean over all data-parallel ranks, i.e. the
+mean over the ranks holding the same experts (FSDP's reduce-scatter over the expert mesh, or by
+hand where that mesh has only replicas), divided by ep (`reduce_expert_gradients`). The balancing loads and bias updates are summed
 over all ranks in `parallel/expert_load.py`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -111,26 +114,64 @@ class AllToAllDispatch:
         return f"all_to_all(ep={self.size})"
 
 
-def expert_groups(dims: ParallelDims, ep: int) -> tuple[ProcessGroup, ProcessGroup]:
-    """(this rank's ep group: `ep` consecutive dp_shard ranks; its replica group: the ranks that
-    hold the same experts — the same place in the other ep groups of its pipeline stage)."""
-    ranks = torch.arange(dims.world_size).reshape(
-        dims.pp, dims.dp_replicate, dims.dp_shard // ep, ep, dims.cp, dims.tp
+class ExpertGroups(NamedTuple):
+    """Where a rank's experts live: its ep group, and the ranks holding the same experts."""
+
+    ep: ProcessGroup
+    mesh: DeviceMesh
+    """(expert_replicate?, expert_shard?, ep): the ep dimension the experts are split over, and
+    the dimensions of the other ranks holding the same experts — the other ep groups of dp_shard
+    and the cp ranks (FSDP shards the experts over them), the replicas (HSDP)."""
+    replicas: ProcessGroup | None
+    """Without an expert shard dimension (dp_shard = ep, no cp): the replicas the experts'
+    gradients are averaged over by hand (FSDP has nothing to shard them over)."""
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards the experts over (None: nothing to shard over)."""
+        names = [n for n in self.mesh.mesh_dim_names if n != "ep"]
+        return self.mesh[tuple(names)] if "expert_shard" in names else None
+
+
+def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups:
+    """The process groups and device mesh of expert parallelism (see `ExpertGroups`): ep groups
+    of `ep` consecutive dp_shard ranks; FSDP over the (dp_shard / ep) × cp ranks holding the same
+    experts inside a replica; HSDP across replicas."""
+    R, F, C = dims.dp_replicate, dims.dp_shard // ep, dims.cp
+    ranks = torch.arange(dims.world_size).reshape(dims.pp, R, F, ep, C, dims.tp)
+    ep_group = startup.own_group(ranks.movedim(3, -1).reshape(-1, ep).tolist(), "expert_parallel")
+    assert ep_group is not None
+    p, r, f, e, c, t = (int(i) for i in (ranks == dist.get_rank()).nonzero()[0])
+    # this rank's (R, F·C, ep) block of ranks, and the groups along each of its dimensions
+    block = ranks[p, :, :, :, :, t].permute(0, 1, 3, 2).reshape(R, F * C, ep)
+    groups, names, shape = [], [], []
+    if R > 1:
+        parts = ranks.permute(0, 2, 3, 4, 5, 1).reshape(-1, R).tolist()
+        groups.append(startup.own_group(parts, "expert_replicate"))
+        names.append("expert_replicate")
+        shape.append(R)
+    if F * C > 1:
+        parts = ranks.permute(0, 1, 3, 5, 2, 4).reshape(-1, F * C).tolist()
+        groups.append(startup.own_group(parts, "expert_shard"))
+        names.append("expert_shard")
+        shape.append(F * C)
+    groups.append(ep_group)
+    mesh = DeviceMesh.from_group(
+        groups if len(groups) > 1 else groups[0],
+        device_type,
+        mesh=block.reshape(*shape, ep).tolist(),
+        mesh_dim_names=(*names, "ep"),
     )
-    ep_parts = ranks.movedim(3, -1).reshape(-1, ep).tolist()
-    replicas = ranks.permute(0, 3, 5, 1, 2, 4)  # pp, ep, tp | dp_replicate, blocks, cp
-    replica_parts = replicas.reshape(dims.pp * ep * dims.tp, -1).tolist()
-    ep_group = startup.own_group(ep_parts, "expert_parallel")
-    replica_group = startup.own_group(replica_parts, "expert_replicas")
-    assert ep_group is not None and replica_group is not None
-    return ep_group, replica_group
+    replicas = None
+    if F * C == 1 and R > 1:
+        replicas = groups[0]
+    return ExpertGroups(ep_group, mesh, replicas)
 
 
-def apply_expert_parallel(model: nn.Module, group: ProcessGroup, device_type: str) -> list[str]:
-    """Split every MoE layer's routed experts over `group` (in place; meta or real weights) and
-    route its tokens by all-to-all. Returns the names of the expert parameters (FSDP leaves them
-    to `reduce_expert_gradients`)."""
-    mesh = DeviceMesh.from_group(group, device_type)
+def apply_expert_parallel(model: nn.Module, groups: ExpertGroups) -> list[str]:
+    """Split every MoE layer's routed experts over the ep dimension (in place; meta or real
+    weights) and route its tokens by all-to-all. Returns the names of the expert parameters."""
+    mesh = groups.mesh["ep"]
     names = []
     for layer_name, layer in model.layers.items():
         ffn = layer.feed_forward
@@ -141,15 +182,28 @@ def apply_expert_parallel(model: nn.Module, group: ProcessGroup, device_type: st
             sharded = distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=p.requires_grad))
             names.append(f"layers.{layer_name}.feed_forward.experts.{name}")
-        ffn.dispatcher = AllToAllDispatch(group, ffn.router.n_experts)
+        ffn.dispatcher = AllToAllDispatch(groups.ep, ffn.router.n_experts)
     return names
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Every MoE layer's routed experts (what FSDP shards over the expert mesh)."""
+    return [m.experts for m in model.modules() if isinstance(m, MoE)]
+
+
+EXPERT_SHARD_DIM = 1
+"""FSDP shards expert weights [E/ep, in, out] on `in`: dim 0 already holds ep's split, and a
+second split of it would be strided (`_StridedShard`), which resharding checkpoints across ep
+handles less well than two plain shards."""
 
 
 class ExpertShards:
     """The expert-parallel parameters (by name: materialising replaces the parameter objects) and
-    the group that holds the same experts on other ep groups."""
+    what their gradients still need after FSDP: the replicas' mean where FSDP has no dimension
+    to shard them over (`replicas`), and the division by ep that turns the ep group's sum over
+    its tokens into the data-parallel mean."""
 
-    def __init__(self, names: list[str], replicas: ProcessGroup, ep: int) -> None:
+    def __init__(self, names: list[str], replicas: ProcessGroup | None, ep: int) -> None:
         self.names, self.replicas, self.ep = names, replicas, ep
 
     def reduce_gradients(self, model: nn.Module) -> None:
@@ -192,15 +246,18 @@ def apply_sequence_shards(model: nn.Module, group: ProcessGroup, cp: int) -> Non
 
 
 @torch.no_grad()
-def reduce_expert_gradients(params: list[Tensor], replicas: ProcessGroup, ep: int) -> None:
-    """The data-parallel mean of the expert gradients: their mean over the replica group, / ep."""
+def reduce_expert_gradients(params: list[Tensor], replicas: ProcessGroup | None, ep: int) -> None:
+    """The data-parallel mean of the expert gradients (FSDP's mean over the expert mesh already
+    taken): their mean over `replicas` where FSDP took none, then / ep."""
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return
+    if replicas is None or dist.get_world_size(replicas) == 1:
+        torch._foreach_div_(grads, float(ep))
+        return
     flat = torch.cat([g.flatten() for g in grads])
-    if dist.get_world_size(replicas) > 1:
-        with spans.collective("all_reduce", replicas, flat):
-            dist.all_reduce(flat, group=replicas)
+    with spans.collective("all_reduce", replicas, flat):
+        dist.all_reduce(flat, group=replicas)
     flat /= dist.get_world_size(replicas) * ep
     offset = 0
     for g in grads:

@@ -135,14 +135,17 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"], chunks=cfg.parallel.tp_overlap_chunks)
         for stage in stages:  # the embedding and head are new modules now
             stage.register_modules()
-    experts = None
+    experts, expert_units = None, []
     if cfg.parallel.ep > 1:
         from depthscale.parallel import expert_parallel as ep
 
-        ep_group, replicas = ep.expert_groups(dims, cfg.parallel.ep)
         device_type = device.type if device is not None else mesh.device_type
-        names = ep.apply_expert_parallel(model, ep_group, device_type)
-        experts = ep.ExpertShards(names, replicas, cfg.parallel.ep)
+        expert_groups = ep.expert_groups(dims, cfg.parallel.ep, device_type)
+        names = ep.apply_expert_parallel(model, expert_groups)
+        experts = ep.ExpertShards(names, expert_groups.replicas, cfg.parallel.ep)
+        if expert_groups.fsdp_mesh is not None:  # FSDP shards them over the expert mesh
+            mesh_e, dim = expert_groups.fsdp_mesh, ep.EXPERT_SHARD_DIM
+            expert_units = [(m, mesh_e, dim) for m in ep.expert_modules(model)]
     if dims.cp * dims.tp > 1 and cfg.model.moe_experts:
         from depthscale.parallel.expert_parallel import apply_sequence_shards, row_group
 
@@ -184,7 +187,8 @@ def parallelize(
             reshard_after_forward=reshard and sharded,
             offload=offload,
             roots=stages or None,
-            leave=_named(model, experts.names) if experts is not None else None,
+            leave=_named(model, experts.names) if experts and not expert_units else None,
+            inner=expert_units,
         )
         whole = _names(model, whole)
         materialize(model, device, params_on_host=offload)

@@ -50,9 +50,11 @@ def ours(
     tp: int = 1,
     bf16_weights_gathered: bool = False,
     ep: int = 1,
+    experts_gathered: bool | None = None,
 ) -> Activations:
     """depthscale's model for one micro-batch of `tokens` (micro-batch × local sequence `seq`);
-    `ep`: expert parallelism, whose experts FSDP leaves (cast to bf16 per micro-batch)."""
+    `ep`: expert parallelism's split of the experts; `experts_gathered`: whether FSDP gathers
+    them in bf16 (default: as the other weights) — else a micro-batch keeps their bf16 casts."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {recompute!r}; allowed: {', '.join(RECOMPUTE_MODES)}")
     a = 2 if bf16 else F32
@@ -67,7 +69,9 @@ def ours(
     else:
         dense = [(3, 2 * d * d + 2 * d * kv, attention), (2, 3 * d * f, mlp)]
     dense_mm = kept_attention + n * a * (2 * f + d)  # and gate, up, down
-    moe = _moe(spec, n, a, bf16, casts or ep > 1, ep, tp) if spec.moe else None
+    if experts_gathered is None:
+        experts_gathered = bf16_weights_gathered
+    moe = _moe(spec, n, a, bf16, not experts_gathered, ep) if spec.moe else None
     norm_core = n * (F32 * d + F32 + a * d)  # fp32 input, rsqrt, x̂
     reads = _read_bytes(spec, n, a)
     per = len(dense)
@@ -110,13 +114,13 @@ class _MoE:
     shared_weights: float
     """Shared-expert parameters of this rank (cast to bf16 per micro-batch, like a dense FFN's)."""
     experts_cast: float
-    """The routed experts' bf16 copies a micro-batch keeps (their weights are not gathered in
-    bf16: no FSDP, or expert parallelism, which FSDP leaves)."""
+    """The routed experts' bf16 copies a micro-batch keeps (where FSDP does not gather them in
+    bf16: no FSDP, or expert parallelism with no other rank holding the same experts)."""
     matmul_outputs: float
     """What selective recompute keeps of it: the router's logits and the GEMMs' outputs."""
 
 
-def _moe(spec: ModelSpec, n: float, a: int, bf16: bool, cast: bool, ep: int, tp: int) -> _MoE:
+def _moe(spec: ModelSpec, n: float, a: int, bf16: bool, cast: bool, ep: int) -> _MoE:
     """The MoE FFN (`model/moe.py`) for `n` routed tokens, read off the code (and checked with
     saved-tensor hooks): in fp32 the router's scores [n, E], the top-k indices, the slot order and
     each slot's token (int64, n·k each), each slot's weight, three grouped-GEMM offsets [E]; the

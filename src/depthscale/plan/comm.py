@@ -18,7 +18,8 @@ layouts, op by op, as `parallel/` issues them:
   `parallel.grad_reduce_dtype`); under pipelines a
   stage keeps its gathered parameters for the step (`fsdp_reshard_after_forward = "auto"`), so
   each unit is gathered once and reduce-scattered once per step (`zero3`: gathered twice per
-  micro-batch, reduce-scattered once); HSDP all-reduces the reduced shards across replicas; the
+  micro-batch, reduce-scattered once); expert-parallel experts are units of their own, sharded
+  on dim 1 over the ranks holding the same experts; HSDP all-reduces the reduced shards across replicas; the
   layers' AttnRes queries, left whole, are averaged over all data ranks; DDP all-reduces fp32
   gradients (in C++).
 
@@ -36,7 +37,14 @@ from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import hop_tensors
 from depthscale.plan.spec import ModelSpec
-from depthscale.plan.states import ep_shape, fsdp_sharded, local_numel, rank_params
+from depthscale.plan.states import (
+    EXPERT_SHARD_DIM,
+    ep_shape,
+    expert_shard,
+    fsdp_sharded,
+    local_numel,
+    rank_params,
+)
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimensions, outermost first."""
@@ -134,14 +142,20 @@ def rank_payload(
     data = group(lay, "dp_replicate", "dp_shard", "cp")
     if lay.shard > 1:
         e_param = e if bf16 else 4
-        padded = sum(_padded(p, lay) for p in held if fsdp_sharded(p, lay))
-        out["all_gather", shard] += (
-            (1 if lay.pp > 1 and not lay.zero3 else m * 2) * padded * e_param
-        )
+        gathers = 1 if lay.pp > 1 and not lay.zero3 else m * 2
+        scatters = 1 if lay.pp > 1 else m
         g = reduce_bytes
-        out["reduce_scatter", shard] += (1 if lay.pp > 1 else m) * padded * g
-        if lay.dp_replicate > 1:
-            out["all_reduce", group(lay, "dp_replicate")] += padded // lay.shard * g
+        # FSDP's units: the dense weights over dp_shard × cp, expert-parallel experts over their
+        # own shard group (`expert_shard`)
+        units = [(shard, lay.shard, sum(_padded(p, lay) for p in held if fsdp_sharded(p, lay)))]
+        if lay.ep > 1 and expert_shard(lay) > 1:
+            padded = sum(_padded_experts(p, lay) for p in held if p.experts)
+            units.append((expert_group(lay), expert_shard(lay), padded))
+        for grp, size, padded in units:
+            out["all_gather", grp] += gathers * padded * e_param
+            out["reduce_scatter", grp] += scatters * padded * g
+            if lay.dp_replicate > 1:
+                out["all_reduce", group(lay, "dp_replicate")] += padded // size * g
     elif lay.dp_replicate > 1:
         whole = sum(math.prod(p.shape) for p in held if fsdp_sharded(p, lay))
         out["all_reduce(ddp)", group(lay, "dp_replicate")] += whole * reduce_bytes
@@ -160,8 +174,9 @@ def moe_payload(spec: ModelSpec, lay: Layout, held, passes: int, tokens: int, e:
     expert) and the routed rows out (tokens·k) and back; backward sends both again. The rows
     that come back and the gradients sent back are those that arrived, tokens·k when routing is
     balanced (over an ep group the sums are exact whatever the routing). Recompute runs the
-    forward's exchanges again. Then the expert gradients are averaged over the replicas (fp32),
-    and under cp/tp each pass sums the auxiliary loss's counts over the rows' ranks."""
+    forward's exchanges again. Where FSDP has no expert shard group (dp_shard = ep, no cp), the
+    expert gradients are averaged over the replicas by hand (fp32); under cp/tp each pass sums
+    the auxiliary loss's counts over the rows' ranks."""
     out: Counter = Counter()
     forwards = 2 if lay.recompute != "none" else 1
     rows = tokens * spec.moe_top_k * spec.dim * e
@@ -170,16 +185,27 @@ def moe_payload(spec: ModelSpec, lay: Layout, held, passes: int, tokens: int, e:
         out["all_to_all", group(lay, "dp_shard")] += passes * (
             forwards * (counts + 2 * rows) + 2 * rows
         )
-        replicas = [d for d in ("dp_replicate", "cp") if dim_sizes(lay)[d] > 1]
-        if lay.dp_shard // lay.ep > 1:
-            replicas.append("dp_shard")
-        if replicas:
+        if expert_shard(lay) == 1 and lay.dp_replicate > 1:  # no FSDP: averaged by hand
             experts = sum(math.prod(ep_shape(p, lay)) for p in held if p.experts)
-            out["all_reduce", group(lay, *replicas)] += experts * 4
+            out["all_reduce", group(lay, "dp_replicate")] += experts * 4
     rows_group = group(lay, "cp", "tp")
     if rows_group and spec.moe_aux:
         out["all_reduce", rows_group] += passes * forwards * (spec.moe_experts + 1) * 4
     return out
+
+
+def expert_group(lay: Layout) -> str | None:
+    """The label of an expert shard group: the dimensions it spans (part of dp_shard, cp)."""
+    return group(lay, *(["dp_shard"] if lay.dp_shard > lay.ep else []), "cp")
+
+
+def _padded_experts(p, lay: Layout) -> int:
+    """Elements of an expert-parallel weight's FSDP shard times its group's size (dim 1 padded
+    to equal lengths)."""
+    shape = list(ep_shape(p, lay))
+    n = expert_shard(lay)
+    shape[EXPERT_SHARD_DIM] = math.ceil(shape[EXPERT_SHARD_DIM] / n) * n
+    return math.prod(shape)
 
 
 def _padded(p, lay: Layout) -> int:

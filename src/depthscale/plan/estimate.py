@@ -192,7 +192,7 @@ def estimate(
         est.peak_in_flight = (1,)
 
     # -- data parallel and optimizer ---------------------------------------------------------
-    dp_bytes, dp_time = _dp_comm(c, lay, fw, params.fsdp)
+    dp_bytes, dp_time = _dp_comm(c, lay, fw, params)
     window = lay.v * b_stage[0]  # the last micro-batch's backward on this rank
     exposed_dp = max(dp_time / 8, dp_time - window) if fw.dp_overlap else dp_time
     expert_bytes, expert_s = experts.expert_reduce(c, lay, params.experts)
@@ -283,7 +283,7 @@ def _layer_times(
         traffic = scores * UNFUSED_SCORE_BYTES / (c.hbm_bw * c.memory_efficiency)
         attn_f, attn_b = bmm + traffic, 2 * (bmm + traffic)
     if fw.ours:
-        acts = activations.ours(s, tokens, seq_local, e == 2, "none", lay.tp, True, lay.ep)
+        acts = activations.ours(s, tokens, seq_local, e == 2, "none", lay.tp, True, lay.ep, True)
         kept = acts.layers[s.moe_layers[0] if moe else 0]
     else:
         kept = activations.megatron(s, lay.micro_batch, seq_local, lay.tp, lay.tp > 1, "none")
@@ -394,64 +394,72 @@ def _fsdp(
     (`_dp_comm`)."""
     if not fw.ours or lay.shard == 1:
         return _Fsdp()
-    sh = lay.shard
-    layer = params.fsdp_per_layer()  # expert-parallel experts are not FSDP's
-    gather = layer * e  # payloads: the gathered layer, its gradients in the reduction dtype
-    scatter = layer * fw.reduce_bytes
-    root = (s.embedding_params() + s.head_params()) / lay.tp * e
     inter = lay.tp * lay.cp * lay.dp_shard > c.gpus_per_node
-    part = (sh - 1) / sh
     # FSDP2 copies a gathered buffer out into the parameters, and gradients into one to scatter
     copy = 2 / (c.hbm_bw * c.memory_efficiency)
-    gather_s = c.op_time("all_gather", gather, sh, inter) + copy * gather
+    gather = gather_s = scatter = scatter_s = 0.0  # bytes on the wire, seconds; per layer
+    for elements, n in _fsdp_units(params, lay, per_layer=True):
+        part = (n - 1) / n
+        gather += part * elements * e
+        gather_s += c.op_time("all_gather", elements * e, n, inter) + copy * elements * e
+        g = elements * fw.reduce_bytes
+        scatter += part * g
+        scatter_s += c.op_time("reduce_scatter", g, n, inter) + copy * g
+    sh = lay.shard
+    root = (s.embedding_params() + s.head_params()) / lay.tp * e
     root_s = c.op_time("all_gather", root, sh, inter) + copy * root
+    root *= (sh - 1) / sh
     if lay.pp > 1 and not lay.zero3:
         layers = s.n_layers // lay.pp
         return _Fsdp(
-            step=part * (layers * gather + root),
+            step=layers * gather + root,
             step_s=layers * gather_s + root_s,
             first_s=gather_s + root_s,
         )
     if lay.pp > 1:  # zero3: gathered per micro-batch, reduce-scattered once at the step's end
-        scatter = 0.0
-    scatter_s = c.op_time("reduce_scatter", scatter, sh, inter) + copy * scatter
-    return _Fsdp(
-        part * gather,
-        part * (gather + scatter),
-        part * root,
-        gather_s,
-        gather_s + scatter_s,
-        root_s,
-    )
+        scatter = scatter_s = 0.0
+    return _Fsdp(gather, gather + scatter, root, gather_s, gather_s + scatter_s, root_s)
 
 
-def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: float) -> tuple[float, float]:
+def _fsdp_units(params: RankParams, lay: Layout, per_layer: bool) -> list[tuple[float, int]]:
+    """(elements, ranks sharded over) of what FSDP shards on this rank — the dense weights over
+    dp_shard × cp, expert-parallel experts over their own shard group — per layer or in all."""
+    dense = params.fsdp_per_layer() if per_layer else params.fsdp
+    units = [(dense, lay.shard)]
+    if params.experts and params.expert_shard > 1:
+        experts = params.experts_per_layer() if per_layer else params.experts
+        units.append((experts, params.expert_shard))
+    return units
+
+
+def _dp_comm(c: Cluster, lay: Layout, fw: Framework, params: RankParams) -> tuple[float, float]:
     """(bytes on the wire, seconds) of the gradient reduction at the end of a step: FSDP's
     deferred reduce-scatter (pipelines), the all-reduce across HSDP replicas, DDP's all-reduce
     (fp32, in buckets), or Megatron's all-reduce / distributed-optimizer reduce-scatter and
-    gather; `params`: what FSDP or DDP reduces."""
+    gather."""
     inter = lay.tp * lay.cp * lay.dp > c.gpus_per_node
     sent = seconds = 0.0
     if fw.ours and lay.shard > 1:
-        sh = lay.shard
         g = fw.reduce_bytes
-        if lay.pp > 1:
-            sent += (sh - 1) / sh * params * g
-            seconds += c.op_time("reduce_scatter", params * g, sh, inter)
-        if lay.dp_replicate > 1:
-            r = lay.dp_replicate
-            sent += 2 * (r - 1) / r * params / sh * g
-            seconds += c.op_time("all_reduce", params / sh * g, r, True)
+        for elements, sh in _fsdp_units(params, lay, per_layer=False):
+            if lay.pp > 1:
+                sent += (sh - 1) / sh * elements * g
+                seconds += c.op_time("reduce_scatter", elements * g, sh, inter)
+            if lay.dp_replicate > 1:
+                r = lay.dp_replicate
+                sent += 2 * (r - 1) / r * elements / sh * g
+                seconds += c.op_time("all_reduce", elements / sh * g, r, True)
     elif lay.dp > 1:
+        total = params.total
         d = lay.dp
         if lay.zero1:
-            grads, weights = params * fw.reduce_bytes, params * fw.weight_bytes
+            grads, weights = total * fw.reduce_bytes, total * fw.weight_bytes
             sent += (d - 1) / d * (grads + weights)
             buckets = max(1.0, grads / DDP_BUCKET_BYTES)
             seconds += c.op_time("reduce_scatter", grads, d, inter, buckets)
             seconds += c.op_time("all_gather", weights, d, inter, buckets)
         else:
-            grads = params * fw.reduce_bytes
+            grads = total * fw.reduce_bytes
             sent += 2 * (d - 1) / d * grads
             buckets = max(1.0, grads / DDP_BUCKET_BYTES)
             seconds += c.op_time("all_reduce", grads, d, inter, buckets)

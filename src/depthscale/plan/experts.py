@@ -9,7 +9,9 @@
   outputs back, after a small all-to-all of row counts; backward runs both exchanges again, and a
   recompute re-runs the forward's. They block: the experts need their rows and the combine needs
   the outputs, so all of it shows.
-- **The experts' gradient mean** over the ranks holding the same experts, once per step (fp32).
+- **The experts' FSDP traffic** over the ranks holding the same experts ((dp_shard / ep) × cp): the
+  estimate's `_fsdp` gathers and scatters them with the layers; where there are no such ranks,
+  their gradient mean over the replicas, once per step (fp32).
 
 Bytes are `plan/comm.py`'s (`moe_payload`), which `tests/dist/test_plan_comm.py` counts on gloo.
 """
@@ -77,16 +79,11 @@ def all_to_all_bytes(s: ModelSpec, lay: Layout, tokens: int, e: int, passes: int
     return passes * (forwards * (s.moe_experts * COUNT_BYTES + 2 * rows) + 2 * rows)
 
 
-def expert_replicas(lay: Layout) -> int:
-    """Ranks holding the same experts: the other ep groups (dp_shard / ep), cp and replicas."""
-    return lay.dp_shard // lay.ep * lay.cp * lay.dp_replicate
-
-
 def expert_reduce(c: Cluster, lay: Layout, experts: float) -> tuple[float, float]:
-    """(bytes on the wire, seconds) of the experts' fp32 gradient mean over their replicas."""
-    n = expert_replicas(lay)
-    if lay.ep == 1 or n == 1 or not experts:
+    """(bytes on the wire, seconds) of the experts' fp32 gradient mean over the replicas, where
+    FSDP has no expert shard group to reduce them in (dp_shard = ep, no cp)."""
+    n = lay.dp_replicate
+    if lay.ep == 1 or lay.dp_shard // lay.ep * lay.cp > 1 or n == 1 or not experts:
         return 0.0, 0.0
-    inter = lay.tp * lay.cp * lay.dp > c.gpus_per_node
     payload = experts * 4
-    return 2 * (n - 1) / n * payload, c.op_time("all_reduce", payload, n, inter)
+    return 2 * (n - 1) / n * payload, c.op_time("all_reduce", payload, n, True)

@@ -3,7 +3,8 @@
 Model states follow `plan/states.py`'s placement in closed form (the search evaluates thousands of
 layouts): tensor parallelism splits the dense weights, FSDP shards what it wraps over
 dp_shard × cp, and expert parallelism splits an MoE layer's routed experts over ep — which FSDP
-then leaves whole — while the experts, like the router, are replicated over tp.
+then shards over the ranks holding the same experts ((dp_shard / ep) × cp) — while the experts,
+like the router, are replicated over tp.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ class RankParams:
     """Parameters on the fullest pipeline rank (the first: it holds the embedding), after tp."""
 
     fsdp: float
-    """What FSDP shards (everything, without expert parallelism)."""
+    """What FSDP shards over dp_shard × cp (everything, without expert parallelism)."""
     experts: float
-    """Expert-parallel experts: this rank's E/ep of each MoE layer, not sharded by FSDP."""
+    """Expert-parallel experts: this rank's E/ep of each MoE layer, before FSDP shards them over
+    `expert_shard` ranks."""
     layers: int
     """Layers on the rank."""
     ends: float
     """Of `fsdp`, the embedding and (without pipelining) the final norm, output read and head."""
     moe_layers: int = 0
     """Of `layers`, the MoE layers."""
+    expert_shard: int = 1
+    """Ranks FSDP shards `experts` over."""
 
     @property
     def total(self) -> float:
@@ -39,7 +43,11 @@ class RankParams:
 
     def states(self, shard: int) -> float:
         """Elements of model states the rank keeps under FSDP over `shard` ranks."""
-        return self.fsdp / shard + self.experts
+        return self.fsdp / shard + self.experts / self.expert_shard
+
+    def experts_per_layer(self) -> float:
+        """Expert-parallel experts FSDP gathers for one layer, on average over the rank's."""
+        return self.experts / max(self.layers, 1)
 
     def fsdp_per_layer(self) -> float:
         """What FSDP gathers for one layer, on average over the rank's layers."""
@@ -58,7 +66,8 @@ def rank_params(s: ModelSpec, lay: Layout) -> RankParams:
     fsdp = dense / lay.tp + ends
     moe_layers = sum(i in s.moe_layers for i in mine)
     if lay.ep > 1:
-        return RankParams(fsdp, experts / lay.ep, len(mine), ends, moe_layers)
+        shard = lay.dp_shard // lay.ep * lay.cp
+        return RankParams(fsdp, experts / lay.ep, len(mine), ends, moe_layers, shard)
     return RankParams(fsdp + experts, 0.0, len(mine), ends, moe_layers)
 
 
@@ -96,6 +105,7 @@ def memory(
             lay.tp,
             bf16_weights_gathered=lay.shard > 1,
             ep=lay.ep,
+            experts_gathered=params.expert_shard > 1 if lay.ep > 1 else lay.shard > 1,
         )
         chunk_bytes = acts.of_layers(range(per_chunk))
         if s.moe:  # layers differ (dense first layers, every k-th MoE): the rank's mean chunk
@@ -122,10 +132,12 @@ def memory(
     if fw.ours and lay.shard > 1 and lay.pp > 1:
         # a stage accumulates unsharded fp32 gradients until the step's reduce-scatter, and keeps
         # its gathered weights for the step (zero3: two gathered layers, one prefetched)
-        gathered = 2 * layer_local * e if lay.zero3 else params.fsdp * e
-        transient += gathered + params.fsdp * 4
+        layer_local += params.experts_per_layer()
+        whole = params.fsdp + params.experts
+        gathered = 2 * layer_local * e if lay.zero3 else whole * e
+        transient += gathered + whole * 4
     elif fw.ours and lay.shard > 1:  # two gathered layers (one prefetched), one unsharded grad
-        transient += layer_local * (2 * e + 4)
+        transient += (layer_local + params.experts_per_layer()) * (2 * e + 4)
     return {
         "weights": weights,
         "grads": grads,
