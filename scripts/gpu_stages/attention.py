@@ -12,6 +12,10 @@
   and without a window, against full causal: FlashAttention-2's varlen kernel computes nothing
   across documents, so ~1/8 of full causal; and a ring tile under a per-row document bias
   [B, 1, Tq, Tk] (the memory-efficient op) against the fp32 reference.
+- unfused: Megatron's attention with its scores in memory (QKᵀ, softmax, dropout 0.1, PV) in bf16
+  at GPT-sized heads and two micro-batches, less the same GEMMs alone: the bytes/s its score
+  passes reach against the bytes per score element `plan/kernels.py` charges (13 forward, 19
+  backward) — the planner's check of that charge on an H100/H200 (issue #42, mechanism 2).
 
 Each names the path depthscale chose (`path`), the backends its kernels belong to (from the
 profiler's kernel names) and its launches per forward + backward, and checks its output against
@@ -32,6 +36,8 @@ REAL = {"B": 2, "H": 32, "Hkv": 8, "T": 4096, "d": 64, "window": 512, "tile": 20
 DRY = {"B": 1, "H": 4, "Hkv": 2, "T": 128, "d": 16, "window": 32, "tile": 64,
        "T_err": 128, "warmup": 1, "reps": 2}  # fmt: skip
 BOUND = 2e-2
+REAL_UNFUSED = {"heads": 32, "T": 2048, "d": 128, "micro_batches": (1, 4), "warmup": 2, "reps": 5}
+DRY_UNFUSED = {"heads": 2, "T": 64, "d": 16, "micro_batches": (1, 2), "warmup": 1, "reps": 2}
 
 
 def run(ctx: Context) -> None:
@@ -40,6 +46,7 @@ def run(ctx: Context) -> None:
     ctx.measure("window", lambda: window(ctx, shapes, full))
     ctx.measure("ring_tile", lambda: ring_tile(ctx, shapes))
     ctx.measure("documents", lambda: documents(ctx, shapes, full))
+    ctx.measure("unfused", lambda: unfused(ctx, DRY_UNFUSED if ctx.dry_run else REAL_UNFUSED))
 
 
 def _qkv(ctx: Context, s: dict, T: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -211,4 +218,38 @@ def documents(ctx: Context, s: dict, full: dict | None) -> dict[str, Any]:
     values["ring_tile"] = {"path": tiles.path(q, mask), "rel_err": sig(tile_err, 3)}
     if not tile_err <= BOUND:
         raise OutOfBounds(f"document tile rel error {tile_err:.2e} > {BOUND:.0e}", values)
+    return values
+
+
+def unfused(ctx: Context, s: dict) -> dict[str, Any]:
+    from depthscale.plan.kernels import UnfusedAttention
+
+    charge = UnfusedAttention(2, True)
+    per_score = charge.forward_bytes + charge.backward_bytes
+    values: dict[str, Any] = {"bytes_per_score": [charge.forward_bytes, charge.backward_bytes]}
+    rows = []
+    for mb in s["micro_batches"]:
+        gen = torch.Generator(ctx.device).manual_seed(mb)
+        shape = (mb * s["heads"], s["T"], s["d"])
+        q, k, v = (
+            torch.randn(shape, generator=gen, device=ctx.device).to(torch.bfloat16).requires_grad_()
+            for _ in range(3)
+        )
+        grad = torch.randn(shape, generator=gen, device=ctx.device).to(torch.bfloat16)
+
+        def attention(score_passes: bool, q=q, k=k, v=v, grad=grad):
+            probs = torch.bmm(q, k.transpose(1, 2))
+            if score_passes:  # else the GEMMs alone: the passes cost the difference
+                probs = torch.native_dropout(torch.softmax(probs, dim=-1), 0.1, True)[0]
+            torch.autograd.grad(torch.bmm(probs, v), (q, k, v), grad)
+
+        full = time_ms(ctx, lambda: attention(True), s["warmup"], s["reps"])
+        gemms = time_ms(ctx, lambda: attention(False), s["warmup"], s["reps"])
+        scores = mb * s["heads"] * s["T"] ** 2
+        passes_s = max(full - gemms, 1e-6) / 1e3
+        rows.append({
+            "micro_batch": mb, "fwd_bwd_ms": sig(full), "gemms_ms": sig(gemms),
+            "score_passes_GBps": sig(scores * per_score / passes_s / 1e9, 4),
+        })  # fmt: skip
+    values["rows"] = rows
     return values

@@ -16,14 +16,12 @@ from dataclasses import dataclass, field
 from depthscale.plan import activations, experts
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.hardware import Cluster
+from depthscale.plan.kernels import UnfusedAttention
 from depthscale.plan.layout import Layout
 from depthscale.plan.memory import RankParams, memory, rank_params
 from depthscale.plan.pipeline import closed_form, hop_tensors, pipeline_time
 from depthscale.plan.spec import ModelSpec
 
-UNFUSED_SCORE_BYTES = 12.0
-"""Memory traffic per attention-score element in an unfused forward (scores written, softmax read
-and written, dropout read and written with its mask, probabilities read by AV); backward 2×."""
 ELEMENTWISE_PASSES = 2.0
 """Memory-bound traffic of a forward per byte it keeps for backward (each written once, read once
 by the next op); backward moves twice the forward's."""
@@ -280,8 +278,10 @@ def _layer_times(
         flops = 4 * lay.micro_batch * seq_local * keys * heads_dim
         scores = lay.micro_batch * s.n_heads / lay.tp * seq_local * keys
         bmm = flops / c.gemm_flops(w.dtype, min(seq_local, s.head_dim))
-        traffic = scores * UNFUSED_SCORE_BYTES / (c.hbm_bw * c.memory_efficiency)
-        attn_f, attn_b = bmm + traffic, 2 * (bmm + traffic)
+        kernels = UnfusedAttention(e, fw.attention_dropout)  # the scores' passes: plan.kernels
+        hbm = c.hbm_bw * c.memory_efficiency
+        attn_f = bmm + scores * kernels.forward_bytes / hbm
+        attn_b = 2 * bmm + scores * kernels.backward_bytes / hbm
     if fw.ours:
         acts = activations.ours(s, tokens, seq_local, e == 2, "none", lay.tp, True, lay.ep, True)
         kept = acts.layers[s.moe_layers[0] if moe else 0]

@@ -28,6 +28,9 @@ class Framework:
     reduce_bytes: int = 4
     """Bytes per gradient element the data-parallel reduction moves (reduce-scatter, all-reduce):
     4 for fp32, 2 for a bf16/fp16 reduction (`with_reduce_dtype`)."""
+    attention_dropout: bool = False
+    """Dropout on the attention probabilities (its traffic counts where scores live in memory:
+    `plan.kernels`)."""
 
     def with_reduce_dtype(self, dtype: str) -> Framework:
         """This framework reducing gradients in `dtype` ('float32' or 'bfloat16'). depthscale
@@ -45,10 +48,22 @@ DEPTHSCALE = Framework("depthscale", 4, 4, 0, 8, "flash", True, True, True, True
 """fp32 sharded weights under bf16 autocast (FSDP gathers bf16), fp32 gradients and moments;
 TP all-gathers and reduce-scatters overlapped with the GEMMs, P2P posted ahead, FSDP prefetch."""
 MEGATRON_2022 = Framework(
-    "megatron", 2, 4, 4, 8, "unfused", False, False, False, False, cp_overlap=False
+    "megatron",
+    2,
+    4,
+    4,
+    8,
+    "unfused",
+    False,
+    False,
+    False,
+    False,
+    cp_overlap=False,
+    attention_dropout=True,
 )
 """bf16 weights, fp32 main gradients, fp32 master weights and moments (18 B/param); softmax
-over materialised scores; no overlap of TP, PP or DP communication with compute."""
+over materialised scores, with GPT-3's attention dropout; no overlap of TP, PP or DP
+communication with compute."""
 MEGASCALE = Framework("megascale", 2, 4, 4, 8, "flash", True, True, True, False)
 """Megatron's memory with MegaScale's overlap of TP, PP and DP communication and fused kernels."""
 
