@@ -75,6 +75,7 @@ def _pipeline_parity(
     tie=False,
     recompute="none",
     offload=None,
+    ends=0,
 ):
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = _cfg(residual, n_layers, read, tie)
@@ -84,8 +85,10 @@ def _pipeline_parity(
     ref, ref_loss = _reference(cfg, tokens, labels)
     torch.manual_seed(0)
     model = Transformer(cfg)
-    stages = build_stages(model, rank, world, virtual)
-    depth_cache = DepthCache(cfg, split_layers(n_layers, world * virtual), world, enabled=cache)
+    stages = build_stages(model, rank, world, virtual, ends)
+    split = split_layers(n_layers, world * virtual, ends)
+    assert list(stages[0].spec.split) == split
+    depth_cache = DepthCache(cfg, split, world, enabled=cache)
     runtime = PipelineRuntime(
         stages, build_schedule(schedule, world, virtual, MICRO), dist.group.WORLD, depth_cache
     )
@@ -135,6 +138,15 @@ def test_pipeline_matches_single_process(
 ):
     results = dist_pool(world).run(_pipeline_parity, residual, n_layers, virtual, schedule, cache)
     _check_parity(results, residual, n_layers)
+
+
+def test_lighter_end_stages_match_single_process(dist_pool):
+    """`parallel.pp_ends_fewer_layers = 1`: 6 layers over 2 ranks × 2 stages as 1, 2, 2, 1 (the
+    first and last stage lighter, as Llama 3 405B's), Block AttnRes with the cross-stage cache
+    planning its hops over the uneven split: the step equals one process's."""
+    args = ("block", 6, 2, "1f1b", True, "two_phase", False, "none", None, 1)  # ends = 1
+    results = dist_pool(2).run(_pipeline_parity, *args)
+    _check_parity(results, "block", 6)
 
 
 @pytest.mark.parametrize("cache", [True, False])

@@ -132,6 +132,23 @@ CONFIG_CASES = [
     (["--nproc", "2"], "but --nproc is 2"),
     (["--parallel.tp", "2"], "add --nproc 2"),
     (["--parallel.pp_virtual", "2"], "parallel.pp_virtual=2 needs parallel.pp > 1"),
+    (
+        ["--nproc", "2", "--parallel.pp", "2", "--parallel.pp_ends_fewer_layers", "1"],
+        "needs a middle stage to give the layers to",
+    ),
+    (
+        [
+            "--nproc",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_virtual",
+            "2",
+            "--parallel.pp_ends_fewer_layers",
+            "2",
+        ],
+        "cannot leave the end stages 2 fewer than the others; allowed: 0..1",
+    ),
     (["--nproc", "2", "--parallel.tp", "2", "--data.seq_len", "33"], "seq_len=33"),
     (["--data.path", "/no/such/corpus.txt"], "data.path='/no/such/corpus.txt' does not exist"),
     (["--logging.profile_steps", "5-3"], "logging.profile_steps='5-3' is not allowed"),

@@ -133,3 +133,20 @@ def test_compute_phases_split_warmup_steady_cooldown():
     from depthscale.parallel.pipeline.schedules import forward_only
 
     assert set(compute_phases(forward_only(2, 1, 4)[0])) == {"warmup"}
+
+
+def test_lighter_end_stages_give_their_layers_to_the_middle():
+    """`split_layers(..., ends_fewer)`: Llama 3 405B's 126 layers on 128 one-layer stages leave
+    the first and last empty; otherwise the ends hold `ends_fewer` layers fewer than a balanced
+    split of n + 2·ends_fewer, and an end that cannot give them up is refused."""
+    from depthscale.parallel.pipeline.schedules import split_layers
+
+    llama = [len(r) for r in split_layers(126, 128, 1)]
+    assert llama[0] == llama[-1] == 0 and set(llama[1:-1]) == {1}
+    assert [len(r) for r in split_layers(10, 4, 1)] == [2, 3, 3, 2]
+    assert [len(r) for r in split_layers(10, 4)] == [3, 3, 2, 2]
+    ranges = split_layers(30, 6, 2)
+    assert ranges[0].start == 0 and ranges[-1].stop == 30
+    assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+    with pytest.raises(ValueError, match="fewer than 2 layers to give up"):
+        split_layers(2, 4, 2)

@@ -301,6 +301,10 @@ class ParallelConfig:
     pp: int = 1
     pp_virtual: int = 1
     """Virtual pipeline stages per rank (interleaved 1F1B when > 1)."""
+    pp_ends_fewer_layers: int = 0
+    """The first and the last pipeline stage hold this many layers fewer than the others: they
+    also run the embedding and the head, and the first keeps the most micro-batches in flight
+    (Llama 3 405B: 1, 126 layers on 16 ranks × 8 one-layer stages). 0: a balanced split."""
     ep: int = 1
     """Expert parallelism (MoE): the routed experts are split over groups of this many dp_shard
     ranks, tokens reach them by all-to-all (`parallel/expert_parallel.py`); a slice of the

@@ -34,12 +34,45 @@ def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
         raise ConfigError(f"parallel.pp_virtual={virtual} needs parallel.pp > 1")
 
 
+def _check_stage_split(cfg: Config) -> None:
+    """parallel.pp_ends_fewer_layers: >= 0, with a pipeline, and leaving no end stage negative."""
+    from depthscale.parallel.pipeline.schedules import split_layers
+
+    p, key = cfg.parallel, "parallel.pp_ends_fewer_layers"
+    e = p.pp_ends_fewer_layers
+    if e < 0:
+        raise ConfigError(f"{key}={e} must be >= 0 (0: a balanced split)")
+    stages = p.pp * p.pp_virtual
+    if e and stages < 3:
+        raise ConfigError(
+            f"{key}={e} needs a middle stage to give the layers to: parallel.pp × pp_virtual >= 3 "
+            f"(got {stages})"
+        )
+    if e:
+        n = cfg.model.n_layers
+
+        def fits(k: int) -> bool:
+            try:
+                split_layers(n, stages, k)
+            except ValueError:
+                return False
+            return True
+
+        if not fits(e):
+            most = max(k for k in range(e) if fits(k))
+            raise ConfigError(
+                f"{key}={e}: {n} layers over {stages} pipeline stages cannot leave the end stages "
+                f"{e} fewer than the others; allowed: 0..{most}"
+            )
+
+
 def check_layout(cfg: Config) -> None:
     """Every rule a worker would enforce for the layout in `cfg`, from the config alone, so the
     launching process reports a bad layout once, before any worker starts (pure: no process group)."""
     p = cfg.parallel
     dims = ParallelDims.from_config(p)
     check_supported(dims, p.pp_virtual)
+    _check_stage_split(cfg)
     # cp: zigzag pads every sequence to a multiple of 2·cp (RoPE must cover it), then shards it
     padded = (
         -(-cfg.data.seq_len // (2 * dims.cp)) * 2 * dims.cp if dims.cp > 1 else cfg.data.seq_len
@@ -128,7 +161,10 @@ def parallelize(
     if dims.pp > 1:
         from depthscale.parallel.pipeline.stage import build_stages
 
-        stages = build_stages(model, mesh.get_local_rank("pp"), dims.pp, cfg.parallel.pp_virtual)
+        p = cfg.parallel
+        stages = build_stages(
+            model, mesh.get_local_rank("pp"), dims.pp, p.pp_virtual, p.pp_ends_fewer_layers
+        )
     if dims.tp > 1:
         from depthscale.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -40,7 +40,7 @@ class Pipeline:
         self.stages = stages
         self.group = mesh["pp"].get_group()
         self.ranks, virtual = mesh.size(mesh.mesh_dim_names.index("pp")), len(stages)
-        layers = split_layers(cfg.n_layers, self.ranks * virtual)
+        layers = list(stages[0].spec.split) or split_layers(cfg.n_layers, self.ranks * virtual)
         self.cache = DepthCache(cfg, layers, self.ranks, enabled=True)
         self.train = PipelineRuntime(
             stages, interleaved_1f1b(self.ranks, virtual, microbatches), self.group, self.cache

@@ -67,16 +67,35 @@ class Layout:
 Schedule = list[list[Action]]
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
+def split_layers(n_layers: int, n_stages: int, ends_fewer: int = 0) -> list[range]:
     """Contiguous, balanced layer ranges; earlier stages take the remainder. With fewer layers than
-    stages the trailing stages are empty and just pass the depth state on (the last adds the head)."""
-    base, extra = divmod(n_layers, n_stages)
+    stages the trailing stages are empty and just pass the depth state on (the last adds the head).
+
+    `ends_fewer`: the first and the last stage take that many layers fewer than a balanced split
+    of n + 2·ends_fewer would give them — they also run the embedding and the head, and the first
+    keeps the most micro-batches in flight (Llama 3 405B: 126 layers on 16 × 8 one-layer stages,
+    the first and the last empty)."""
+    if n_stages == 1 or ends_fewer == 0:
+        sizes = _balanced(n_layers, n_stages)
+    else:
+        sizes = _balanced(n_layers + 2 * ends_fewer, n_stages)
+        sizes[0] -= ends_fewer
+        sizes[-1] -= ends_fewer
+        if min(sizes[0], sizes[-1]) < 0:
+            raise ValueError(
+                f"{n_layers} layers over {n_stages} stages leave the end stages fewer than "
+                f"{ends_fewer} layers to give up"
+            )
     bounds, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
+    for size in sizes:
         bounds.append(range(start, start + size))
         start += size
     return bounds
+
+
+def _balanced(n: int, parts: int) -> list[int]:
+    base, extra = divmod(n, parts)
+    return [base + (1 if s < extra else 0) for s in range(parts)]
 
 
 def gpipe(ranks: int, microbatches: int) -> Schedule:

@@ -54,6 +54,8 @@ class StageSpec:
     stage: int
     n_stages: int
     layers: range
+    split: tuple[range, ...] = ()
+    """Every stage's layers (the depth cache plans hops with them)."""
 
     @property
     def is_first(self) -> bool:
@@ -124,13 +126,16 @@ class PipelineStage(nn.Module):
 
 
 def build_stages(
-    model: Transformer, pp_rank: int, pp_size: int, virtual: int
+    model: Transformer, pp_rank: int, pp_size: int, virtual: int, ends_fewer: int = 0
 ) -> list[PipelineStage]:
-    """This rank's stages (rank r holds stages r, r+P, ...); drops the layers it does not run."""
+    """This rank's stages (rank r holds stages r, r+P, ...); drops the layers it does not run.
+    `ends_fewer`: the first and last stage hold that many layers fewer (`split_layers`)."""
     cfg = model.cfg
     n_stages = pp_size * virtual
-    ranges = split_layers(cfg.n_layers, n_stages)
-    specs = [StageSpec(s, n_stages, ranges[s]) for s in range(pp_rank, n_stages, pp_size)]
+    ranges = split_layers(cfg.n_layers, n_stages, ends_fewer)
+    specs = [
+        StageSpec(s, n_stages, ranges[s], tuple(ranges)) for s in range(pp_rank, n_stages, pp_size)
+    ]
     keep = {str(i) for spec in specs for i in spec.layers}
     for name in [k for k in model.layers if k not in keep]:
         del model.layers[name]
