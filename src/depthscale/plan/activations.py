@@ -211,12 +211,20 @@ def _boundary(spec: ModelSpec, layer: int, n: float, a: int, selective: bool) ->
 
 
 def megatron(
-    spec: ModelSpec, micro_batch: int, seq: int, tp: int, sp: bool, recompute: str
+    spec: ModelSpec,
+    micro_batch: int,
+    seq: int,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    flash: bool = False,
 ) -> float:
-    """Korthikanti et al. 2022, Table 2: one GPT layer's bf16 activations for one micro-batch."""
+    """Korthikanti et al. 2022, Table 2: one GPT layer's bf16 activations for one micro-batch.
+    `flash`: a fused attention kernel keeps no score matrix — the 5·a·s/h term (softmax output,
+    dropout mask and output, QKᵀ) is not there, only the kernel's per-row statistics."""
     s, b, hdim, heads = seq, micro_batch, spec.dim, spec.n_heads
     sbh = s * b * hdim
-    scores = 5 * heads * s / hdim
+    scores = 0.0 if flash else 5 * heads * s / hdim
     if recompute == "full":
         return 2 * sbh / (tp if sp else 1)
     if recompute == "selective":

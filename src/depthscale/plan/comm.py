@@ -83,7 +83,7 @@ def rank_payload(
     d = spec.dim
     chunks = lay.pp * lay.v
     mine = list(range(pp_rank, chunks, lay.pp))
-    ranges = split_layers(spec.n_layers, chunks)
+    ranges = split_layers(spec.n_layers, chunks, lay.ends)
     layers = sum(len(ranges[c]) for c in mine)
     first, last = 0 in mine, chunks - 1 in mine
     held = rank_params(spec, lay, pp_rank)

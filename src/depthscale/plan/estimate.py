@@ -19,7 +19,7 @@ from depthscale.plan.hardware import Cluster
 from depthscale.plan.kernels import UnfusedAttention
 from depthscale.plan.layout import Layout
 from depthscale.plan.memory import RankParams, memory, rank_params
-from depthscale.plan.pipeline import closed_form, hop_tensors, pipeline_time
+from depthscale.plan.pipeline import chunk_layers, closed_form, hop_tensors, pipeline_time
 from depthscale.plan.spec import ModelSpec
 
 ELEMENTWISE_PASSES = 2.0
@@ -93,8 +93,14 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         return f"tp {lay.tp} > {c.gpus_per_node} GPUs per node"
     if s.n_heads % lay.tp or s.kv_heads % lay.tp:
         return f"tp {lay.tp} does not divide {s.n_heads} heads / {s.kv_heads} kv heads"
-    if s.n_layers % (lay.pp * lay.v):
-        return f"pp×v = {lay.pp * lay.v} does not divide {s.n_layers} layers"
+    chunks = lay.pp * lay.v
+    if lay.ends and chunks < 3:
+        return f"ends={lay.ends} needs pp×v >= 3 (a middle stage to take the layers)"
+    if (s.n_layers + 2 * lay.ends) % chunks:
+        given = f"{s.n_layers} layers" + (f" + 2·{lay.ends} (ends)" if lay.ends else "")
+        return f"pp×v = {chunks} does not divide {given}"
+    if lay.ends > (s.n_layers + 2 * lay.ends) // chunks:
+        return f"ends={lay.ends} leaves the end stages fewer than 0 layers"
     if lay.cp > 1 and w.seq % (2 * lay.cp):
         return f"2·cp = {2 * lay.cp} does not divide seq {w.seq} (zigzag halves)"
     if (w.seq // lay.cp) % lay.tp:
@@ -136,8 +142,7 @@ def estimate(
     s = w.spec
     m = w.batch // (lay.dp * lay.micro_batch)
     est.microbatches = m
-    chunks = lay.pp * lay.v
-    per_chunk = s.n_layers // chunks
+    sizes = [len(r) for r in chunk_layers(s, lay)]  # layers per chunk (lighter ends: fewer)
     e = 2 if w.dtype == "bfloat16" else 4
     tokens = lay.micro_batch * w.seq // lay.cp  # per micro-batch on one cp rank
 
@@ -164,11 +169,12 @@ def estimate(
     layer_f += max(0.0, fsdp.layer_f_s - layer_f) if fw.dp_overlap else fsdp.layer_f_s
     layer_b += max(0.0, fsdp.layer_b_s - layer_b) if fw.dp_overlap else fsdp.layer_b_s
     head_f, head_b = _head_times(w, c, lay, tokens)
-    # uniform stages at the pace of the busiest rank, the last: V chunks and, once per micro-batch,
-    # the head and the loss; per micro-batch also the gathers nothing hides (the root's and the
-    # first layer's)
-    f_stage = [per_chunk * layer_f + head_f / lay.v + fsdp.root_s + fsdp.layer_f_s] * chunks
-    b_stage = [per_chunk * layer_b + head_b / lay.v + fsdp.layer_b_s] * chunks
+    # stages at the pace of the busiest rank, the last: its chunk's layers and, once per
+    # micro-batch, the head and the loss; per micro-batch also the gathers nothing hides (the
+    # root's and the first layer's)
+    f_stage = [n * layer_f + head_f / lay.v + fsdp.root_s + fsdp.layer_f_s for n in sizes]
+    b_stage = [n * layer_b + head_b / lay.v + fsdp.layer_b_s for n in sizes]
+    rank_layers = params.layers  # the first rank's
 
     # -- pipeline ----------------------------------------------------------------------------
     hops = hop_tensors(s, lay)
@@ -177,31 +183,32 @@ def estimate(
     hop_time = [c.op_time("p2p", b, lay.pp, pp_inter) for b in hop_bytes]
     if lay.pp > 1:
         hop = sum(hop_time) / len(hop_time) if hop_time else 0.0
-        f1, b1, lat1 = f_stage[0], b_stage[0], hop
-        if not fw.pp_overlap:  # blocking send and receive around every chunk's compute
-            f1, b1, lat1 = f1 + 2 * hop, b1 + 2 * hop, 0.0
+        blocking, lat1 = (0.0, hop) if fw.pp_overlap else (2 * hop, 0.0)
+        # (without overlap: a blocking send and receive around every chunk's compute)
+        fs = [f + blocking for f in f_stage]
+        bs = [b + blocking for b in b_stage]
         if simulate:
-            pipe = pipeline_time(lay.pp, lay.v, m, [f1] * chunks, [b1] * chunks, lat1)
+            pipe = pipeline_time(lay.pp, lay.v, m, fs, bs, lat1)
         else:
-            pipe = closed_form(lay.pp, lay.v, m, f1, b1, lat1)
+            pipe = closed_form(lay.pp, lay.v, m, max(fs), max(bs), lat1)
         makespan, est.bubble, est.peak_in_flight = pipe.makespan, pipe.bubble, pipe.peak_in_flight
     else:
-        makespan = m * (per_chunk * chunks * (layer_f + layer_b) + head_f + head_b)
+        makespan = m * (s.n_layers * (layer_f + layer_b) + head_f + head_b)
         est.peak_in_flight = (1,)
 
     # -- data parallel and optimizer ---------------------------------------------------------
     dp_bytes, dp_time = _dp_comm(c, lay, fw, params)
-    window = lay.v * b_stage[0]  # the last micro-batch's backward on this rank
+    window = sum(b_stage[0 :: lay.pp])  # the last micro-batch's backward on this rank
     exposed_dp = max(dp_time / 8, dp_time - window) if fw.dp_overlap else dp_time
     expert_bytes, expert_s = experts.expert_reduce(c, lay, params.experts)
     dp_bytes += expert_bytes
     exposed_dp += expert_s  # after the step's backward, before the optimizer
-    dp_bytes += m * (lay.v * per_chunk * (fsdp.layer_f + fsdp.layer_b) + fsdp.root)
+    dp_bytes += m * (rank_layers * (fsdp.layer_f + fsdp.layer_b) + fsdp.root)
     # a pipeline stage gathers its units once per step, prefetched one unit ahead through the
     # first micro-batch's forward: the first unit's gather shows, and what outruns the compute
     dp_bytes += fsdp.step
     if fw.dp_overlap:
-        exposed_dp += max(fsdp.first_s, fsdp.step_s - lay.v * per_chunk * layer_f)
+        exposed_dp += max(fsdp.first_s, fsdp.step_s - rank_layers * layer_f)
     else:
         exposed_dp += fsdp.step_s
     opt_bytes = fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes
@@ -222,8 +229,8 @@ def estimate(
         "tp_exposed_per_layer_s": tp_f + tp_b,
     }
     est.comm = {
-        "tp": _tp_bytes(s, lay, fw, tokens, e) * per_chunk * lay.v * m,
-        "cp": _cp_bytes(w, lay, e) * per_chunk * lay.v * m,
+        "tp": _tp_bytes(s, lay, fw, tokens, e) * rank_layers * m,
+        "cp": _cp_bytes(w, lay, e) * rank_layers * m,
         "pp": 2 * sum(hop_bytes) / max(lay.pp, 1) * m if lay.pp > 1 else 0.0,
         "dp": dp_bytes,
     }
@@ -234,7 +241,7 @@ def estimate(
     est.hfu = s.hardware_flops(w.seq, lay.recompute) * w.batch / (est.step_s * gpus * peak)
     est.tokens_per_s = w.batch * w.seq / est.step_s
 
-    est.memory = memory(s, w.seq, lay, fw, est.peak_in_flight, params, tokens, e)
+    est.memory = memory(s, w.seq, lay, fw, est.peak_in_flight, m, params, tokens, e)
     if est.peak_bytes > c.usable_bytes():
         est.ok = False
         est.reason = f"OOM by {(est.peak_bytes - c.usable_bytes()) / 2**30:.1f} GiB"
@@ -286,8 +293,8 @@ def _layer_times(
         acts = activations.ours(s, tokens, seq_local, e == 2, "none", lay.tp, True, lay.ep, True)
         kept = acts.layers[s.moe_layers[0] if moe else 0]
     else:
-        kept = activations.megatron(s, lay.micro_batch, seq_local, lay.tp, lay.tp > 1, "none")
-        kept -= 5 * s.n_heads * seq_local / s.dim * lay.micro_batch * seq_local * s.dim / lay.tp
+        # without the score matrix: the attention's traffic is charged above
+        kept = activations.megatron(s, lay.micro_batch, seq_local, lay.tp, lay.tp > 1, "none", True)
     ew_f = ELEMENTWISE_PASSES * kept / (c.hbm_bw * c.memory_efficiency)
     fwd = gemm + attn_f + ew_f
     bwd = 2 * gemm + attn_b + 2 * ew_f
@@ -410,7 +417,7 @@ def _fsdp(
     root_s = c.op_time("all_gather", root, sh, inter) + copy * root
     root *= (sh - 1) / sh
     if lay.pp > 1 and not lay.zero3:
-        layers = s.n_layers // lay.pp
+        layers = params.layers
         return _Fsdp(
             step=layers * gather + root,
             step_s=layers * gather_s + root_s,

@@ -31,6 +31,9 @@ class Framework:
     attention_dropout: bool = False
     """Dropout on the attention probabilities (its traffic counts where scores live in memory:
     `plan.kernels`)."""
+    frees_stage_outputs: bool = False
+    """A pipeline stage frees its output's data once sent (Megatron's
+    `deallocate_pipeline_outputs`); depthscale keeps a unit's outputs for its backward."""
 
     def with_reduce_dtype(self, dtype: str) -> Framework:
         """This framework reducing gradients in `dtype` ('float32' or 'bfloat16'). depthscale
@@ -60,11 +63,14 @@ MEGATRON_2022 = Framework(
     False,
     cp_overlap=False,
     attention_dropout=True,
+    frees_stage_outputs=True,
 )
 """bf16 weights, fp32 main gradients, fp32 master weights and moments (18 B/param); softmax
 over materialised scores, with GPT-3's attention dropout; no overlap of TP, PP or DP
 communication with compute."""
-MEGASCALE = Framework("megascale", 2, 4, 4, 8, "flash", True, True, True, False)
+MEGASCALE = Framework(
+    "megascale", 2, 4, 4, 8, "flash", True, True, True, False, frees_stage_outputs=True
+)
 """Megatron's memory with MegaScale's overlap of TP, PP and DP communication and fused kernels."""
 
 FRAMEWORKS = {f.name: f for f in (DEPTHSCALE, MEGATRON_2022, MEGASCALE)}

@@ -36,6 +36,9 @@ class Layout:
     for the step (the default): less memory, 2·M gathers per step instead of one."""
     ep: int = 1
     """Expert parallelism: MoE experts split over groups of ep dp_shard ranks (`parallel.ep`)."""
+    ends: int = 0
+    """Layers the first and last pipeline stage hold fewer than the others
+    (`parallel.pp_ends_fewer_layers`): they also run the embedding and the head."""
 
     @property
     def dp(self) -> int:
@@ -71,6 +74,8 @@ class Layout:
             parts.append("zero3")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.ends:
+            parts.append(f"ends={self.ends}")
         return ",".join(parts)
 
     def to_json(self) -> dict:
@@ -119,6 +124,7 @@ _PARALLEL_SIZES = {
     "dp_shard": "dp_shard",
     "dp_replicate": "dp_replicate",
     "ep": "ep",
+    "pp_ends_fewer_layers": "ends",
 }
 """parallel.<key> → the Layout field it takes its size from."""
 

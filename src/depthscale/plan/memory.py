@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from depthscale.plan import activations
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.layout import Layout
-from depthscale.plan.pipeline import hop_tensors
+from depthscale.plan.pipeline import chunk_layers, hop_tensors, peak_weighted
 from depthscale.plan.spec import ModelSpec
 
 
@@ -55,11 +55,10 @@ class RankParams:
 
 
 def rank_params(s: ModelSpec, lay: Layout) -> RankParams:
-    """The first pipeline rank's parameters: its layers (chunk c of each v holds layers
-    [c·L/(pp·v), (c+1)·L/(pp·v))), the embedding, and — without pipelining — the head."""
-    chunks = lay.pp * lay.v
-    per_chunk = s.n_layers // chunks
-    mine = [i for c in range(0, chunks, lay.pp) for i in range(c * per_chunk, (c + 1) * per_chunk)]
+    """The first pipeline rank's parameters: its layers (chunks 0, pp, 2·pp, ... of
+    `chunk_layers`), the embedding, and — without pipelining — the head."""
+    ranges = chunk_layers(s, lay)
+    mine = [i for c in range(0, lay.pp * lay.v, lay.pp) for i in ranges[c]]
     experts = sum(s.expert_params(i) for i in mine)
     dense = sum(s.layer_params(i) for i in mine) - experts
     ends = (s.embedding_params() + (s.head_params() if lay.pp == 1 else 0)) / lay.tp
@@ -77,6 +76,7 @@ def memory(
     lay: Layout,
     fw: Framework,
     in_flight: tuple[int, ...],
+    microbatches: int,
     params: RankParams,
     tokens: int,
     e: int,
@@ -94,6 +94,8 @@ def memory(
         weights, grads = local_params * fw.weight_bytes, local_params * fw.grad_bytes
         optim = local_params * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
     chunks = lay.pp * lay.v
+    ranges = chunk_layers(s, lay)
+    mine = [ranges[c] for c in range(0, chunks, lay.pp)]  # the first rank's chunks
     per_chunk = s.n_layers // chunks
     if fw.ours:
         acts = activations.ours(
@@ -108,24 +110,35 @@ def memory(
             experts_gathered=params.expert_shard > 1 if lay.ep > 1 else lay.shard > 1,
         )
         chunk_bytes = acts.of_layers(range(per_chunk))
+        per_chunk_bytes = [acts.of_layers(r) for r in mine]
         if s.moe:  # layers differ (dense first layers, every k-th MoE): the rank's mean chunk
-            mine = [range(c * per_chunk, (c + 1) * per_chunk) for c in range(0, chunks, lay.pp)]
-            chunk_bytes = sum(acts.of_layers(r) for r in mine) / len(mine)
+            chunk_bytes = sum(per_chunk_bytes) / len(mine)
         first_extra, last_extra = acts.embed, acts.head
     else:
         sp = lay.tp > 1
-        layer = activations.megatron(s, lay.micro_batch, seq // lay.cp, lay.tp, sp, lay.recompute)
+        flash = fw.attention == "flash"
+        layer = activations.megatron(
+            s, lay.micro_batch, seq // lay.cp, lay.tp, sp, lay.recompute, flash
+        )
         chunk_bytes = per_chunk * layer
+        per_chunk_bytes = [len(r) * layer for r in mine]
         sbh = lay.micro_batch * seq // lay.cp * s.dim
         first_extra = 0.0
         last_extra = 4 * sbh / lay.tp * (1 + s.vocab / s.dim) if lay.pp == 1 else 0.0
     units = max(in_flight) if in_flight else 1
     acts_bytes = units * chunk_bytes + first_extra * math.ceil(units / lay.v)
+    if lay.ends and lay.pp > 1:  # chunks differ: the first rank's live units, chunk by chunk
+        unit_bytes = (per_chunk_bytes[0] + first_extra, *per_chunk_bytes[1:])
+        acts_bytes = peak_weighted(lay.pp, lay.v, microbatches, 0, unit_bytes)
     if lay.pp == 1:
         acts_bytes += last_extra
     hops = hop_tensors(s, lay)
-    # received depth states, kept until their backward: the cache receives only missing blocks
+    # received depth states, kept until their backward: the cache receives only missing blocks.
+    # Megatron frees a stage's output once sent (`deallocate_pipeline_outputs`), and what a stage
+    # receives is its first layer's LayerNorm input, in Table 2's count already
     pipeline = units * (max(hops) if hops else 0) * tokens * s.dim * e / lay.tp
+    if fw.frees_stage_outputs:
+        pipeline = 0.0
     logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
     transient = logits if lay.pp == 1 else 0.0
     layer_local = params.fsdp_per_layer() if fw.ours else s.layer_params() / lay.tp

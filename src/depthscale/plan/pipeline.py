@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from depthscale.parallel.pipeline.schedules import interleaved_1f1b, simulate, split_layers
+from depthscale.parallel.pipeline.schedules import Kind, interleaved_1f1b, simulate, split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.spec import ModelSpec
 
@@ -40,6 +40,28 @@ def peak_in_flight(p: int, v: int, m: int) -> tuple[int, ...]:
     if v == 1:
         return tuple(min(p - r, m) for r in range(p))
     return tuple(min((p - r - 1) * 2 + (v - 1) * p + 1, total) for r in range(p))
+
+
+def chunk_layers(s: ModelSpec, lay: Layout) -> list[range]:
+    """Every model chunk's layers, as the runtime splits them (`split_layers`, lighter ends)."""
+    return split_layers(s.n_layers, lay.pp * lay.v, lay.ends)
+
+
+@lru_cache(maxsize=4096)
+def peak_weighted(p: int, v: int, m: int, rank: int, weights: tuple[float, ...]) -> float:
+    """The most a rank's live (micro-batch, chunk) units hold at once under `interleaved_1f1b`,
+    its chunk c's unit holding `weights[c]` (chunks differ: lighter end stages, the embedding on
+    the first) — walked along the rank's own order. Past a few rounds the steady state repeats
+    the same peak, so long runs are walked that far."""
+    m = min(m, p * (v + 2))
+    alive = peak = 0.0
+    for a in interleaved_1f1b(p, v, m)[rank]:
+        if a.kind == Kind.F:
+            alive += weights[a.stage // p]
+            peak = max(peak, alive)
+        elif a.kind == Kind.B:
+            alive -= weights[a.stage // p]
+    return peak
 
 
 def closed_form(p: int, v: int, m: int, f: float, b: float, latency: float) -> PipelineTime:
@@ -96,7 +118,7 @@ def hop_tensors(s: ModelSpec, lay: Layout) -> list[int]:
         return [1] * (chunks - 1)
     bl = s.blocks
     k, partial = [], []
-    for stage in split_layers(s.n_layers, chunks):
+    for stage in chunk_layers(s, lay):
         done = stage.stop * s.sublayers_per_layer
         ends = sum(1 for i in range(done) if i == len(bl) - 1 or bl[i + 1] != bl[i])
         k.append(1 + ends)

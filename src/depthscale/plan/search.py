@@ -48,8 +48,8 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def layouts(w: Workload, c: Cluster, fw: Framework, gpus: int) -> Iterator[Layout]:
-    """Candidate layouts: tp a power of two up to a node, pp a divisor of the layers, v up to
-    MAX_VIRTUAL, cp a power of two, the rest data parallel — FSDP over the node's remaining
+    """Candidate layouts: tp a power of two up to a node, pp dividing the layers (or, with the end
+    stages one layer lighter, the layers + 2), v up to MAX_VIRTUAL, cp a power of two, the rest data parallel — FSDP over the node's remaining
     GPUs (HSDP across nodes), whole-world FSDP or plain replicas (ours), replicas with or without
     the distributed optimizer (Megatron) — times micro-batch sizes and recompute modes, and for
     an MoE model the expert-parallel splits of dp_shard. cp is bounded by the sequence
@@ -57,23 +57,21 @@ def layouts(w: Workload, c: Cluster, fw: Framework, gpus: int) -> Iterator[Layou
     s = w.spec
     for tp in _powers_of_two(min(c.gpus_per_node, gpus)):
         for cp in _powers_of_two(min(max_cp(w.seq), gpus // tp)):
-            for pp in _divisors(s.n_layers):
+            for pp in sorted(set(_divisors(s.n_layers)) | set(_divisors(s.n_layers + 2))):
                 if tp * cp * pp > gpus or gpus % (tp * cp * pp):
                     continue
                 dp = gpus // (tp * cp * pp)
-                vs = (
-                    [1] if pp == 1 else [v for v in _divisors(s.n_layers // pp) if v <= MAX_VIRTUAL]
-                )
                 for shard, rep, zero1 in _dp_splits(c, fw, tp, cp, dp):
                     for ep in _expert_splits(s, shard):
-                        for v in vs:
+                        for v, ends in _stage_splits(s.n_layers, pp):
                             for mb in MICRO_BATCHES:
                                 for rc in RECOMPUTE_MODES:
                                     if rc == "sublayer" and not fw.ours:
                                         continue
                                     yield Layout(
-                                        tp, pp, v, cp, shard, rep, mb, rc, True, False, zero1, ep=ep
-                                    )
+                                        tp, pp, v, cp, shard, rep, mb, rc, True, False, zero1,
+                                        ep=ep, ends=ends,
+                                    )  # fmt: skip
 
 
 def _dp_splits(c: Cluster, fw: Framework, tp: int, cp: int, dp: int) -> list[tuple]:
@@ -84,6 +82,21 @@ def _dp_splits(c: Cluster, fw: Framework, tp: int, cp: int, dp: int) -> list[tup
     if dp % in_node == 0:
         splits.add((in_node, dp // in_node))
     return [(s, r, False) for s, r in sorted(splits)]
+
+
+def _stage_splits(n_layers: int, pp: int) -> list[tuple[int, int]]:
+    """(virtual stages, ends) of a pipeline of pp ranks: every v up to MAX_VIRTUAL whose pp·v
+    stages split the layers evenly, and those that do so once the first and last stage give up
+    one layer each (Llama 3 405B: 126 layers on 16 × 8 stages)."""
+    if pp == 1:
+        return [(1, 0)]
+    even = [(v, 0) for v in range(1, MAX_VIRTUAL + 1) if n_layers % (pp * v) == 0]
+    light = [
+        (v, 1)
+        for v in range(1, MAX_VIRTUAL + 1)
+        if pp * v >= 3 and n_layers % (pp * v) and (n_layers + 2) % (pp * v) == 0
+    ]
+    return even + light
 
 
 def _expert_splits(s: ModelSpec, dp_shard: int) -> list[int]:

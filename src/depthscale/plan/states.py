@@ -134,7 +134,7 @@ def _chunk(n: int, parts: int, index: int) -> int:
 def rank_params(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[Param]:
     """The parameters pipeline rank `pp_rank` holds."""
     stages = lay.pp * lay.v
-    ranges = split_layers(spec.n_layers, stages)
+    ranges = split_layers(spec.n_layers, stages, lay.ends)
     mine = range(pp_rank, stages, lay.pp)
     layers = {i for s in mine for i in ranges[s]}
     first, last = 0 in mine, stages - 1 in mine
