@@ -51,7 +51,7 @@ def test_closed_form_states_are_the_exact_placement(lay):
     same ones) equals `plan/states.py`'s element-exact placement — which gloo ranks' allocations check — up to what the closed form rounds: FSDP's
     uneven chunks, and the router and norms it divides by tp though tp replicates them."""
     spec = _spec()
-    closed = rank_params(spec, lay).states(lay.shard)
+    closed = rank_params(spec, lay).states(lay)
     exact = rank_state_bytes(spec, lay, 0, 0, 0).params / 4
     assert closed == pytest.approx(exact, rel=0.01)
 
@@ -132,6 +132,15 @@ def test_cli_plans_an_moe_config(tmp_path, capsys):
     assert main([*args, "--framework", "megatron"]) == 2
     err = capsys.readouterr().err
     assert "not an MoE model" in err and "allowed: --framework depthscale" in err
+
+
+def test_the_planner_shards_experts_on_the_dimension_the_runtime_does():
+    """`plan/states.py` cannot import the runtime (planning imports no torch): the two constants
+    must agree (with even shapes the gloo state counts could not tell them apart)."""
+    from depthscale.parallel import expert_parallel
+    from depthscale.plan import states
+
+    assert states.EXPERT_SHARD_DIM == expert_parallel.EXPERT_SHARD_DIM
 
 
 def test_plan_request_on_an_moe_model_is_planned():

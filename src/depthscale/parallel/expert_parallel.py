@@ -6,7 +6,8 @@ are consecutive ranks of dp_shard, each still training its own rows of the batch
 experts are split: rank i of an ep group holds experts [i·E/ep, (i+1)·E/ep) as a DTensor sharded on
 the expert dimension (so checkpoints reshard to any other ep). FSDP then shards those experts over
 the ranks that hold the same ones — the other ep groups of dp_shard and the cp ranks, HSDP across
-replicas (`ExpertGroups`) — on their input dimension, and everything else as without MoE. Per MoE layer and micro-batch (`AllToAllDispatch`):
+replicas (`ExpertGroups`) — on their input dimension, and everything else as without MoE. Per MoE
+layer and micro-batch (`AllToAllDispatch`):
 
 1. every rank sorts its (token, expert) slots by expert (`model/moe.py`) and tells each peer how many
    rows it will send for each of that peer's experts (one small all-to-all of counts, then one host
@@ -22,8 +23,8 @@ NCCL-safe; each exchange is a span on the timeline.
 Gradients: an expert's gradient on its holder already sums the contributions of every token the ep
 group sent it; the gradient the optimizer needs is the mean over all data-parallel ranks, i.e. the
 mean over the ranks holding the same experts (FSDP's reduce-scatter over the expert mesh, or by
-hand where that mesh has only replicas), divided by ep (`reduce_expert_gradients`). The balancing loads and bias updates are summed
-over all ranks in `parallel/expert_load.py`.
+hand where that mesh has only replicas), divided by ep (`reduce_expert_gradients`). The balancing
+loads and bias updates are summed over all ranks in `parallel/expert_load.py`.
 """
 
 from __future__ import annotations
@@ -133,21 +134,24 @@ class ExpertGroups(NamedTuple):
         return self.mesh[tuple(names)] if "expert_shard" in names else None
 
 
-def expert_groups(dims: ParallelDims, ep: int, device_type: str) -> ExpertGroups:
+def expert_groups(
+    dims: ParallelDims, ep: int, device_type: str, replicate: ProcessGroup | None = None
+) -> ExpertGroups:
     """The process groups and device mesh of expert parallelism (see `ExpertGroups`): ep groups
     of `ep` consecutive dp_shard ranks; FSDP over the (dp_shard / ep) × cp ranks holding the same
-    experts inside a replica; HSDP across replicas."""
+    experts inside a replica; HSDP across replicas — `replicate`, the mesh's dp_replicate group
+    (the same ranks: no second communicator)."""
     R, F, C = dims.dp_replicate, dims.dp_shard // ep, dims.cp
     ranks = torch.arange(dims.world_size).reshape(dims.pp, R, F, ep, C, dims.tp)
     ep_group = startup.own_group(ranks.movedim(3, -1).reshape(-1, ep).tolist(), "expert_parallel")
     assert ep_group is not None
-    p, r, f, e, c, t = (int(i) for i in (ranks == dist.get_rank()).nonzero()[0])
+    p, *_, t = (int(i) for i in (ranks == dist.get_rank()).nonzero()[0])
     # this rank's (R, F·C, ep) block of ranks, and the groups along each of its dimensions
     block = ranks[p, :, :, :, :, t].permute(0, 1, 3, 2).reshape(R, F * C, ep)
     groups, names, shape = [], [], []
     if R > 1:
-        parts = ranks.permute(0, 2, 3, 4, 5, 1).reshape(-1, R).tolist()
-        groups.append(startup.own_group(parts, "expert_replicate"))
+        assert replicate is not None, "expert_groups: dp_replicate > 1 needs its group"
+        groups.append(replicate)
         names.append("expert_replicate")
         shape.append(R)
     if F * C > 1:

@@ -176,7 +176,8 @@ def parallelize(
         from depthscale.parallel import expert_parallel as ep
 
         device_type = device.type if device is not None else mesh.device_type
-        expert_groups = ep.expert_groups(dims, cfg.parallel.ep, device_type)
+        replicate = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
+        expert_groups = ep.expert_groups(dims, cfg.parallel.ep, device_type, replicate)
         names = ep.apply_expert_parallel(model, expert_groups)
         experts = ep.ExpertShards(names, expert_groups.replicas, cfg.parallel.ep)
         if expert_groups.fsdp_mesh is not None:  # FSDP shards them over the expert mesh

@@ -19,9 +19,9 @@ layouts, op by op, as `parallel/` issues them:
   stage keeps its gathered parameters for the step (`fsdp_reshard_after_forward = "auto"`), so
   each unit is gathered once and reduce-scattered once per step (`zero3`: gathered twice per
   micro-batch, reduce-scattered once); expert-parallel experts are units of their own, sharded
-  on dim 1 over the ranks holding the same experts; HSDP all-reduces the reduced shards across replicas; the
-  layers' AttnRes queries, left whole, are averaged over all data ranks; DDP all-reduces fp32
-  gradients (in C++).
+  on dim 1 over the ranks holding the same experts; HSDP all-reduces the reduced shards across
+  replicas; the layers' AttnRes queries, left whole, are averaged over all data ranks; DDP
+  all-reduces fp32 gradients (in C++).
 
 Payload: an all-gather counts its output, a reduce-scatter its input, an all-reduce its tensor,
 P2P what is sent and received. `wire_bytes` turns payloads into bytes on the wire.
@@ -40,7 +40,6 @@ from depthscale.plan.spec import ModelSpec
 from depthscale.plan.states import (
     EXPERT_SHARD_DIM,
     ep_shape,
-    expert_shard,
     fsdp_sharded,
     local_numel,
     rank_params,
@@ -146,11 +145,11 @@ def rank_payload(
         scatters = 1 if lay.pp > 1 else m
         g = reduce_bytes
         # FSDP's units: the dense weights over dp_shard × cp, expert-parallel experts over their
-        # own shard group (`expert_shard`)
+        # own shard group (`Layout.expert_shard`)
         units = [(shard, lay.shard, sum(_padded(p, lay) for p in held if fsdp_sharded(p, lay)))]
-        if lay.ep > 1 and expert_shard(lay) > 1:
+        if lay.expert_shard > 1:
             padded = sum(_padded_experts(p, lay) for p in held if p.experts)
-            units.append((expert_group(lay), expert_shard(lay), padded))
+            units.append((expert_group(lay), lay.expert_shard, padded))
         for grp, size, padded in units:
             out["all_gather", grp] += gathers * padded * e_param
             out["reduce_scatter", grp] += scatters * padded * g
@@ -185,7 +184,7 @@ def moe_payload(spec: ModelSpec, lay: Layout, held, passes: int, tokens: int, e:
         out["all_to_all", group(lay, "dp_shard")] += passes * (
             forwards * (counts + 2 * rows) + 2 * rows
         )
-        if expert_shard(lay) == 1 and lay.dp_replicate > 1:  # no FSDP: averaged by hand
+        if lay.expert_shard == 1 and lay.dp_replicate > 1:  # no FSDP: averaged by hand
             experts = sum(math.prod(ep_shape(p, lay)) for p in held if p.experts)
             out["all_reduce", group(lay, "dp_replicate")] += experts * 4
     rows_group = group(lay, "cp", "tp")
@@ -203,7 +202,7 @@ def _padded_experts(p, lay: Layout) -> int:
     """Elements of an expert-parallel weight's FSDP shard times its group's size (dim 1 padded
     to equal lengths)."""
     shape = list(ep_shape(p, lay))
-    n = expert_shard(lay)
+    n = lay.expert_shard
     shape[EXPERT_SHARD_DIM] = math.ceil(shape[EXPERT_SHARD_DIM] / n) * n
     return math.prod(shape)
 

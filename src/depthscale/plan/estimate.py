@@ -100,7 +100,7 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         given = f"{s.n_layers} layers" + (f" + 2·{lay.ends} (ends)" if lay.ends else "")
         return f"pp×v = {chunks} does not divide {given}"
     if lay.ends > (s.n_layers + 2 * lay.ends) // chunks:
-        return f"ends={lay.ends} leaves the end stages fewer than 0 layers"
+        return f"ends={lay.ends}: the end stages have fewer layers than that to give up"
     if lay.cp > 1 and w.seq % (2 * lay.cp):
         return f"2·cp = {2 * lay.cp} does not divide seq {w.seq} (zigzag halves)"
     if (w.seq // lay.cp) % lay.tp:
@@ -212,9 +212,7 @@ def estimate(
     else:
         exposed_dp += fsdp.step_s
     opt_bytes = fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes
-    opt_bytes *= (
-        params.states(lay.shard) if fw.ours else params.total / (lay.dp if lay.zero1 else 1)
-    )
+    opt_bytes *= params.states(lay) if fw.ours else params.total / (lay.dp if lay.zero1 else 1)
     optimizer = 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
     if lay.offload:
         optimizer = 2 * opt_bytes / HOST_BW
@@ -433,9 +431,9 @@ def _fsdp_units(params: RankParams, lay: Layout, per_layer: bool) -> list[tuple[
     dp_shard × cp, expert-parallel experts over their own shard group — per layer or in all."""
     dense = params.fsdp_per_layer() if per_layer else params.fsdp
     units = [(dense, lay.shard)]
-    if params.experts and params.expert_shard > 1:
+    if params.experts and lay.expert_shard > 1:
         experts = params.experts_per_layer() if per_layer else params.experts
-        units.append((experts, params.expert_shard))
+        units.append((experts, lay.expert_shard))
     return units
 
 

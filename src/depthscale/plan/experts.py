@@ -32,21 +32,12 @@ def ffn_gemm_seconds(s: ModelSpec, c: Cluster, lay: Layout, tokens: int, dtype: 
     routed = tokens / lay.tp  # each tp rank routes its own shard of the sequence
     rows = routed * s.moe_top_k  # what this rank's experts compute, routing balanced
     per_expert = rows * lay.ep / s.moe_experts  # an ep group's rows over all experts
-    seconds = (
-        2 * routed * s.moe_experts * d / c.gemm_flops("float32", min(routed, s.moe_experts, d))
-    )
-    smallest = min(per_expert, f, d)
-    seconds += 2 * rows * 3 * d * f / c.gemm_flops(dtype, smallest)  # gate, up; down
-    if shared:
-        seconds += (
-            2
-            * tokens
-            * 3
-            * d
-            * shared
-            / lay.tp
-            / c.gemm_flops(dtype, min(tokens, shared / lay.tp, d))
-        )
+    router = 2 * routed * s.moe_experts * d  # FLOPs, in fp32
+    seconds = router / c.gemm_flops("float32", min(routed, s.moe_experts, d))
+    seconds += 2 * rows * 3 * d * f / c.gemm_flops(dtype, min(per_expert, f, d))  # gate, up; down
+    if shared:  # sequence-parallel like a dense FFN: every token, the tp rank's share of it
+        width = shared / lay.tp
+        seconds += 2 * tokens * 3 * d * width / c.gemm_flops(dtype, min(tokens, width, d))
     return seconds
 
 
@@ -83,7 +74,7 @@ def expert_reduce(c: Cluster, lay: Layout, experts: float) -> tuple[float, float
     """(bytes on the wire, seconds) of the experts' fp32 gradient mean over the replicas, where
     FSDP has no expert shard group to reduce them in (dp_shard = ep, no cp)."""
     n = lay.dp_replicate
-    if lay.ep == 1 or lay.dp_shard // lay.ep * lay.cp > 1 or n == 1 or not experts:
+    if lay.ep == 1 or lay.expert_shard > 1 or n == 1 or not experts:
         return 0.0, 0.0
     payload = experts * 4
     return 2 * (n - 1) / n * payload, c.op_time("all_reduce", payload, n, True)

@@ -49,6 +49,12 @@ class Layout:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
+    def expert_shard(self) -> int:
+        """Ranks FSDP shards an expert-parallel rank's experts over: the (dp_shard / ep) × cp
+        ranks of its replica holding the same experts (1 without ep: nothing to shard over)."""
+        return self.dp_shard // self.ep * self.cp if self.ep > 1 else 1
+
+    @property
     def shard(self) -> int:
         """Ranks the model states are sharded over (FSDP shards over dp_shard × cp)."""
         return self.dp_shard * self.cp if self.dp_shard * self.cp > 1 else 1

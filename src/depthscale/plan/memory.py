@@ -27,23 +27,22 @@ class RankParams:
     """What FSDP shards over dp_shard × cp (everything, without expert parallelism)."""
     experts: float
     """Expert-parallel experts: this rank's E/ep of each MoE layer, before FSDP shards them over
-    `expert_shard` ranks."""
+    `Layout.expert_shard` ranks."""
     layers: int
     """Layers on the rank."""
-    ends: float
-    """Of `fsdp`, the embedding and (without pipelining) the final norm, output read and head."""
+    root: float
+    """Of `fsdp`, FSDP's root unit: the embedding and (without pipelining) the final norm,
+    output read and head."""
     moe_layers: int = 0
     """Of `layers`, the MoE layers."""
-    expert_shard: int = 1
-    """Ranks FSDP shards `experts` over."""
 
     @property
     def total(self) -> float:
         return self.fsdp + self.experts
 
-    def states(self, shard: int) -> float:
-        """Elements of model states the rank keeps under FSDP over `shard` ranks."""
-        return self.fsdp / shard + self.experts / self.expert_shard
+    def states(self, lay: Layout) -> float:
+        """Elements of model states the rank keeps under the layout's FSDP."""
+        return self.fsdp / lay.shard + self.experts / lay.expert_shard
 
     def experts_per_layer(self) -> float:
         """Expert-parallel experts FSDP gathers for one layer, on average over the rank's."""
@@ -51,7 +50,7 @@ class RankParams:
 
     def fsdp_per_layer(self) -> float:
         """What FSDP gathers for one layer, on average over the rank's layers."""
-        return (self.fsdp - self.ends) / max(self.layers, 1)
+        return (self.fsdp - self.root) / max(self.layers, 1)
 
 
 def rank_params(s: ModelSpec, lay: Layout) -> RankParams:
@@ -61,13 +60,12 @@ def rank_params(s: ModelSpec, lay: Layout) -> RankParams:
     mine = [i for c in range(0, lay.pp * lay.v, lay.pp) for i in ranges[c]]
     experts = sum(s.expert_params(i) for i in mine)
     dense = sum(s.layer_params(i) for i in mine) - experts
-    ends = (s.embedding_params() + (s.head_params() if lay.pp == 1 else 0)) / lay.tp
-    fsdp = dense / lay.tp + ends
+    root = (s.embedding_params() + (s.head_params() if lay.pp == 1 else 0)) / lay.tp
+    fsdp = dense / lay.tp + root
     moe_layers = sum(i in s.moe_layers for i in mine)
     if lay.ep > 1:
-        shard = lay.dp_shard // lay.ep * lay.cp
-        return RankParams(fsdp, experts / lay.ep, len(mine), ends, moe_layers, shard)
-    return RankParams(fsdp + experts, 0.0, len(mine), ends, moe_layers)
+        return RankParams(fsdp, experts / lay.ep, len(mine), root, moe_layers)
+    return RankParams(fsdp + experts, 0.0, len(mine), root, moe_layers)
 
 
 def memory(
@@ -83,20 +81,18 @@ def memory(
 ) -> dict[str, float]:
     """Bytes on the fullest rank (the first pipeline rank holds the most micro-batches)."""
     s = spec
-    local_params = params.total
     if fw.ours:
-        states = params.states(lay.shard)
+        states = params.states(lay)
         weights, grads = states * fw.weight_bytes, states * fw.grad_bytes
         optim = states * fw.moment_bytes
         if lay.offload:
             weights = grads = optim = 0.0
     else:
-        weights, grads = local_params * fw.weight_bytes, local_params * fw.grad_bytes
-        optim = local_params * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
+        weights, grads = params.total * fw.weight_bytes, params.total * fw.grad_bytes
+        optim = params.total * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
     chunks = lay.pp * lay.v
     ranges = chunk_layers(s, lay)
     mine = [ranges[c] for c in range(0, chunks, lay.pp)]  # the first rank's chunks
-    per_chunk = s.n_layers // chunks
     if fw.ours:
         acts = activations.ours(
             s,
@@ -107,12 +103,9 @@ def memory(
             lay.tp,
             bf16_weights_gathered=lay.shard > 1,
             ep=lay.ep,
-            experts_gathered=params.expert_shard > 1 if lay.ep > 1 else lay.shard > 1,
+            experts_gathered=lay.expert_shard > 1 if lay.ep > 1 else lay.shard > 1,
         )
-        chunk_bytes = acts.of_layers(range(per_chunk))
         per_chunk_bytes = [acts.of_layers(r) for r in mine]
-        if s.moe:  # layers differ (dense first layers, every k-th MoE): the rank's mean chunk
-            chunk_bytes = sum(per_chunk_bytes) / len(mine)
         first_extra, last_extra = acts.embed, acts.head
     else:
         sp = lay.tp > 1
@@ -120,16 +113,18 @@ def memory(
         layer = activations.megatron(
             s, lay.micro_batch, seq // lay.cp, lay.tp, sp, lay.recompute, flash
         )
-        chunk_bytes = per_chunk * layer
         per_chunk_bytes = [len(r) * layer for r in mine]
         sbh = lay.micro_batch * seq // lay.cp * s.dim
         first_extra = 0.0
         last_extra = 4 * sbh / lay.tp * (1 + s.vocab / s.dim) if lay.pp == 1 else 0.0
     units = max(in_flight) if in_flight else 1
-    acts_bytes = units * chunk_bytes + first_extra * math.ceil(units / lay.v)
-    if lay.ends and lay.pp > 1:  # chunks differ: the first rank's live units, chunk by chunk
+    if lay.pp > 1 and (lay.ends or s.moe):
+        # chunks differ (lighter ends; dense first layers, every k-th MoE): the first rank's
+        # live units, chunk by chunk along its order
         unit_bytes = (per_chunk_bytes[0] + first_extra, *per_chunk_bytes[1:])
         acts_bytes = peak_weighted(lay.pp, lay.v, microbatches, 0, unit_bytes)
+    else:
+        acts_bytes = units * per_chunk_bytes[0] + first_extra * math.ceil(units / lay.v)
     if lay.pp == 1:
         acts_bytes += last_extra
     hops = hop_tensors(s, lay)
@@ -141,16 +136,15 @@ def memory(
         pipeline = 0.0
     logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
     transient = logits if lay.pp == 1 else 0.0
-    layer_local = params.fsdp_per_layer() if fw.ours else s.layer_params() / lay.tp
-    if fw.ours and lay.shard > 1 and lay.pp > 1:
-        # a stage accumulates unsharded fp32 gradients until the step's reduce-scatter, and keeps
-        # its gathered weights for the step (zero3: two gathered layers, one prefetched)
-        layer_local += params.experts_per_layer()
-        whole = params.fsdp + params.experts
-        gathered = 2 * layer_local * e if lay.zero3 else whole * e
-        transient += gathered + whole * 4
-    elif fw.ours and lay.shard > 1:  # two gathered layers (one prefetched), one unsharded grad
-        transient += (layer_local + params.experts_per_layer()) * (2 * e + 4)
+    if fw.ours and lay.shard > 1:
+        layer = params.fsdp_per_layer() + params.experts_per_layer()
+        if lay.pp > 1:
+            # a stage accumulates unsharded fp32 gradients until the step's reduce-scatter, and
+            # keeps its gathered weights for the step (zero3: two gathered layers, one prefetched)
+            gathered = 2 * layer * e if lay.zero3 else params.total * e
+            transient += gathered + params.total * 4
+        else:  # two gathered layers (one prefetched), one unsharded gradient
+            transient += layer * (2 * e + 4)
     return {
         "weights": weights,
         "grads": grads,

@@ -49,8 +49,9 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def layouts(w: Workload, c: Cluster, fw: Framework, gpus: int) -> Iterator[Layout]:
     """Candidate layouts: tp a power of two up to a node, pp dividing the layers (or, with the end
-    stages one layer lighter, the layers + 2), v up to MAX_VIRTUAL, cp a power of two, the rest data parallel — FSDP over the node's remaining
-    GPUs (HSDP across nodes), whole-world FSDP or plain replicas (ours), replicas with or without
+    stages one layer lighter, the layers + 2), v up to MAX_VIRTUAL, cp a power of two, the rest
+    data parallel — FSDP over the node's remaining GPUs (HSDP across nodes), whole-world FSDP or
+    plain replicas (ours), replicas with or without
     the distributed optimizer (Megatron) — times micro-batch sizes and recompute modes, and for
     an MoE model the expert-parallel splits of dp_shard. cp is bounded by the sequence
     (`max_cp`) and the GPUs left beside tp."""

@@ -6,8 +6,8 @@ replicated), which pipeline stage owns it (`split_layers`: earlier stages take t
 embedding on the first, the output read, final norm and head on the last, a tied head copied there
 when they are different ranks), and how FSDP2 shards it (dim 0 of the tp-local tensor in
 `torch.chunk` pieces over dp_shard × cp; the layers' AttnRes queries stay whole; expert-parallel
-experts split over ep on dim 0 and sharded on dim 1 over the ranks holding the same experts). Gradients have
-their parameter's local shape; AdamW and LAMB keep two fp32 moments of that shape and a 0-d fp32
+experts split over ep on dim 0 and sharded on dim 1 over the ranks holding the same experts).
+Gradients have their parameter's local shape; AdamW and LAMB keep two fp32 moments of that shape and a 0-d fp32
 step per parameter. `tests/dist/test_plan_states.py` compares it with what gloo ranks allocate.
 """
 
@@ -97,7 +97,7 @@ def _swiglu(p: str, d: int, hidden: int, stage: str) -> list[Param]:
 
 def fsdp_sharded(p: Param, lay: Layout) -> bool:
     """Whether FSDP shards `p` over dp_shard × cp in this layout (not the AttnRes queries, nor
-    expert-parallel experts: those it shards over their own group, `expert_shard`)."""
+    expert-parallel experts: those it shards over their own group, `Layout.expert_shard`)."""
     return p.fsdp and not (p.experts and lay.ep > 1)
 
 
@@ -110,12 +110,6 @@ def ep_shape(p: Param, lay: Layout) -> tuple[int, ...]:
 
 EXPERT_SHARD_DIM = 1
 """The dimension FSDP shards expert-parallel experts on (`parallel.expert_parallel`)."""
-
-
-def expert_shard(lay: Layout) -> int:
-    """Ranks FSDP shards an expert-parallel rank's experts over: the (dp_shard / ep) × cp ranks of
-    its replica holding the same experts (1: nothing to shard over)."""
-    return lay.dp_shard // lay.ep * lay.cp
 
 
 def expert_shard_rank(lay: Layout, shard_rank: int) -> int:
@@ -158,9 +152,9 @@ def local_numel(p: Param, lay: Layout, tp_rank: int, shard_rank: int) -> int:
         shape[p.tp_dim] = _chunk(shape[p.tp_dim], lay.tp, tp_rank)
     if fsdp_sharded(p, lay) and lay.shard > 1:
         shape[0] = _chunk(shape[0], lay.shard, shard_rank)
-    elif p.experts and lay.ep > 1 and expert_shard(lay) > 1:
+    elif p.experts and lay.expert_shard > 1:
         d = EXPERT_SHARD_DIM
-        shape[d] = _chunk(shape[d], expert_shard(lay), expert_shard_rank(lay, shard_rank))
+        shape[d] = _chunk(shape[d], lay.expert_shard, expert_shard_rank(lay, shard_rank))
     return math.prod(shape)
 
 

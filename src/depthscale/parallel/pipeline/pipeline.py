@@ -24,7 +24,6 @@ from depthscale.parallel.pipeline.schedules import forward_only, interleaved_1f1
 from depthscale.parallel.pipeline.stage import (
     PipelineStage,
     counted_elsewhere,
-    split_layers,
     sync_tied_grads,
     tied_embedding_group,
 )
@@ -40,8 +39,7 @@ class Pipeline:
         self.stages = stages
         self.group = mesh["pp"].get_group()
         self.ranks, virtual = mesh.size(mesh.mesh_dim_names.index("pp")), len(stages)
-        layers = list(stages[0].spec.split) or split_layers(cfg.n_layers, self.ranks * virtual)
-        self.cache = DepthCache(cfg, layers, self.ranks, enabled=True)
+        self.cache = DepthCache(cfg, list(stages[0].spec.split), self.ranks, enabled=True)
         self.train = PipelineRuntime(
             stages, interleaved_1f1b(self.ranks, virtual, microbatches), self.group, self.cache
         )

@@ -54,7 +54,7 @@ class StageSpec:
     stage: int
     n_stages: int
     layers: range
-    split: tuple[range, ...] = ()
+    split: tuple[range, ...]
     """Every stage's layers (the depth cache plans hops with them)."""
 
     @property
