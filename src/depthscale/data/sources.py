@@ -9,6 +9,7 @@ Megatron .bin/.idx pair, or an OLMo / Dolma .npy array (`data/token_files.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import importlib.util
@@ -16,7 +17,7 @@ import io
 import json
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,9 +26,11 @@ import numpy as np
 from depthscale.config import DataConfig
 from depthscale.data.text_check import TextMeter
 from depthscale.data.token_files import megatron_pair
+from depthscale.data.usage import TextUsage
 from depthscale.errors import DataError
 
 __all__ = [
+    "check_stream",
     "corpus_files",
     "corpus_identity",
     "is_pretokenized",
@@ -160,10 +163,10 @@ def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
     }
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[str]:
+def iter_documents(cfg: DataConfig, usage: TextUsage | None = None) -> Iterator[str]:
     """The corpus's documents in order, at most `data.max_bytes` bytes of UTF-8 text in all; a
     corpus that is not text is refused or warned about once read (`data/text_check.py`). A
-    mixture's are its sources', in source order."""
+    mixture's are its sources', in source order. `usage` (one corpus) counts what was read."""
     if cfg.sources:
         return (doc for s in cfg.sources for doc in iter_documents(source_config(cfg, s)))
     if is_pretokenized(cfg):
@@ -172,9 +175,9 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
             "a tokenizer cannot be trained on it"
         )
     files = corpus_files(cfg)  # resolved now, so a bad path fails here rather than on first next()
-    meter = TextMeter(cfg.path)
-    docs = (doc for f in files for doc in _read(f, cfg.jsonl_field, meter))
-    return meter.checked(_limit_bytes(docs, cfg.max_bytes) if cfg.max_bytes else docs)
+    meter, usage = TextMeter(cfg.path), usage if usage is not None else TextUsage()
+    docs = (doc for f in usage.reading(files) for doc in _read(f, cfg.jsonl_field, meter))
+    return meter.checked(usage.limited(docs, cfg.max_bytes))
 
 
 def bin_sidecar(path: Path) -> Path:
@@ -341,8 +344,24 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    try:
+    with _stream_errors(path):
         yield from _jsonl_lines(path, field)
+
+
+def check_stream(path: Path) -> None:
+    """Read a compressed .jsonl's stream to its end, unparsed: a damaged or truncated file is
+    named before any work (decompressing is cheap beside tokenizing)."""
+    if path.name.endswith((".gz", ".zst")):
+        with _stream_errors(path), _open_lines(path) as f:
+            while f.read(1 << 22):
+                pass
+
+
+@contextlib.contextmanager
+def _stream_errors(path: Path) -> Iterator[None]:
+    """A damaged gzip or zstandard stream as one DataError naming the file."""
+    try:
+        yield
     except (EOFError, gzip.BadGzipFile) as err:
         raise DataError(f"{path}: the compressed stream is damaged ({err})") from None
     except Exception as err:
@@ -386,15 +405,3 @@ def _valid_utf8(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", errors="replace").decode("utf-8")
-
-
-def _limit_bytes(docs: Iterable[str], max_bytes: int) -> Iterator[str]:
-    """Stop after `max_bytes` bytes of UTF-8; the last document is cut at a character boundary."""
-    left = max_bytes
-    for doc in docs:
-        raw = doc.encode("utf-8")
-        if len(raw) >= left:
-            yield raw[:left].decode("utf-8", errors="ignore")
-            return
-        left -= len(raw)
-        yield doc
