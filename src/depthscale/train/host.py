@@ -5,6 +5,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -35,3 +38,31 @@ def keep_freed_host_memory() -> bool:
     if not ok:
         log.warning("mallopt refused the host-memory settings; page faults per step remain")
     return ok
+
+
+ALLOC_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+"""Where a user sets torch's device-allocator options (the first is the newer, generic name)."""
+EXPANDABLE = "expandable_segments:True"
+
+
+def expandable_segments(device_type: str) -> bool:
+    """Make torch's CUDA caching allocator grow segments in place (`expandable_segments`), unless
+    the user configured the allocator (either environment variable, or the settings already set
+    in this process). Call before the first CUDA allocation. True when it was applied.
+
+    Without it, blocks of many sizes — the ring's fp32 merge temporaries, FSDP2's all-gather and
+    reduce-scatter buffers, whose sizes change per layer — fragment device memory: reserved
+    memory grows well past what is allocated, and a long run dies out of memory at a step it had
+    passed a thousand times. Expandable segments map more physical memory into one virtual range
+    instead of cutting fixed segments (torchtitan and Megatron set it for the same reason). The
+    variable is set too, so that processes this one starts (checkpoint writers, tools) inherit it;
+    the setting itself is applied now because torch read the variable when it was imported."""
+    if device_type != "cuda":
+        return False
+    if any(os.environ.get(name) for name in ALLOC_ENV):
+        return False  # the user's choice, whatever it is
+    if torch._C._accelerator_getAllocatorSettings():
+        return False  # set in this process already (torch.cuda.memory._set_allocator_settings)
+    os.environ[ALLOC_ENV[0]] = EXPANDABLE
+    torch._C._accelerator_setAllocatorSettings(EXPANDABLE)
+    return True

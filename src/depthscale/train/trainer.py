@@ -36,7 +36,7 @@ from depthscale.resilience.heartbeat import Heartbeat
 from depthscale.train import console, setup
 from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.evaluation import Evaluator
-from depthscale.train.host import keep_freed_host_memory
+from depthscale.train.host import expandable_segments, keep_freed_host_memory
 from depthscale.train.memory import OffloadStats, offload_activations
 from depthscale.train.nan_guard import (
     EarlyRead,
@@ -69,6 +69,7 @@ class Trainer:
             cfg.train.keep_host_memory == "auto" and self.device.type == "cpu"
         ):
             keep_freed_host_memory()
+        expandable_segments(self.device.type)  # before the first CUDA allocation
         if self.device.type == "cuda":  # read when the first NCCL group is made
             flight_recorder.configure_nccl(cfg.run_path)
         self.layout = init_layout(cfg, self.device)
