@@ -144,8 +144,54 @@ def test_byte_stream_and_cache(tmp_path, monkeypatch):
     tokens = tokenize_corpus(cfg, tok)
     expected = [t for d in DOCS for t in [*d.encode(), tok.eos_id]]
     assert tokens.dtype == np.uint16 and tokens.tolist() == expected
-    monkeypatch.setattr(loader, "iter_documents", lambda cfg: pytest.fail("cache not used"))
+    monkeypatch.setattr(loader, "iter_documents", lambda *a: pytest.fail("cache not used"))
     assert tokenize_corpus(cfg, tok).tolist() == expected
+
+
+def test_tiny_toml_trains_on_every_window_of_shards_and_says_what_max_bytes_leaves_out(
+    tmp_path, capsys
+):
+    """docs/data.md's example: shards from `depthscale tokenize`, trained with configs/tiny.toml,
+    whose max_bytes caps raw text. Every window of the shards trains (the cap once cut token
+    files too, silently: 45 % of a corpus); on the text itself, start-up says what it left out."""
+    from depthscale.config import load_config
+    from depthscale.data.shards import tokenize_to_shards
+
+    (tmp_path / "corpus").mkdir()
+    files = [
+        write_jsonl(
+            tmp_path / "corpus" / f"{i}.jsonl",
+            [{"text": f"doc {i}.{j:02} " * 50} for j in range(20)],
+        )
+        for i in range(3)
+    ]
+    manifest = tokenize_to_shards(files, ByteTokenizer(), tmp_path / "shards")
+    cap = manifest["tokens"] // 3  # tiny.toml's 8 MB beside a 22 MB corpus
+    tiny = "configs/tiny.toml"
+    overrides = ["--data.seq_len", "32", "--data.max_bytes", str(cap)]
+    cfg = load_config(tiny, ["--data.path", str(tmp_path / "shards"), *overrides])
+    capsys.readouterr()
+    data = build_data(cfg.data, seed=0, batch_size=4)
+    assert len(data.train.tokens) + len(data.val.tokens) == manifest["tokens"]
+    assert data.train.n_windows == (len(data.train.tokens) - 1) // 32
+    err = capsys.readouterr().err
+    assert err == (
+        f"depthscale: note: data.max_bytes caps raw text only: '{tmp_path / 'shards'}' is "
+        f"tokens, all {manifest['tokens']:,} of them used\n"
+    )
+    text = load_config(tiny, ["--data.path", str(tmp_path / "corpus"), *overrides]).data
+    for _ in ("tokenized", "cached"):  # every start says it
+        tokens = tokenize_corpus(text, ByteTokenizer())
+        err = capsys.readouterr().err
+        assert len(tokens) == cap + 21 and err.count("\n") == 1, err  # 21 EOS: 2 files in
+        assert (
+            f"data.max_bytes={cap:,} (raw text) stopped reading '{tmp_path / 'corpus'}' in" in err
+        )
+        assert f" its file 2 of 3: it uses 21 documents, {cap + 21:,} tokens ({cap:,} bytes" in err
+        assert "from files holding 67% of its" in err and "the rest is left out" in err
+    text.max_bytes = 0
+    assert len(tokenize_corpus(text, ByteTokenizer())) == manifest["tokens"]
+    assert capsys.readouterr().err == ""  # nothing left out: nothing said
 
 
 def test_bpe_stream_matches_encode(tmp_path):
@@ -167,8 +213,8 @@ def test_bin_round_trip(tmp_path, dtype):
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, ids)
     data = build_data(cfg, seed=0, batch_size=4)
     assert np.array_equal(np.concatenate([data.train.tokens, data.val.tokens]), ids)
-    cfg.max_bytes = 1000
-    assert len(tokenize_corpus(cfg, ByteTokenizer())) == 1000 // np.dtype(dtype).itemsize
+    cfg.max_bytes = 1000  # raw text only: a token file is used whole
+    assert np.array_equal(tokenize_corpus(cfg, ByteTokenizer()), ids)
 
 
 @pytest.mark.parametrize("vocab, dtype", [(258, "uint16"), (70_000, "uint32")])

@@ -187,7 +187,9 @@ class DataConfig:
     val_fraction: float = 0.01
     """Fraction of the token stream (taken from its end) held out for evaluation."""
     max_bytes: int = 0
-    """Read at most this many bytes of raw text from the corpus; 0 = all of it."""
+    """Read at most this many bytes of raw text from a text corpus (each mixture source its own);
+    0 = all of it. Token files (.bin, .npy, Megatron, tokenize shards) are always used whole.
+    Start-up says how much of the corpus a cap leaves out."""
     bin_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Element type of a pre-tokenized .bin file, or of a raw (headerless) Dolma .npy. auto: the
     one its sidecar `NAME.bin.json` records (written by `data.sources.write_bin`) or the .npy

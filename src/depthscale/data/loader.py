@@ -9,6 +9,8 @@ cursor) alone, and no rank holds a permutation of the corpus.
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
@@ -35,6 +38,7 @@ from depthscale.data.sources import (
 )
 from depthscale.data.token_files import megatron_documents, read_token_array, with_eos
 from depthscale.data.tokenizer import Tokenizer, build_tokenizer
+from depthscale.data.usage import TextUsage
 from depthscale.errors import DataError
 
 __all__ = ["DataBundle", "PackedBatches", "build_data", "split_stream", "tokenize_corpus"]
@@ -120,14 +124,13 @@ def tokenize_corpus(
 ) -> np.ndarray:
     """The corpus as one token stream (EOS after each document), memory-mapped from the cache:
     written there once, a piece at a time (never whole in memory), so later runs are instant.
+    What `data.max_bytes` left out of a text corpus is said at every start (`data/usage.py`).
 
-    A .bin corpus is already tokens: it is memory-mapped (at most `max_bytes` bytes of it, if set)
-    and checked to fit the tokenizer's vocabulary.
+    A token file is already tokens: it is memory-mapped whole (`data.max_bytes` caps raw text
+    only) and checked to fit the tokenizer's vocabulary.
     """
     if is_pretokenized(cfg):
         tokens = _token_stream(cfg, tokenizer)
-        if cfg.max_bytes:
-            tokens = tokens[: cfg.max_bytes // tokens.itemsize]
         checked = token_format(cfg) == "shards"  # against its manifest, without a read
         if len(tokens) and not checked and int(tokens.max()) >= tokenizer.vocab_size:
             raise DataError(
@@ -135,19 +138,36 @@ def tokenize_corpus(
                 f"tokenizer's vocabulary ({tokenizer.vocab_size}); check data.tokenizer "
                 "and data.bin_dtype"
             )
+        if cfg.max_bytes:
+            _note(
+                f"data.max_bytes caps raw text only: {cfg.path!r} is tokens, all "
+                f"{len(tokens):,} of them used"
+            )
         return tokens
     key = cache_key("tokens", corpus_identity(cfg), tokenizer.fingerprint)
     path = cache_root(cfg) / "tokens" / f"{key}.npy"
-    if path.is_file():
-        return np.load(path, mmap_mode="r")
-    dtype = token_dtype(tokenizer.vocab_size)
-    with (
-        cache_writes(path, "the tokenized corpus"),
-        atomic_path(path) as tmp,
-        tmp.open("wb") as f,
-    ):
-        write_npy_stream(f, dtype, encode_documents(iter_documents(cfg), tokenizer, progress))
-    return np.load(path, mmap_mode="r")
+    usage_path = path.with_suffix(".usage.json")  # written first: an entry without one is redone
+    if path.is_file() and usage_path.is_file():
+        usage = TextUsage.from_json(json.loads(usage_path.read_text()))
+    else:
+        usage, dtype = TextUsage(), token_dtype(tokenizer.vocab_size)
+        with cache_writes(path, "the tokenized corpus"), atomic_path(path) as tmp:
+            with tmp.open("wb") as f:
+                pieces = encode_documents(iter_documents(cfg, usage), tokenizer, progress)
+                write_npy_stream(f, dtype, pieces)
+            with atomic_path(usage_path) as usage_tmp:
+                usage_tmp.write_text(json.dumps(usage.to_json()) + "\n")
+    tokens = np.load(path, mmap_mode="r")
+    left_out = usage.report(cfg.path, len(tokens))
+    if left_out is not None:
+        _note(left_out)
+    return tokens
+
+
+def _note(message: str) -> None:
+    """One line on stderr, from the first rank only (every rank builds the same data)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"depthscale: note: {message}", file=sys.stderr, flush=True)
 
 
 def _token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
@@ -232,7 +252,7 @@ class PackedBatches:
                 f"the token stream has {len(tokens)} tokens, too short for one batch of "
                 f"batch_size={batch_size} sequences of seq_len={seq_len} (needs at least "
                 f"{batch_size * seq_len + 1}); use a larger corpus (data.path, "
-                "data.max_bytes) or a smaller train.batch_size or data.seq_len"
+                "data.max_bytes for text) or a smaller train.batch_size or data.seq_len"
             )
         self.epoch = 0
         self.cursor = 0
