@@ -94,6 +94,34 @@ def test_the_layer_is_its_math_with_gradients(case):
         check(scaled_err(p.grad, q.grad), bound, name)
 
 
+def test_shares_with_summed_counts_are_the_whole_batchs_loss_and_gradient():
+    """Global-batch balance (`moe_balance_scope = "global_batch"`): ranks holding parts of a
+    batch sum their per-expert slot counts and token counts (`totals`, detached), and each takes
+    its own tokens' share of the loss with the sums. The shares add up to one process's loss of
+    the whole batch, and their gradients to its gradient (the loss is linear in each token's
+    scores once the counts are fixed) — unequal parts included. Each part's own loss, averaged
+    (micro-batch balance), is another number: what the layouts disagreed on."""
+    router = _layer().router
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(5))
+    whole_x = x.clone().requires_grad_()
+    whole = router(whole_x).aux
+    whole.backward()
+    whole_dw, router.weight.grad = router.weight.grad, None
+    parts = [p.clone().requires_grad_() for p in x.split([5, 7])]
+    with torch.no_grad():  # what `totals` all-reduces: each part's slots per expert, its tokens
+        counted = [torch.cat([router(p).load, torch.tensor([float(len(p))])]) for p in parts]
+    totals = torch.stack(counted).sum(0)
+    shares = [router(p, lambda c: totals).aux for p in parts]
+    sum(shares).backward()
+    bound = fp32_sum_bound(E + 12)
+    loss = sum(shares).item()
+    check(abs(loss - whole.item()) / whole.item(), bound, "loss")
+    check(scaled_err(torch.cat([p.grad for p in parts]), whole_x.grad), bound, "dx")
+    check(scaled_err(router.weight.grad, whole_dw), bound, "d router")
+    own = sum(router(p.detach()).aux for p in parts) / len(parts)
+    assert abs(float(own) - float(whole)) > 100 * bound * float(whole)
+
+
 @pytest.mark.parametrize("path", ["grouped", "loop"])
 def test_both_gemm_paths_are_the_math(path):
     """The grouped GEMM and the per-expert loop each give every group's rows times its weights,
@@ -208,6 +236,10 @@ def _attach(y, aux):
         ({"moe_experts": 4, "moe_aux_loss": math.inf}, "moe_aux_loss=inf"),
         ({"moe_experts": 4, "parallel_block": True}, "parallel_block with model.moe_experts"),
         ({"moe_experts": -1}, "moe_experts=-1"),
+        (
+            {"moe_experts": 4, "moe_balance": "bias", "moe_balance_scope": "global_batch"},
+            "model.moe_balance_scope='global_batch' needs model.moe_balance='aux_loss'",
+        ),
     ],
 )
 def test_bad_moe_settings_are_one_line_errors(settings, message):
@@ -216,6 +248,13 @@ def test_bad_moe_settings_are_one_line_errors(settings, message):
         setattr(cfg.model, key, value)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         cfg.validate()
+
+
+def test_an_unknown_balance_scope_is_a_one_line_error_naming_the_allowed():
+    from depthscale.config.loading import set_value
+
+    with pytest.raises(ConfigError, match="allowed: 'micro_batch', 'global_batch'$"):
+        set_value(Config(), "model.moe_balance_scope", "global", from_string=True)
 
 
 def test_the_planner_counts_moe_parameters():

@@ -86,6 +86,12 @@ class ModelConfig:
     by moe_bias_rate towards the mean load after every step."""
     moe_aux_loss: float = 0.01
     """Coefficient of the load-balancing loss (moe_balance = 'aux_loss')."""
+    moe_balance_scope: Literal["micro_batch", "global_batch"] = "micro_batch"
+    """The tokens the load-balancing loss's expert shares f_e are counted over (training only):
+    each rank's micro-batch (Megatron's default: the loss then depends on the layout), or every
+    rank's micro-batch of the same accumulation step, all-reduced (global-batch balance, Qwen's
+    "Demons in the Detail": the same loss and gradients for every layout with the same
+    micro-batch steps; the whole batch with the default micro_batch_size)."""
     moe_bias_rate: float = 0.001
     """Step of the aux-loss-free bias update (moe_balance = 'bias')."""
     moe_z_loss: float = 0.0

@@ -312,6 +312,12 @@ def _check_moe(m) -> None:
         raise ConfigError(
             "model.parallel_block with model.moe_experts > 0 is not supported; allowed: one of them"
         )
+    if m.moe_balance_scope == "global_batch" and m.moe_balance != "aux_loss":
+        raise ConfigError(
+            f"model.moe_balance_scope='global_batch' needs model.moe_balance='aux_loss' (got "
+            f"{m.moe_balance!r}: its loads are summed over the whole step already); allowed: "
+            "'micro_batch' with it"
+        )
 
 
 def _check_expert_layout(m, p) -> None:

@@ -20,7 +20,10 @@ Load balancing, both kinds from the literature:
   got, P_e: its mean normalised score), times `moe_aux_loss`;
 * `bias` (aux-loss-free, DeepSeek-V3): a per-expert bias added to the scores when choosing (not to
   the weights), moved after every optimizer step by `moe_bias_rate` · sign(mean load − load).
-The router z-loss (`moe_z_loss` · mean log-sum-exp²) keeps the logits small. The auxiliary losses
+Its statistics are those of one micro-batch of one rank (whole rows under context parallelism)
+or, with `moe_balance_scope = "global_batch"`, of every rank's micro-batch of the step: the layer
+only sums counts through `token_totals`, which `parallel/` sets. The router z-loss
+(`moe_z_loss` · mean log-sum-exp²) keeps the logits small. The auxiliary losses
 reach backward through `AuxLoss`: the layer's output carries them (the gradient of the loss
 w.r.t. them is `aux_scale`), so they need no path of their own through pipeline stages.
 """
@@ -65,10 +68,15 @@ class Router(nn.Module):
         """Aux-loss-free balancing's per-expert bias (checkpointed with the model)."""
 
     def forward(self, x: Tensor, totals: Callable[[Tensor], Tensor] | None = None) -> Routing:
-        """x [N, dim] → the routing of its N tokens. `totals`: sums per-expert counts over the
-        ranks holding the other tokens of the same rows (context parallelism), so that the
-        auxiliary losses are those of the whole rows: this rank's `aux` is its share of them
-        (the shares sum to the whole)."""
+        """x [N, dim] → the routing of its N tokens. `totals`: sums per-expert counts (and the
+        token count) over the ranks holding the other tokens the auxiliary losses are taken over
+        — those of the same rows (context and sequence parallelism), or of the whole micro-batch
+        step (`moe_balance_scope = "global_batch"`) — so this rank's `aux` is its share of the
+        loss over all of them: E · Σ_e f_e · (Σ_{its tokens} p_e) / N with f_e, N the totals.
+        The counts carry no gradient, the loss is linear in each token's p, so the shares sum
+        to that loss and their gradients to its gradient. Only where a backward can use them
+        (grad enabled) are the losses computed: evaluation and scoring exchange no counts,
+        whatever each rank evaluates."""
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
             scores = logits.softmax(-1) if self.gate == "softmax" else logits.sigmoid()
@@ -79,15 +87,17 @@ class Router(nn.Module):
                 weights = weights / weights.sum(-1, keepdim=True)
             load = torch.bincount(experts.flatten(), minlength=self.n_experts).float()
             aux = logits.new_zeros(())
-            if (self.balance == "aux_loss" and self.aux_coef > 0) or self.z_coef > 0:
+            balance = self.balance == "aux_loss" and self.aux_coef > 0 and torch.is_grad_enabled()
+            z_loss = self.z_coef > 0 and torch.is_grad_enabled()
+            if balance or z_loss:
                 counted = torch.cat([load, load.new_full((1,), x.shape[0])])
                 counted = totals(counted) if totals is not None else counted
-                whole, n = counted[:-1], counted[-1]  # over the whole rows: no gradient
-            if self.balance == "aux_loss" and self.aux_coef > 0:
+                whole, n = counted[:-1], counted[-1]  # over every rank summed: no gradient
+            if balance:
                 share = whole / (n * self.top_k)  # f_e
                 probs = scores / scores.sum(-1, keepdim=True)  # P_e: softmax already sums to 1
                 aux = aux + self.aux_coef * self.n_experts * (share * probs.sum(0) / n).sum()
-            if self.z_coef > 0:
+            if z_loss:
                 aux = aux + self.z_coef * logits.logsumexp(-1).square().sum() / n
         return Routing(experts, weights, aux, load)
 
@@ -220,8 +230,9 @@ class MoE(nn.Module):
         """d(loss)/d(aux) in backward: 1 / micro-batches (set by the parallel plan)."""
         self.token_totals: Callable[[Tensor], Tensor] | None = None
         self.token_scale = 1.0
-        """Context parallelism: the sum of counts over the ranks holding the same rows (see
-        `Router.forward`), and the factor the gradient average over them divides by."""
+        """The sum of counts over the ranks holding the other tokens of the auxiliary losses (see
+        `Router.forward`; set by `parallel/expert_parallel.py`'s `apply_balance_scope`), and the
+        factor the gradient average over them divides by."""
         self.load: Tensor | None = None
         outside_graph(MoE.routed)  # made here, outside any compiled region
         """Routed slots per expert since the last `take_load` (training forwards only), and last

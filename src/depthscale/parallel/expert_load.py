@@ -28,7 +28,9 @@ from depthscale.observe import spans
 class ExpertLoad:
     """The MoE layers of this rank's model (none: a no-op) and the groups that sum their loads
     (none: one process). `holders`: how many ranks each train a share of the batch's tokens
-    (the data-parallel degree), for the mean auxiliary loss."""
+    (the data-parallel degree): each one's auxiliary loss is its micro-batches', and the step's
+    is their mean — except with `moe_balance_scope = "global_batch"`, where every rank's is
+    already its share of the one loss of all of them (`apply_balance_scope`), summed here."""
 
     def __init__(
         self, model: nn.Module, cfg: ModelConfig, groups: tuple = (), holders: int = 1
@@ -39,7 +41,8 @@ class ExpertLoad:
             for name, layer in model.layers.items()
             if isinstance(layer.feed_forward, MoE)
         }
-        self.groups, self.holders = groups, holders
+        self.groups = groups
+        self.holders = 1 if cfg.moe_balance_scope == "global_batch" else holders
         self.experts, self.balance, self.rate = cfg.moe_experts, cfg.moe_balance, cfg.moe_bias_rate
 
     def set_aux_scale(self, scale: float) -> None:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from depthscale.model.moe import MoE
 from depthscale.observe import spans
 from depthscale.parallel import startup
-from depthscale.parallel.mesh import ParallelDims
+from depthscale.parallel.mesh import ParallelDims, flat
 
 
 class _AllToAll(torch.autograd.Function):
@@ -216,15 +216,17 @@ class ExpertShards:
 
 
 class SumOver:
-    """Per-expert counts summed over a group (no gradient: they are counts)."""
+    """Per-expert counts summed over groups in turn (over their product: each group spans one
+    dimension of the mesh); no gradient: they are counts."""
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, *groups: ProcessGroup) -> None:
+        self.groups = groups
 
     def __call__(self, counts: Tensor) -> Tensor:
         counts = counts.clone()
-        with spans.collective("all_reduce", self.group, counts):
-            dist.all_reduce(counts, group=self.group)
+        for group in self.groups:
+            with spans.collective("all_reduce", group, counts):
+                dist.all_reduce(counts, group=group)
         return counts
 
 
@@ -238,15 +240,35 @@ def row_group(dims: ParallelDims) -> ProcessGroup:
     return group
 
 
-def apply_sequence_shards(model: nn.Module, group: ProcessGroup, cp: int) -> None:
-    """Context and sequence (tp) parallelism: every MoE layer computes its auxiliary losses over
-    whole rows — expert counts summed over `group` (the ranks holding the rows' other tokens) —
-    and scales its share of them by cp, as the token loss is (the gradient mean over the cp ranks
-    divides by cp; tp ranks sum the gradients of what they replicate)."""
+def apply_balance_scope(
+    model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims, scope: str
+) -> None:
+    """Over which ranks every MoE layer counts its auxiliary losses' statistics (`Router.forward`:
+    counts summed over them, detached; each rank's loss is its tokens' share of the loss over all
+    of them, so the shares sum to that loss and its gradient), and the factor its share is scaled
+    by (`MoE.token_scale`: the gradient mean over the ranks holding different tokens divides by
+    it; tp ranks sum the gradients of what they replicate).
+
+    'micro_batch': the ranks holding the same rows, cp × tp (`row_group`): the loss of each
+    data-parallel rank's micro-batch, as in Megatron. 'global_batch': every rank training a share
+    of the same micro-batch step — dp × cp (the mesh's dp_cp group), then tp — summed over the
+    data-parallel groups the loads of `parallel/expert_load.py` are summed over: the loss of the
+    step's tokens whatever the layout (within a pipeline stage, whose ranks run the same
+    micro-batches in the same order)."""
+    if scope == "global_batch":
+        groups = [flat(mesh, "dp_cp").get_group()] if dims.dp * dims.cp > 1 else []
+        groups += [mesh["tp"].get_group()] if dims.tp > 1 else []
+        scale = dims.dp * dims.cp
+    else:
+        groups = [row_group(dims)] if dims.cp * dims.tp > 1 else []
+        scale = dims.cp
+    if not groups:
+        return
+    totals = SumOver(*groups)
     for layer in model.layers.values():
         if isinstance(layer.feed_forward, MoE):
-            layer.feed_forward.token_totals = SumOver(group)
-            layer.feed_forward.token_scale = float(cp)
+            layer.feed_forward.token_totals = totals
+            layer.feed_forward.token_scale = float(scale)
 
 
 @torch.no_grad()

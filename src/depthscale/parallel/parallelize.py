@@ -24,7 +24,7 @@ from depthscale.config import Config
 from depthscale.errors import ConfigError
 from depthscale.model.transformer import Transformer
 from depthscale.observe import startup
-from depthscale.parallel.mesh import DistEnv, ParallelDims, flat, flat_name, init_distributed
+from depthscale.parallel.mesh import DistEnv, ParallelDims, dp_mesh, flat, init_distributed
 from depthscale.parallel.plan import ParallelPlan
 
 
@@ -183,10 +183,10 @@ def parallelize(
         if expert_groups.fsdp_mesh is not None:  # FSDP shards them over the expert mesh
             mesh_e, dim = expert_groups.fsdp_mesh, ep.EXPERT_SHARD_DIM
             expert_units = [(m, mesh_e, dim) for m in ep.expert_modules(model)]
-    if dims.cp * dims.tp > 1 and cfg.model.moe_experts:
-        from depthscale.parallel.expert_parallel import apply_sequence_shards, row_group
+    if cfg.model.moe_experts:
+        from depthscale.parallel.expert_parallel import apply_balance_scope
 
-        apply_sequence_shards(model, row_group(dims), dims.cp)
+        apply_balance_scope(model, mesh, dims, cfg.model.moe_balance_scope)
     if dims.cp > 1:
         from depthscale.parallel.context_parallel import apply_context_parallel
 
@@ -212,11 +212,9 @@ def parallelize(
             reshard = not stages
         for stage in stages:
             stage.keep_gathered = sharded and not reshard
-        both = ("dp_replicate", flat_name(mesh, "dp_shard_cp"))
-        dp_mesh = mesh[both] if dims.dp_replicate > 1 else shard
         whole = apply_fsdp(
             model,
-            dp_mesh,
+            dp_mesh(mesh) if dims.dp_replicate > 1 else shard,
             # replicas compute like DDP's: fp32 weights under autocast, and the unsharded copy kept
             # from forward to backward (re-copying it would save memory, not communication)
             param_dtype=dtype if sharded else torch.float32,
