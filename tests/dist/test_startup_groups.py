@@ -120,3 +120,53 @@ def test_clock_sync_goes_through_the_store_not_point_to_point(dist_pool):
     for rank, clock in enumerate(clocks[1:], 1):
         assert clock["lo_ns"] <= 0 <= clock["hi_ns"], (rank, clock)
         assert 0 < clock["rtt_ns"] == clock["hi_ns"] - clock["lo_ns"], (rank, clock)
+
+
+def _flattened_mesh(timeout_s: float) -> dict:
+    """A dp_shard × cp mesh built with a group timeout: its flattened dimensions and the HSDP mesh
+    as the trainer reaches them, every warning torch gives recorded."""
+    import datetime
+    import warnings
+
+    from depthscale.parallel.mesh import dp_mesh, flat, set_group_timeout
+
+    before = startup.group_timeout
+    set_group_timeout(datetime.timedelta(seconds=timeout_s))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mesh = ParallelDims(dp_shard=2, cp=2).build_mesh("cpu")
+            meshes = {n: flat(mesh, n) for n in ("dp_shard_cp", "dp_cp", "cp", "dp_shard")}
+            hsdp = dp_mesh(mesh)
+    finally:
+        startup.group_timeout = before
+    sums = {}
+    for name, sub in [*meshes.items(), ("hsdp_0", hsdp), ("hsdp_1", hsdp)]:
+        group = sub.get_group(int(name[-1])) if name.startswith("hsdp") else sub.get_group()
+        total = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(total, group=group)
+        sums[name] = [sorted(dist.get_process_group_ranks(group)), total.item()]
+    groups = {sub.get_group() for sub in meshes.values()} | {mesh.get_group(n) for n in DIM_NAMES}
+    timeouts = {
+        g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for g in groups
+        if g is not dist.group.WORLD
+    }
+    return {"warnings": [str(w.message) for w in caught], "sums": sums, "timeouts": timeouts}
+
+
+def test_flattened_dimensions_without_deprecated_slicing_and_with_the_group_timeout(dist_pool):
+    """#50: torch warned 'Slicing a flattened dim from root mesh will be deprecated' on every
+    rank of every run with cp beside data parallelism; the flattened meshes are now kept, and
+    HSDP's 2-D mesh joined from its two 1-D ones. Every group, the torch-made flattened ones too,
+    has the run's timeout through the public `timeout=` (not torch's patched default)."""
+    results = dist_pool(4).run(_flattened_mesh, 123.0)
+    for rank, out in enumerate(results):
+        assert out["warnings"] == [], (rank, out["warnings"])
+        assert out["timeouts"] == {123.0}, rank
+        cp_pair = [rank - rank % 2, rank - rank % 2 + 1]  # cp is the inner dimension
+        everyone = [[0, 1, 2, 3], 6.0]
+        assert out["sums"]["dp_shard_cp"] == everyone and out["sums"]["dp_cp"] == everyone
+        assert out["sums"]["cp"] == [cp_pair, float(sum(cp_pair))], rank
+        assert out["sums"]["hsdp_0"] == [[rank], float(rank)]  # dp_replicate: 1
+        assert out["sums"]["hsdp_1"] == everyone

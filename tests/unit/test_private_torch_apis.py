@@ -97,26 +97,13 @@ def test_live_group_timeout_can_be_changed(tmp_path):
     assert store.timeout == datetime.timedelta(seconds=3)
 
 
-def test_default_group_timeout_is_read_when_a_group_is_made():
-    """parallel/mesh.set_group_timeout: `new_group` and the device mesh take their timeout from
-    `distributed_c10d.default_pg_timeout` (NCCL: `default_pg_nccl_timeout`), read at call time
-    by `_get_default_timeout`; tests/dist/test_trace_spans.py checks a real mesh's groups."""
-    import datetime
+def test_device_mesh_concatenate():
+    """parallel/mesh.dp_mesh: HSDP's 2-D mesh is `DeviceMesh._concatenate([dp_replicate mesh,
+    flattened shard mesh])` (slicing a flattened dimension from the root is deprecated);
+    tests/dist/test_startup_groups.py runs it on 4 ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    from torch.distributed import distributed_c10d
-
-    from depthscale.parallel.mesh import set_group_timeout
-
-    old = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
-    try:
-        set_group_timeout(datetime.timedelta(seconds=7))
-        seconds = datetime.timedelta(seconds=7)
-        assert distributed_c10d._get_default_timeout("gloo") == seconds
-        if isinstance(old[1], datetime.timedelta):  # a build with NCCL
-            assert distributed_c10d._get_default_timeout("nccl") == seconds
-    finally:
-        distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = old
-
+    assert list(inspect.signature(DeviceMesh._concatenate).parameters) == ["device_mesh_list"]
 
 def test_group_creation_internals_the_sync_counter_patches():
     """parallel/startup.count_synchronizations counts by wrapping `distributed_c10d.barrier`,

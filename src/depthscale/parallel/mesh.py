@@ -85,9 +85,18 @@ class ParallelDims:
         ranks = torch.arange(self.world_size).reshape(shape)
         groups = [_dim_group(ranks, d, name) for d, name in enumerate(DIM_NAMES)]
         mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=DIM_NAMES)
+        flattened = {}
         for name, parts in FLATTENED.items():
             if flat_name(mesh, name) == name:
-                mesh[parts]._flatten(name)
+                flattened[name] = mesh[parts]._flatten(name)
+                if startup.group_timeout is not None:  # torch makes it with its default
+                    from torch.distributed import distributed_c10d
+
+                    group = flattened[name].get_group()
+                    distributed_c10d._set_pg_timeout(startup.group_timeout, group)
+        # torch deprecates slicing a flattened dimension from the root mesh: callers keep the
+        # flattened meshes themselves (`flat`, `dp_mesh`)
+        setattr(mesh, _FLAT_ATTR, flattened)
         return mesh
 
 
@@ -107,9 +116,28 @@ def flat_name(mesh: DeviceMesh, name: str) -> str:
     return name if len(larger) > 1 else (larger[0] if larger else parts[-1])
 
 
+_FLAT_ATTR = "_depthscale_flattened"
+"""The attribute of a mesh made by `build_mesh` holding its flattened dimensions' meshes."""
+
+
 def flat(mesh: DeviceMesh, name: str) -> DeviceMesh:
-    """`mesh[name]`, for named and flattened dimensions alike (see `flat_name`)."""
-    return mesh[flat_name(mesh, name)]
+    """`mesh[name]`, for named and flattened dimensions alike (see `flat_name`); a flattened one
+    is the mesh `_flatten` returned, never sliced from the root (which torch deprecates, with a
+    warning on every rank)."""
+    flattened = getattr(mesh, _FLAT_ATTR, {})
+    name = flat_name(mesh, name)
+    return flattened[name] if name in flattened else mesh[name]
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D (dp_replicate, dp_shard × cp) mesh of HSDP: replicas over dp_replicate, shards over
+    the rest. A flattened shard dimension is joined to dp_replicate (`DeviceMesh._concatenate`:
+    the same root, their own groups, none new), not sliced from the root (deprecated)."""
+    name = flat_name(mesh, "dp_shard_cp")
+    flattened = getattr(mesh, _FLAT_ATTR, {})
+    if name in flattened:
+        return DeviceMesh._concatenate([mesh["dp_replicate"], flattened[name]])
+    return mesh[("dp_replicate", name)]
 
 
 def _dim_group(ranks: torch.Tensor, dim: int, name: str) -> dist.ProcessGroup:
@@ -200,18 +228,14 @@ def init_distributed(
 
 
 def set_group_timeout(timeout: datetime.timedelta) -> None:
-    """Make `timeout` the default of every process group created from now on.
+    """Make `timeout` that of every process group depthscale makes from now on.
 
-    `init_process_group(timeout=)` sets the world group's only: `new_group` and the device mesh's
-    groups fall back to torch's defaults (30 min on gloo, 10 on NCCL), so a pipeline receive or an
-    FSDP collective over a sub-group would wait half an hour for a dead peer. torch reads the
-    default from `distributed_c10d.default_pg_timeout` (`default_pg_nccl_timeout` for NCCL) when a
-    group is made; private, pinned by tests/unit/test_private_torch_apis.py."""
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d.default_pg_timeout = timeout
-    if isinstance(getattr(distributed_c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
-        distributed_c10d.default_pg_nccl_timeout = timeout
+    `init_process_group(timeout=)` sets the world group's only: other groups fall back to torch's
+    defaults (30 min on gloo, 10 on NCCL), so a pipeline receive or an FSDP collective over a
+    sub-group would wait half an hour for a dead peer. Every group is made with torch's public
+    `timeout=` (`split_group`, `new_group`) from `startup.group_timeout`; torch's defaults are
+    left alone."""
+    startup.group_timeout = timeout
 
 
 def shorten_timeout(timeout_s: float) -> None:

@@ -24,7 +24,7 @@ from depthscale.config import Config
 from depthscale.errors import ConfigError
 from depthscale.model.transformer import Transformer
 from depthscale.observe import startup
-from depthscale.parallel.mesh import DistEnv, ParallelDims, flat, flat_name, init_distributed
+from depthscale.parallel.mesh import DistEnv, ParallelDims, dp_mesh, flat, init_distributed
 from depthscale.parallel.plan import ParallelPlan
 
 
@@ -212,11 +212,9 @@ def parallelize(
             reshard = not stages
         for stage in stages:
             stage.keep_gathered = sharded and not reshard
-        both = ("dp_replicate", flat_name(mesh, "dp_shard_cp"))
-        dp_mesh = mesh[both] if dims.dp_replicate > 1 else shard
         whole = apply_fsdp(
             model,
-            dp_mesh,
+            dp_mesh(mesh) if dims.dp_replicate > 1 else shard,
             # replicas compute like DDP's: fp32 weights under autocast, and the unsharded copy kept
             # from forward to backward (re-copying it would save memory, not communication)
             param_dtype=dtype if sharded else torch.float32,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -36,6 +37,11 @@ from torch.distributed import distributed_c10d
 T = TypeVar("T")
 
 _rounds: collections.Counter[str] = collections.Counter()
+
+group_timeout: datetime.timedelta | None = None
+"""The timeout of every group depthscale makes (`own_group`, and the gloo side groups), passed to
+torch's public `timeout=`; `mesh.init_distributed` sets it from `parallel.timeout_s`. None:
+torch's default (30 min on gloo, 10 on NCCL)."""
 
 
 def splits_from_world() -> bool:
@@ -50,10 +56,14 @@ def own_group(parts: list[list[int]], desc: str) -> dist.ProcessGroup | None:
     rank = dist.get_rank()
     if splits_from_world():
         # looked up at call time: `count_synchronizations` and tests replace it
-        return distributed_c10d.split_group(split_ranks=parts, group_desc=desc)
+        return distributed_c10d.split_group(
+            split_ranks=parts, group_desc=desc, timeout=group_timeout
+        )
     part = next((p for p in parts if rank in p), None)
     # a rank in no part still makes one group (of itself), so all ranks' group counts stay equal
-    group = dist.new_group(part or [rank], use_local_synchronization=True, group_desc=desc)
+    group = dist.new_group(
+        part or [rank], timeout=group_timeout, use_local_synchronization=True, group_desc=desc
+    )
     return group if part is not None else None
 
 
