@@ -12,6 +12,9 @@ A tensor saved several times is moved once. Block AttnRes saves every completed 
 each later block's phase-1 read, so a block went to host memory and back about once per later
 block (N times for the first of N); saves of one storage, view and version now share one host copy,
 and its copy back stays on the device from its first use in backward to its last.
+
+Host copies are regions of pinned slabs of exact size reused every step (`pinned_pool.py`), not
+one pinned allocation per tensor, which torch's host allocator rounds up to a power of two.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from depthscale.train.pinned_pool import PinnedPool
+
 DEFAULT_MIN_BYTES = 64 * 1024
-"""Saved device tensors smaller than this stay on the device. Each offloaded tensor costs a pinned
-host allocation, two copy launches, two events and a stream wait: some tens of microseconds whatever
+"""Saved device tensors smaller than this stay on the device. Each offloaded tensor costs a region
+of a pinned slab (`pinned_pool.py`), two copy launches, two events and a stream wait: some tens of microseconds whatever
 its size, about the time PCIe takes to move 64 KiB. Below that the fixed cost dominates and the
 device memory given back is negligible. CPU tensors are never copied, so by default none is tiny."""
 
@@ -155,6 +160,7 @@ class _PackOrder:
 
 
 _side_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_pools: dict[torch.device, PinnedPool] = {}
 
 
 def _side_stream(device: torch.device, direction: str) -> torch.cuda.Stream:
@@ -164,6 +170,21 @@ def _side_stream(device: torch.device, direction: str) -> torch.cuda.Stream:
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(device=device)
     return _side_streams[key]
+
+
+def _host_pool(device: torch.device) -> PinnedPool:
+    """The pinned slabs copies out of `device` go to, one pool per device for the process's
+    life (reused by every step); a region released after backward fences its slab with an event
+    on the copy-in stream, which the next copy into the slab waits for."""
+    if device not in _pools:
+
+        def fence() -> torch.cuda.Event:
+            event = torch.cuda.Event()
+            event.record(_side_stream(device, "in"))
+            return event
+
+        _pools[device] = PinnedPool(fence=fence)
+    return _pools[device]
 
 
 class _Offloader:
@@ -255,7 +276,10 @@ class _Offloader:
         out = _side_stream(t.device, "out")
         out.wait_stream(torch.cuda.current_stream(t.device))  # t is written by then
         with torch.cuda.stream(out):
-            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
+            if self.pin and t.layout == torch.strided:  # exact bytes from the pinned slabs
+                host = _host_pool(t.device).take(t.shape, t.dtype, wait=out.wait_event)
+            else:
+                host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
             host.copy_(t, non_blocking=self.pin)
             stored = torch.cuda.Event()
             stored.record(out)
