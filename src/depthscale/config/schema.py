@@ -188,6 +188,10 @@ class DataConfig:
     IndexedDataset (PREFIX.bin with PREFIX.idx beside it), or an OLMo / Dolma .npy token array."""
     tokenizer: str = "byte"
     """'byte', 'bpe' (trained on the corpus with HF tokenizers and cached), or a path to a tokenizer.json."""
+    eos_token: str = ""
+    """The token that ends every document, overriding the tokenizer's own: '' = the `eos_token`
+    its tokenizer_config.json (or special_tokens_map.json) configures, else found by name
+    (docs/data.md, "Which EOS"). Must be a token of the vocabulary."""
     bpe_vocab_size: int = 4096
     seq_len: int = 128
     val_fraction: float = 0.01

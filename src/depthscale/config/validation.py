@@ -390,6 +390,12 @@ def _check_fields(cfg: Config) -> None:
             f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0 "
             "(or set train.eval_every 0 to skip evaluation)"
         )
+    if d.eos_token and d.tokenizer == "byte":
+        raise ConfigError(
+            f"data.eos_token={d.eos_token!r} needs a tokenizer with named tokens; "
+            "data.tokenizer='byte' ends documents with id 257 (allowed: data.eos_token empty, "
+            "or data.tokenizer 'bpe' or a tokenizer.json)"
+        )
     if d.tokenizer == "bpe" and d.bpe_vocab_size < 258:
         raise ConfigError(
             f"data.bpe_vocab_size={d.bpe_vocab_size} is too small; allowed: >= 258 "

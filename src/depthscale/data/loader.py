@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,17 +25,14 @@ from depthscale.data.concat import ConcatTokens
 from depthscale.data.encode import encode_documents, token_dtype, write_npy_stream
 from depthscale.data.mixture import MixedBatches, Stage
 from depthscale.data.order import WindowOrder, rank_rows
-from depthscale.data.shards import read_shards
 from depthscale.data.sources import (
-    corpus_files,
     corpus_identity,
     is_pretokenized,
     iter_documents,
-    read_bin,
     source_config,
     token_format,
 )
-from depthscale.data.token_files import megatron_documents, read_token_array, with_eos
+from depthscale.data.token_stream import token_stream
 from depthscale.data.tokenizer import Tokenizer, build_tokenizer
 from depthscale.data.usage import TextUsage
 from depthscale.errors import DataError
@@ -130,7 +126,7 @@ def tokenize_corpus(
     only) and checked to fit the tokenizer's vocabulary.
     """
     if is_pretokenized(cfg):
-        tokens = _token_stream(cfg, tokenizer)
+        tokens = token_stream(cfg, tokenizer)
         checked = token_format(cfg) == "shards"  # against its manifest, without a read
         if len(tokens) and not checked and int(tokens.max()) >= tokenizer.vocab_size:
             raise DataError(
@@ -168,43 +164,6 @@ def _note(message: str) -> None:
     """One line on stderr, from the first rank only (every rank builds the same data)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"depthscale: note: {message}", file=sys.stderr, flush=True)
-
-
-def _token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> np.ndarray:
-    """A token file as one stream of documents each followed by EOS: ours and OLMo / Dolma
-    arrays are that already (memory-mapped); a Megatron pair is joined document for document into
-    the cache once (`data/token_files.py`)."""
-    kind = token_format(cfg)
-    if kind == "depthscale":
-        return read_bin(cfg)
-    if kind == "shards":
-        return read_shards(Path(cfg.path).expanduser(), tokenizer)
-    bin_path, *rest = corpus_files(cfg)
-    if kind == "array":
-        return read_token_array(bin_path, cfg.bin_dtype)
-    key = cache_key("megatron", corpus_identity(cfg), tokenizer.eos_id)
-    path = cache_root(cfg) / "tokens" / f"{key}.npy"
-    if path.is_file():
-        return np.load(path, mmap_mode="r")
-    docs = _in_vocabulary(megatron_documents(bin_path, rest[0]), tokenizer.vocab_size, bin_path)
-    with (
-        cache_writes(path, "the Megatron dataset's stream"),
-        atomic_path(path) as tmp,
-        tmp.open("wb") as f,
-    ):
-        write_npy_stream(f, token_dtype(tokenizer.vocab_size), with_eos(docs, tokenizer.eos_id))
-    return np.load(path, mmap_mode="r")
-
-
-def _in_vocabulary(docs: Iterable[np.ndarray], vocab: int, path) -> Iterator[np.ndarray]:
-    """Each document checked before it is narrowed to the stream's type (a wider id would wrap)."""
-    for n, doc in enumerate(docs):
-        if len(doc) and (int(doc.min()) < 0 or int(doc.max()) >= vocab):
-            raise DataError(
-                f"{path}: document {n} holds token id {int(doc.max())}, outside the tokenizer's "
-                f"vocabulary ({vocab}); check data.tokenizer"
-            )
-        yield doc
 
 
 def split_stream(

@@ -4,7 +4,8 @@
 download); text: a .txt file (one document), a .jsonl, .jsonl.gz or .jsonl.zst file (one document
 a line, `data.jsonl_field`), a .parquet file (one document a row of column `data.jsonl_field`), or
 a directory of them (read in sorted order); or tokens (no text): a .bin of depthscale's, a
-Megatron .bin/.idx pair, or an OLMo / Dolma .npy array (`data/token_files.py`).
+Megatron .bin/.idx pair, an OLMo / Dolma .npy array, a datatrove .ds file (`data/token_files.py`),
+or a directory of such token files (one source: its parts in name order, `data/token_stream.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ import numpy as np
 
 from depthscale.config import DataConfig
 from depthscale.data.text_check import TextMeter
-from depthscale.data.token_files import megatron_pair
+from depthscale.data.token_files import check_width, megatron_pair
 from depthscale.data.usage import TextUsage
 from depthscale.errors import DataError
 
@@ -39,6 +41,7 @@ __all__ = [
     "read_bin",
     "write_bin",
     "parquet_file",
+    "part_format",
     "source_config",
     "stdlib_files",
     "text_suffix",
@@ -46,11 +49,16 @@ __all__ = [
 ]
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-TOKEN_SUFFIXES = (".bin", ".idx", ".npy")
+TOKEN_SUFFIXES = (".bin", ".idx", ".npy", ".ds")
+PART_SUFFIXES = (".bin", ".npy", ".ds")
+"""A token file's own file; what lies beside it (a Megatron .idx, a Dolma .csv.gz, a datatrove
+.ds.index, a .bin.json sidecar) describes it, and is read with it."""
+_SHARD_NAME = re.compile(r"shard-\d+\.npy")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 ALLOWED = (
     "'stdlib'; text: a .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet file or a directory of "
-    "them; tokens: a .bin (depthscale's, or a Megatron .bin/.idx pair) or an OLMo/Dolma .npy"
+    "them; tokens: a .bin (depthscale's, or a Megatron .bin/.idx pair), an OLMo/Dolma .npy, a "
+    "datatrove .ds, or a directory of them"
 )
 SHARD_MANIFEST = "manifest.json"
 """What marks a directory of `depthscale tokenize` shards (`data/shards.py`)."""
@@ -91,17 +99,9 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     if path.is_dir() and (path / SHARD_MANIFEST).is_file():
         return [path / SHARD_MANIFEST]  # tokenized shards: their manifest says what they hold
     if path.is_dir():
-        files = [
-            f
-            for f in path.rglob("*")
-            if f.is_file() and text_suffix(f.name) and not f.name.startswith(".")
-        ]
-        if not files:
-            raise DataError(
-                f"data.path={cfg.path!r} is a directory with no text files; allowed: {ALLOWED}"
-            )
+        files = _directory_files(path, cfg.path)
         _check_extras(files, cfg.path)
-        return sorted(files, key=lambda f: f.relative_to(path).as_posix())
+        return files
     pair = megatron_pair(path) if path.suffix in (".bin", ".idx") else None
     if pair is not None:
         return list(pair)
@@ -120,19 +120,59 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     return [path]
 
 
+def _directory_files(path: Path, shown: str) -> list[Path]:
+    """A directory's text files, or its token files (the parts of one token stream), in name
+    order; a directory of both, or of neither, is one line naming what it holds."""
+    files = sorted(
+        (f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")),
+        key=lambda f: f.relative_to(path).as_posix(),
+    )
+    shards = [f.name for f in files if _SHARD_NAME.fullmatch(f.name)]
+    if shards:  # a `depthscale tokenize` output whose manifest.json is not (yet) written
+        raise DataError(
+            f"data.path={shown!r} holds depthscale tokenize shards ({shards[0]}, ...) but no "
+            f"{SHARD_MANIFEST}: manifest missing: rerun `depthscale tokenize` with --out {shown} "
+            "(the finished shards are kept)"
+        )
+    text = [f for f in files if text_suffix(f.name)]
+    tokens = [f for f in files if f.suffix in PART_SUFFIXES]
+    if text and tokens:
+        raise DataError(
+            f"data.path={shown!r} mixes text files ({text[0].name}) and token files "
+            f"({tokens[0].name}); allowed: a directory of one kind (give each its own "
+            "[[data.sources]] entry)"
+        )
+    if not text and not tokens:
+        raise DataError(
+            f"data.path={shown!r} is a directory with no text or token files; allowed: {ALLOWED}"
+        )
+    return text or tokens
+
+
+def part_format(path: Path) -> str:
+    """The format of one token file: 'megatron' (a .bin/.idx pair), 'array' (an OLMo / Dolma
+    .npy), 'datatrove' (a .ds), or 'depthscale' (a .bin of ours)."""
+    if path.suffix == ".npy":
+        return "array"
+    if path.suffix == ".ds":
+        return "datatrove"
+    return "megatron" if megatron_pair(path) is not None or path.suffix == ".idx" else "depthscale"
+
+
 def token_format(cfg: DataConfig) -> str | None:
-    """'shards' (a `depthscale tokenize` directory), 'megatron' (a .bin/.idx pair), 'array' (an
-    OLMo / Dolma .npy), 'depthscale' (a .bin of ours), or None: `data.path` is text."""
+    """'shards' (a `depthscale tokenize` directory), 'parts' (a directory of token files), a
+    token file's `part_format`, or None: `data.path` is text."""
     if cfg.path == "stdlib":
         return None
     path = Path(cfg.path).expanduser()
     if path.is_dir() and (path / SHARD_MANIFEST).is_file():
         return "shards"
-    if path.is_dir() or path.suffix not in TOKEN_SUFFIXES:
+    if path.is_dir():
+        files = _directory_files(path, cfg.path)
+        return "parts" if files[0].suffix in PART_SUFFIXES else None
+    if path.suffix not in TOKEN_SUFFIXES:
         return None
-    if path.suffix == ".npy":
-        return "array"
-    return "megatron" if megatron_pair(path) is not None or path.suffix == ".idx" else "depthscale"
+    return part_format(path)
 
 
 def is_pretokenized(cfg: DataConfig) -> bool:
@@ -237,21 +277,8 @@ def read_bin(cfg: DataConfig) -> np.ndarray:
     if size == 0:
         return np.empty(0, dtype)
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    _check_not_wider(tokens, path)
+    check_width(tokens, path)
     return tokens
-
-
-def _check_not_wider(tokens: np.ndarray, path: Path, sample: int = 4096) -> None:
-    """uint32 ids below 65536 read as uint16 give every second token 0: a stream no tokenizer
-    produces. Refuse it rather than train on it."""
-    if tokens.itemsize != 2 or len(tokens) < 64:
-        return
-    head = np.asarray(tokens[: 2 * sample])
-    if not head[1::2].any() and head[0::2].any():
-        raise DataError(
-            f"{path} read as uint16 has every second token 0: it looks like uint32 tokens; "
-            "set data.bin_dtype uint32 (or write a sidecar with depthscale.data.sources.write_bin)"
-        )
 
 
 def _read(path: Path, field: str, meter: TextMeter) -> Iterator[str]:

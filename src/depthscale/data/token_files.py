@@ -19,12 +19,26 @@ given the EOS here, so the stream is always documents each followed by EOS (as d
 tokenization writes it) and packing sees the same boundaries.
 
 OLMo-core / Dolma token arrays (`.npy`): the ids of every document back to back, each document
-ended by EOS, as a NumPy array file, or (as the Dolma tokenizer writes them) raw memory-mapped
-ids with no header, whose element type `data.bin_dtype` must name.
+ended by EOS, as a NumPy array file, or (as Dolma's `MemmapWriter` and OLMo-core's
+`memmap_to_write` write them) raw memory-mapped ids with no header. Beside a raw one there may be
+`NAME.csv.gz`, one row per document, `start,end[,id,src,loc]` in tokens (dolma/tokenizer/
+memmap_writer.py; olmo_core/data/utils.py `write_document_indices`): its last end over the file's
+size says the element type, which `data.bin_dtype` must otherwise name.
+
+datatrove token files (`NAME.ds`, datatrove/pipeline/tokens/tokenizer.py `TokenizedFile`): raw
+little-endian ids, 2 bytes each, or 4 where the vocabulary exceeds 65,536; `NAME.ds.index` holds
+each document's end in tokens as uint64; `NAME.ds.metadata` starts `tokenizer|token size`;
+`NAME.ds.loss` (a loss mask, one byte a token) is not read. EOS ends each document only where the
+pipeline's `eos_token` (or the tokenizer's post-processor) added it.
+
+A raw file read at the wrong width is refused, naming the right one (`check_width`): the index's
+token count, ids beyond the vocabulary, and uint32 ids read as uint16 (every second value a high
+half: 0 below 65,536) are each evidence.
 """
 
 from __future__ import annotations
 
+import gzip
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +61,8 @@ MEGATRON_DTYPES = {
 }
 _HEAD = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
 _NPY_MAGIC = b"\x93NUMPY"
+_WIDTHS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_SAMPLE = 4096
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,21 @@ def megatron_documents(bin_path: Path, idx_path: Path) -> Iterator[np.ndarray]:
         yield np.concatenate(parts) if parts else np.empty(0, index.dtype)
 
 
+def megatron_last_tokens(bin_path: Path, idx_path: Path) -> np.ndarray:
+    """The last token of (at most `_SAMPLE`, evenly spaced) non-empty documents, read in place."""
+    index = read_megatron_index(idx_path, bin_path.stat().st_size)
+    docs = _spread(index.n_documents)
+    last_seq = index.documents[docs + 1] - 1
+    last_seq = last_seq[(last_seq >= index.documents[docs]) & (index.lengths[last_seq] > 0)]
+    if not len(last_seq):
+        return np.empty(0, index.dtype)
+    item = index.dtype.itemsize
+    at = index.pointers[last_seq] + (index.lengths[last_seq].astype(np.int64) - 1) * item
+    data = np.memmap(bin_path, dtype=np.uint8, mode="r")
+    raw = np.stack([data[at + k] for k in range(item)], axis=1)  # each id's bytes
+    return np.ascontiguousarray(raw).view(index.dtype).ravel()
+
+
 def with_eos(documents: Iterator[np.ndarray], eos: int) -> Iterator[np.ndarray]:
     """Every document ending in EOS (appended where it does not already)."""
     end = np.array([eos])
@@ -133,11 +164,16 @@ def with_eos(documents: Iterator[np.ndarray], eos: int) -> Iterator[np.ndarray]:
         yield doc if len(doc) and doc[-1] == eos else np.concatenate([doc, end])
 
 
-def read_token_array(path: Path, raw_dtype: str) -> np.ndarray:
-    """An OLMo / Dolma token file, memory-mapped: a NumPy array file (its header says the type),
-    or raw ids whose type `raw_dtype` (data.bin_dtype) names."""
+def read_token_array(
+    path: Path, raw_dtype: str, vocab_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """An OLMo / Dolma token file, memory-mapped, and its documents' ends where an index lies
+    beside it (else None): a NumPy array file (its header says the type), or raw ids whose type
+    the `.csv.gz` index or `raw_dtype` (data.bin_dtype) says, checked against the evidence."""
     with path.open("rb") as f:
         head = f.read(6)
+    meta = path.with_suffix(".csv.gz")
+    ends = read_dolma_ends(meta) if meta.is_file() else None
     if head == _NPY_MAGIC:
         try:
             tokens = np.load(path, mmap_mode="r")
@@ -147,25 +183,169 @@ def read_token_array(path: Path, raw_dtype: str) -> np.ndarray:
             raise DataError(
                 f"{path}: a {tokens.ndim}-D {tokens.dtype} array; allowed: 1-D integer token ids"
             )
-        return tokens
-    if raw_dtype == "auto":
+        check_index(path, ends, len(tokens), meta)
+        return tokens, ends
+    if raw_dtype == "auto" and ends is None:
         raise DataError(
-            f"{path} has no .npy header (raw ids, as the Dolma tokenizer writes them); set "
-            "data.bin_dtype (allowed: 'uint16', 'uint32') to its token type"
+            f"{path} has no .npy header (raw ids, as the Dolma tokenizer writes them) and no "
+            f"{meta.name} beside it; set data.bin_dtype (allowed: 'uint16', 'uint32') to its "
+            "token type"
         )
-    dtype = np.dtype(raw_dtype).newbyteorder("<")
+    tokens = _raw_tokens(path, raw_dtype, ends, meta, None, vocab_size)
+    return tokens, ends
+
+
+def read_dolma_ends(meta: Path) -> np.ndarray:
+    """Each document's end (in tokens) from a Dolma / OLMo `.csv.gz` index, whose rows are
+    `start,end[,id,src,loc]` with each start the previous end."""
+    starts, ends = [], []
+    try:
+        with gzip.open(meta, "rt", newline="") as f:
+            for line in f:
+                if line.strip():
+                    start, end = line.split(",", 2)[:2]
+                    starts.append(int(start))
+                    ends.append(int(end))
+    except (OSError, EOFError, ValueError) as err:
+        raise DataError(
+            f"{meta}: not a readable document index (row {len(ends) + 1}: {err}); allowed: rows "
+            "'start,end[,...]' as Dolma and OLMo-core write them"
+        ) from None
+    ends_array = np.asarray(ends, dtype=np.int64)
+    if len(ends) and (starts[0] != 0 or (np.asarray(starts[1:]) != ends_array[:-1]).any()):
+        raise DataError(
+            f"{meta}: documents do not follow each other (a start is not the end "
+            "before it); allowed: the index Dolma and OLMo-core write"
+        )
+    return ends_array
+
+
+def read_datatrove(
+    path: Path, raw_dtype: str, vocab_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A datatrove `.ds` file, memory-mapped, and its documents' ends from `.ds.index` (None
+    without one). Its width: the index's token count over the file's size, else what
+    `.ds.metadata` records, else datatrove's own rule from the vocabulary."""
+    index = path.with_name(path.name + ".index")
+    ends = None
+    if index.is_file():
+        size = index.stat().st_size
+        if size % 8:
+            raise DataError(f"{index}: {size} bytes is not a whole number of uint64 document ends")
+        ends = np.fromfile(index, dtype="<u8").astype(np.int64)
+    written = _datatrove_token_size(path.with_name(path.name + ".metadata"))
+    if written is None and vocab_size is not None:
+        written = 4 if vocab_size > 1 << 16 else 2  # datatrove's PipelineStepWithTokenizer
+    default = _WIDTHS.get(written) if written else None
+    return _raw_tokens(path, raw_dtype, ends, index, default, vocab_size), ends
+
+
+def _datatrove_token_size(metadata: Path) -> int | None:
+    """The token size `.ds.metadata`'s first line ends with ('tokenizer|2'), if it says one."""
+    try:
+        first = metadata.read_text().splitlines()[0]
+        return int(first.rsplit("|", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _raw_tokens(
+    path: Path,
+    raw_dtype: str,
+    ends: np.ndarray | None,
+    index: Path,
+    default: np.dtype | None,
+    vocab_size: int | None,
+) -> np.ndarray:
+    """Raw little-endian ids, memory-mapped at the width the index implies (its last end is the
+    token count), else `raw_dtype`, else `default`; refused if the evidence says another."""
     size = path.stat().st_size
+    implied = None
+    if ends is not None and len(ends) and ends[-1] > 0:
+        width, rest = divmod(size, int(ends[-1]))
+        implied = _WIDTHS.get(width) if not rest else None
+        if implied is None:
+            raise DataError(
+                f"{path}: {size} bytes for the {int(ends[-1])} tokens {index.name} lists: not "
+                "2- or 4-byte tokens; the two files do not belong together or one is truncated"
+            )
+    dtype = np.dtype(raw_dtype).newbyteorder("<") if raw_dtype != "auto" else implied or default
+    if dtype is None:
+        raise DataError(
+            f"{path}: raw ids of unknown width; set data.bin_dtype (allowed: 'uint16', 'uint32')"
+        )
+    if implied is not None and dtype.itemsize != implied.itemsize:
+        raise DataError(
+            f"{path} holds {int(ends[-1])} tokens by {index.name}, so {implied.name} tokens, "
+            f"not data.bin_dtype={raw_dtype!r}; set data.bin_dtype {implied.name!r} (or 'auto')"
+        )
     if size % dtype.itemsize:
-        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens")
-    return np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
+        raise DataError(
+            f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; "
+            "check data.bin_dtype"
+        )
+    tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
+    check_index(path, ends, len(tokens), index)
+    check_width(tokens, path, vocab_size)
+    return tokens
+
+
+def check_index(path: Path, ends: np.ndarray | None, n_tokens: int, index: Path) -> None:
+    """Document ends must rise to the token count: else the index is not this file's."""
+    if ends is None:
+        return
+    last = int(ends[-1]) if len(ends) else 0
+    if (len(ends) and (ends[0] < 0 or (np.diff(ends) < 0).any())) or last != n_tokens:
+        raise DataError(
+            f"{path}: {index.name} does not fit it (document ends must rise to its "
+            f"{n_tokens} tokens; the last is {last}); the two files do not belong together"
+        )
+
+
+def check_width(tokens: np.ndarray, path: Path, vocab_size: int | None = None) -> None:
+    """Raw ids read at the wrong width give streams no tokenizer produces: uint32 ids read as
+    uint16 have every second value a high half (0 below 65,536), uint16 ids read as uint32 are
+    pairs glued into ids far beyond the vocabulary. Refuse both, naming the right width."""
+    if not len(tokens):
+        return
+    head = np.asarray(tokens[: 2 * _SAMPLE])
+    if tokens.itemsize == 2 and len(head) >= 64:
+        high = 0 if vocab_size is None else (vocab_size - 1) >> 16
+        if int(head[1::2].max()) <= high < int(head[0::2].max()):
+            raise DataError(
+                f"{path} read as uint16 has every second token {high or 0}"
+                f"{' or less' if high else ''} (the high halves of uint32 ids): it looks "
+                "like uint32 tokens; set data.bin_dtype uint32"
+            )
+    if tokens.itemsize == 4 and vocab_size is not None:
+        sample = np.concatenate([head, np.asarray(tokens[_spread(len(tokens))])])
+        narrow = np.ascontiguousarray(sample).view("<u2")
+        if int(sample.max()) >= vocab_size > int(narrow.max()):
+            raise DataError(
+                f"{path} read as uint32 holds ids up to {int(sample.max())}, beyond the "
+                f"vocabulary ({vocab_size}), which read as uint16 it fits: it looks like "
+                "uint16 tokens; set data.bin_dtype uint16"
+            )
+
+
+def _spread(n: int, at_most: int = _SAMPLE) -> np.ndarray:
+    """Up to `at_most` evenly spaced positions in range(n)."""
+    if not n:
+        return np.empty(0, np.int64)
+    return np.unique(np.linspace(0, n - 1, num=min(n, at_most), dtype=np.int64))
 
 
 __all__ = [
     "MEGATRON_DTYPES",
     "MEGATRON_MAGIC",
     "MegatronIndex",
+    "check_index",
+    "check_width",
     "megatron_documents",
+    "megatron_last_tokens",
     "megatron_pair",
+    "read_datatrove",
+    "read_dolma_ends",
     "read_megatron_index",
     "read_token_array",
     "with_eos",

@@ -17,6 +17,7 @@ from depthscale.data.loader import DataBundle, build_data
 from depthscale.errors import CheckpointError
 from depthscale.observe.metrics import detect_peak_flops
 from depthscale.parallel.startup import leader_first
+from depthscale.train.console import say
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,6 +75,8 @@ def build_data_once_per_node(cfg: Config, env, dp_size: int, progress=None) -> D
 
     data = leader_first("data", env.rank - env.local_rank, build)  # the node's local rank 0
     check_ranks_agree(data_identity(data, cfg.train.seed))
+    tok = data.tokenizer  # which token ends documents is a choice (docs/data.md): say it
+    say(f"depthscale: tokenizer {tok.name} ({tok.vocab_size} tokens), {tok.eos_summary}")
     return data
 
 
