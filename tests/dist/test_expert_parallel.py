@@ -5,6 +5,8 @@ step — with ep = 2 and ep = 4 over FSDP, ep = 2 inside dp_shard = 4 (the exper
 the other ep group; with HSDP, slow), ep = 2 beside replicas, ep = 2 × pp = 2 with block AttnRes,
 ep = 2 × cp = 2 (FSDP over the cp ranks) and ep = 2 × tp = 2 (the auxiliary losses over whole
 rows; under tp the shared experts sharded like a dense FFN, the routed ones whole on each tp rank).
+With `moe_balance_scope = "global_batch"` the balance loss is one process's over the same
+micro-batch steps at dp_shard = 2, ep = 2 with accumulation, × cp = 2, × pp = 2, and dp × tp.
 
 fp32 tolerances (tests/tolerances.py): the layouts reorder sums (reduce-scatters, the experts'
 gradient sums over the tokens other ranks sent, micro-batch accumulation), bounded by
@@ -27,11 +29,13 @@ from tolerances import check, fp32_model_bound, scaled_err
 BATCH, SEQ = 8, 16
 
 
-def _config(dims_kw: dict, balance: str):
+def _config(dims_kw: dict, balance: str, scope: str = "micro_batch", micro: int = 1):
     cfg = small_config("block", dims_kw, batch=BATCH, seq=SEQ)
+    cfg.train.micro_batch_size = micro
     m = cfg.model
     m.moe_experts, m.moe_top_k, m.moe_ffn_dim, m.moe_balance = 8, 2, 24, balance
     m.moe_z_loss, m.moe_first_dense, m.moe_shared_experts = 1e-3, 1, 1
+    m.moe_balance_scope = scope
     return cfg
 
 
@@ -39,23 +43,56 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _step(dims_kw: dict, balance: str, recompute: str = "none"):
+def _micro_steps(dp: int, micro: int) -> torch.Tensor:
+    """The batch's rows in the order one process must take them for its micro-batches of
+    dp·micro rows to be the layout's micro-batch steps: step j = micro-batch j of every
+    data-parallel rank (rank r trains rows [r·B/dp, (r+1)·B/dp), `micro` at a time)."""
+    per_rank = BATCH // dp
+    return torch.arange(BATCH).view(dp, per_rank // micro, micro).transpose(0, 1).flatten()
+
+
+def _peaked(model: Transformer) -> Transformer:
+    """Router weights × 20 and the balance loss at 0.5: at initialisation every expert scores
+    about 1/E, and any counts give about the same loss; peaked scores make the loss depend on
+    which tokens the counts are taken over, and weigh on the router's gradients."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.router.weight.mul_(20.0)
+                m.router.aux_coef = 0.5
+    return model
+
+
+def _step(
+    dims_kw: dict,
+    balance: str,
+    recompute: str = "none",
+    scope: str = "micro_batch",
+    micro: int = 1,
+    peaked: bool = False,
+):
+    """One step of the layout and of one process on the same batch → (loss, one process's loss,
+    worst gradient error, bias error, routing metrics error, the experts' placements). With
+    `micro` > 1 rows per micro-batch, one process's micro-batches are the layout's micro-batch
+    steps (`_micro_steps`: what global-batch balance counts over); with 1, single rows."""
     dims = ParallelDims(**{k: v for k, v in dims_kw.items() if k != "ep"})
     dims = dims.validate(dist.get_world_size())
-    cfg = _config(dims_kw, balance)
-    one = _config({}, balance)
+    cfg = _config(dims_kw, balance, scope, micro)
+    one = _config({}, balance, scope, micro * dims.dp if micro > 1 else 1)
+    build = _peaked if peaked else lambda model: model
     torch.manual_seed(0)
-    ref = Transformer(one.model)
+    ref = build(Transformer(one.model))
     ref_plan = parallelize(ref, None, ParallelDims(), one)
     torch.manual_seed(0)
-    model = Transformer(cfg.model)
+    model = build(Transformer(cfg.model))
     model.set_recompute(recompute)
     plan = parallelize(model, cached_mesh(dims), dims, cfg)
     g = torch.Generator().manual_seed(1)
     tokens, labels = torch.randint(0, 64, (2, BATCH, SEQ), generator=g).unbind(0)
     rank, size = dp_rank_and_size(cached_mesh(dims), dims)
     rows = slice(rank * BATCH // size, (rank + 1) * BATCH // size)
-    ref_loss = ref_plan.forward_backward(ref, tokens, labels)
+    order = _micro_steps(size, micro) if micro > 1 else torch.arange(BATCH)
+    ref_loss = ref_plan.forward_backward(ref, tokens[order], labels[order])
     ref_metrics = ref_plan.finish_step()
     share = plan.forward_backward(model, tokens[rows], labels[rows])
     plan.reduce_gradients()
@@ -126,6 +163,42 @@ def test_an_expert_parallel_step_equals_one_process(dist_pool, dims_kw, balance,
         check(bias, bound, "balancing bias")
         check(metric_err, bound, "routing metrics")
         assert where == placed
+
+
+@pytest.mark.parametrize(
+    "dims_kw,micro,world",
+    [
+        ({"dp_shard": 2}, 4, 2),
+        ({"dp_shard": 2, "ep": 2}, 2, 2),
+        ({"dp_shard": 2, "ep": 2, "cp": 2}, 2, 4),
+        ({"dp_shard": 2, "tp": 2}, 4, 4),
+        ({"dp_shard": 2, "ep": 2, "pp": 2}, 2, 4),
+    ],
+    ids=["dp2", "ep2-accumulation2", "ep2-cp2-accumulation2", "dp2-tp2", "ep2-pp2"],
+)
+def test_global_batch_balance_is_one_process_on_the_same_micro_batch_steps(
+    dist_pool, dims_kw, micro, world
+):
+    """`moe_balance_scope = "global_batch"`: the balance loss's expert counts summed over every
+    rank of a micro-batch step — the data-parallel ranks (dp2: the issue's one process against
+    dp_shard = 2, the whole batch one step), the ep group, the cp and tp sequence shards, within
+    each pipeline stage — give one process's loss, gradients and routing metrics on the same
+    steps, under gradient accumulation too. At dp2 the per-micro-batch default (each rank's 4
+    rows balanced on their own) gives another auxiliary loss and router gradient: what the
+    scope is for, and what the test tells apart."""
+    bound = fp32_model_bound(_config(dims_kw, "aux_loss").model, SEQ, BATCH)
+    scope = "global_batch"
+    for loss, ref_loss, worst, _, metric_err, _ in dist_pool(world).run(
+        _step, dims_kw, "aux_loss", "none", scope, micro, True
+    ):
+        check(abs(loss - ref_loss) / ref_loss, bound, "loss")
+        check(worst, bound, "worst gradient")
+        check(metric_err, bound, "routing metrics and auxiliary loss")
+    if dims_kw == {"dp_shard": 2}:
+        for _, _, worst, _, metric_err, _ in dist_pool(world).run(
+            _step, dims_kw, "aux_loss", "none", "micro_batch", micro, True
+        ):
+            assert metric_err > 10 * bound and worst > 10 * bound
 
 
 def test_rows_arriving_by_source_are_regrouped_by_expert():
