@@ -159,17 +159,19 @@ def stage_env(stage: Stage, dry_run: bool, work: Path) -> dict[str, str]:
     path = [str(REPO / "src"), str(REPO / "scripts"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
     env["PYTHONUNBUFFERED"] = "1"
-    # fresh compiler caches per check: first-call and first-step seconds are cold every time; the
-    # kernels stage's own, so that its first calls time the compile even after the unit tests
-    cache = "kernels" if stage.name == "kernels" else "shared"
-    env["TRITON_CACHE_DIR"] = str(work / "triton_cache" / cache)
+    # fresh compiler caches per check, one of each for all stages: first-call and first-step
+    # seconds are cold where a kernel or graph is first compiled (the kernels stage compiles the
+    # AttnRes variants before any other stage needs them), warm after that
+    env["TRITON_CACHE_DIR"] = str(work / "triton_cache")
     env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor_cache")
     # a read that misses its fused kernel raises instead of silently running the PyTorch ops
     env.setdefault("DEPTHSCALE_STRICT_KERNELS", "1")
+    # no C++ CPU kernel build inside a timed check: a CPU read (references, CPU-side tests) takes
+    # the PyTorch ops, a chosen fallback that strict mode allows
+    env["DEPTHSCALE_CPU_KERNELS"] = "0"
     if dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine
         env["TRITON_INTERPRET"] = "1"
-        env["DEPTHSCALE_CPU_KERNELS"] = "0"  # no C++ build inside a one-minute check
     else:
         env.update(stage.env)  # e.g. TORCH_CUDA_SANITIZER, which asserts on a CPU-only torch
     return env
@@ -281,6 +283,34 @@ def share(
     return timeout if timeout >= min(floor, limit) else None
 
 
+def budget_table(limits: dict[str, float], budget: float) -> str:
+    """The stages' limits on a GPU and their sum against the budget: what --dry-run prints first,
+    so the check's fit is read without a GPU."""
+    gpu = {s.name: limits.get(s.name, s.timeout_s) for s in STAGES}
+    rows = [f"  {s.name:<11} {gpu[s.name]:>4.0f} s  (floor {s.floor_s:.0f} s)" for s in STAGES]
+    total = sum(gpu.values())
+    return "\n".join(["stage budgets on a GPU:", *rows,
+                      f"  {'total':<11} {total:>4.0f} s of {budget:.0f} s"])  # fmt: skip
+
+
+def goals_of(lines: list[dict]) -> dict:
+    """Every goal the stages judged (`common.goal`): 'stage/measurement/goal' → met (bool), and
+    the counts."""
+    found = {}
+    for line in lines:
+        for name, g in (line.get("values") or {}).get("goals", {}).items():
+            found[f"{line['stage']}/{line['name']}/{name}"] = g.get("met")
+    met = sum(1 for v in found.values() if v)
+    return {"met": met, "missed": len(found) - met, "each": found}
+
+
+def device_name(jsonl: Path) -> str:
+    for line in read_lines(jsonl, 0):
+        if line.get("stage") == "env" and line.get("name") == "device":
+            return str(line.get("values", {}).get("name", "unknown"))
+    return "unknown"
+
+
 def drive(args: argparse.Namespace) -> int:
     stages = selected_stages(args.only)
     limits = timeouts(args.stage_timeout, args.dry_run)
@@ -293,6 +323,9 @@ def drive(args: argparse.Namespace) -> int:
     header |= {"argv": sys.argv[1:], "python": sys.version.split()[0], "cwd": str(REPO)}
     write_line(jsonl, {"stage": "check", "name": "start", "status": "ok", "values": header,
                        "error": None, "time": now()})  # fmt: skip
+    if args.dry_run:  # the budgets a GPU run would have (this run's own are the dry limits)
+        gpu_limits = timeouts(args.stage_timeout, dry_run=False)
+        print(budget_table(gpu_limits, args.budget or BUDGET_S), flush=True)
     print(f"gpu_check: {len(stages)} stages, budget {budget:.0f} s, lines in {jsonl}", flush=True)
     results = []
     try:
@@ -318,12 +351,16 @@ def drive(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
     failed = [r["stage"] for r in results if r["status"] in ("failed", "timeout")]
     date = datetime.date.today().isoformat()
+    results_file = f"benchmarks/results/gpu_check_{device_slug(jsonl)}_{date}.jsonl"
     summary = {
         "stages": {r["stage"]: r["status"] for r in results},
         "failed": failed,
+        "goals": goals_of(read_lines(jsonl, 0)),
         "seconds": round(time.monotonic() - start, 1),
         "dry_run": args.dry_run,
-        "results_file": f"benchmarks/results/gpu_check_{device_slug(jsonl)}_{date}.jsonl",
+        "device": device_name(jsonl),
+        "date": date,
+        "results_file": results_file,
     }
     if args.keep_work:
         summary["work"] = str(work)
@@ -331,8 +368,17 @@ def drive(args: argparse.Namespace) -> int:
                        "status": "failed" if failed else "ok", "values": summary,
                        "error": f"failed: {', '.join(failed)}" if failed else None,
                        "time": now()})  # fmt: skip
+    goals = summary["goals"]
     print(f"gpu_check: {'FAILED ' + ', '.join(failed) if failed else 'ok'} in "
-          f"{summary['seconds']:.0f} s; commit {jsonl} as {summary['results_file']}")  # fmt: skip
+          f"{summary['seconds']:.0f} s; goals met {goals['met']}, missed {goals['missed']}")  # fmt: skip
+    # the results under their committed name: beside the lines (what comes back from a device
+    # machine) and, on a GPU, in the checkout's benchmarks/results/ too
+    shutil.copyfile(jsonl, out / Path(results_file).name)
+    if not args.dry_run:
+        with contextlib.suppress(OSError):  # a read-only checkout still has the copy in --out
+            shutil.copyfile(jsonl, REPO / results_file)
+    print(f"gpu_check: results in {out / Path(results_file).name}"
+          + ("" if args.dry_run else f" and {results_file}"))  # fmt: skip
     return 1 if failed else 0
 
 

@@ -184,6 +184,18 @@ def max_abs(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got.detach().double() - want.detach().double()).abs().max().item()
 
 
+def goal(values: dict[str, Any], name: str, value: float | None, op: str, target: float) -> bool:
+    """Judge one of the goals docs/gpu.md sets for a GPU run: `values["goals"][name]` becomes
+    {"value", "goal": "<op> <target>", "met"}, and the summary line counts them. A missed goal is
+    a finding, not a broken build: the measurement's line stays ok. `op` is ">=" or "<="; a
+    missing or NaN value is missed."""
+    if op not in (">=", "<="):
+        raise ValueError(f"goal op {op!r}: allowed '>=' or '<='")
+    met = value is not None and (value >= target if op == ">=" else value <= target)
+    values.setdefault("goals", {})[name] = {"value": value, "goal": f"{op} {target:g}", "met": met}
+    return met
+
+
 def within(value: float, bound: float) -> bool:
     """value <= bound, False for NaN."""
     return value <= bound

@@ -10,7 +10,9 @@ ran into it, with the sanitizer's report in the log.
 - sanitizer: that it is on (a check that silently ran without it proves nothing);
 - offload_vs_plain: one forward + backward of a small block-AttnRes model with and without
   offload, same weights and tokens: gradients must agree (the copies are exact; bound 1e-4
-  relative, against order-1 garbage from a race), and the device memory peak should drop;
+  relative, against order-1 garbage from a race), and the device memory peak should drop; the
+  pinned host memory (`train/pinned_pool.py`) about what was offloaded (each slab's tail
+  beyond), and not growing on a second step (its slabs reused);
 - trainer_offload: three steps of the real trainer with offload on: finite losses, bytes moved.
 
 CPU has no streams to race on and torch's sanitizer asserts there (it asks for the current CUDA
@@ -86,11 +88,22 @@ def offload_vs_plain(ctx: Context, s: dict) -> dict[str, Any]:
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if ctx.cuda else None
         return [p.grad.detach().clone() for p in params], loss.item(), peak
 
+    from depthscale.train import memory
+    from depthscale.train.pinned_pool import SLAB_BYTES
+
+    def pinned() -> int:
+        return sum(pool.pinned_bytes for pool in memory._pools.values())
+
     ref_grads, ref_loss, ref_peak = step(None)
     stats = OffloadStats()
     grads, loss, peak = step(stats)
+    pinned_once = pinned()
+    step(OffloadStats())  # a second step takes its host copies from the same pinned slabs
     err = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
     values = {
+        "offloaded_mib": sig(stats.bytes / 2**20),
+        "pinned_mib": sig(pinned_once / 2**20),
+        "pinned_mib_after_second_step": sig(pinned() / 2**20),
         "loss": sig(loss, 6),
         "loss_plain": sig(ref_loss, 6),
         "grad_rel_err_max": sig(err, 3),
@@ -102,6 +115,11 @@ def offload_vs_plain(ctx: Context, s: dict) -> dict[str, Any]:
         raise OutOfBounds("offload moved no tensor", values)
     if not err <= GRAD_RTOL:
         raise OutOfBounds(f"gradients with offload differ by {err:.2e} > {GRAD_RTOL:.0e}", values)
+    if pinned() != pinned_once:
+        raise OutOfBounds("pinned host memory grew on the second step: slabs not reused", values)
+    slabs = sum(len(pool.slabs) for pool in memory._pools.values())
+    if pinned_once > stats.bytes + slabs * SLAB_BYTES:
+        raise OutOfBounds("more host memory pinned than offloaded plus a slab's tail each", values)
     return values
 
 

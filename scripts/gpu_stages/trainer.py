@@ -1,6 +1,6 @@
-"""Stages trainer and compiled: the real training loop (`Trainer.fit`, as `depthscale train` runs
-it) on a 4-layer slice of configs/llama-1b.toml in bf16, for the standard, block and full
-residuals.
+"""Stage trainer: the real training loop (`Trainer.fit`, as `depthscale train` runs it) on a 4-layer
+slice of configs/llama-1b.toml in bf16, eager, for the standard, block and full residuals; then
+where a step's time goes, and whether two runs agree bit for bit.
 
 The slice keeps llama-1b's widths (d 2048, 32 heads, 8 KV heads, FFN 8192, sequence 2048, micro
 batch 4) and its block size (4 sublayers a block), with a 32768-token vocabulary over the byte
@@ -10,35 +10,38 @@ device), and stops when `fit` returns after a logged step, so it covers exactly 
 device work, the loop's own host work included. MFU is tokens/s × the model's FLOPs per token over
 the trainer's peak (the spec sheet for known GPUs).
 
-`compiled` runs each residual eagerly for a few steps, then compiled (`train.compile`, blocks
-compiled as the trainer does): first-step seconds (host time, compile included), graph breaks and
-graphs from torch._dynamo's counters, and the first steps' losses against eager (same seed, same
-batches: they agree to bf16 rounding). Under --dry-run dynamo uses its `eager` backend: Inductor's
-C++ code generation for CPU takes minutes on two cores, and what the GPU run measures is Inductor
-on CUDA.
+- `step_profile` (standard and block): host milliseconds to enqueue one step (`_train_step`,
+  with `resilience.nan_replay=false` so that the step reads nothing back) against the device's
+  milliseconds for it (CUDA events), and the kernel launches of one step from the profiler, per
+  layer. Host ≥ device means the step is launch-bound: the GPU waits for Python.
+- `bitwise`: two block runs from the same seed on the same batches: every parameter after the
+  last step equal bit for bit (`torch.equal`), or the largest relative difference.
+
+`train` (one `Trainer.fit` with its numbers) is shared with the llama1b, loss and offload stages.
 """
 
 from __future__ import annotations
 
 import gc
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gpu_stages.common import LLAMA_1B, Context, OutOfBounds, sig
+from gpu_stages.common import LLAMA_1B, Context, goal, profile_kernels, rel_err, sig
 
 RESIDUALS = ("standard", "block", "full")
-COMPILED_ORDER = ("block", "standard", "full")
-"""The project's default residual first: a run cut short by its time still measured it."""
 REAL = {"warm": 5, "timed": 10, "log_every": 5, "compare": 3}
 DRY = {"warm": 1, "timed": 1, "log_every": 1, "compare": 2}
-LOSS_RTOL = 5e-3
-"""Compiled vs eager loss, relative, over the first steps: bf16 rounding of differently fused
-reductions moves the loss by ~1e-3 of itself; a broken graph moves it by far more."""
 
 
-def overrides(ctx: Context, residual: str, compile_: bool, steps: int, log_every: int) -> list:
+def overrides(
+    ctx: Context, residual: str, compile_: bool, steps: int, log_every: int, slice_: bool = True
+) -> list:
+    """The run's config overrides over configs/llama-1b.toml: the 4-layer slice (`slice_`), or
+    the whole 16 layers; tiny shapes under --dry-run either way."""
     name = f"{ctx.stage}_{residual}" + ("_compiled" if compile_ else "")
     common = [
         *("--model.residual", residual, "--train.compile", str(compile_).lower()),
@@ -59,18 +62,25 @@ def overrides(ctx: Context, residual: str, compile_: bool, steps: int, log_every
             *("--train.batch_size", "2", "--train.micro_batch_size", "2"),
             *("--logging.peak_tflops", "1"),  # no CPU matmul measurement at start
         ]
+    layers = ("--model.n_layers", "4", "--model.attnres_block_size", "4") if slice_ else ()
     return common + [
-        *("--model.n_layers", "4", "--model.attnres_block_size", "4"),
+        *layers,
         *("--model.vocab_size", "32768", "--data.max_bytes", "8000000"),
         *("--train.batch_size", "8", "--train.micro_batch_size", "4"),
     ]
 
 
 def train(
-    ctx: Context, residual: str, compile_: bool, plan: dict, extra: tuple[str, ...] = ()
+    ctx: Context,
+    residual: str,
+    compile_: bool,
+    plan: dict,
+    extra: tuple[str, ...] = (),
+    slice_: bool = True,
+    after: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One `Trainer.fit` of plan['warm'] + plan['timed'] steps (config `overrides`, then
-    `extra`); its numbers."""
+    `extra`); its numbers, and `after(trainer)`'s, run once `fit` has returned."""
     from depthscale.config import load_config
     from depthscale.model import kernel_dispatch
     from depthscale.observe.metrics import flops_per_token
@@ -78,7 +88,8 @@ def train(
 
     warm, timed = plan["warm"], plan["timed"]
     steps, log_every = warm + timed, plan["log_every"]
-    cfg = load_config(LLAMA_1B, overrides(ctx, residual, compile_, steps, log_every) + list(extra))
+    args = overrides(ctx, residual, compile_, steps, log_every, slice_) + list(extra)
+    cfg = load_config(LLAMA_1B, args)
     getattr(kernel_dispatch, "reset_kernel_paths", lambda: None)()
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -123,6 +134,8 @@ def train(
         values["offloaded_mb"] = sig(float(history[-1]["offloaded_mb"]))
     if ctx.cuda:
         values["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if after is not None:
+        values |= after(trainer)
     del trainer, history
     gc.collect()
     if ctx.cuda:
@@ -130,7 +143,7 @@ def train(
     return values
 
 
-def run_eager(ctx: Context) -> None:
+def run(ctx: Context) -> None:
     plan = DRY if ctx.dry_run else REAL
     rates = {}
     for residual in RESIDUALS:
@@ -142,58 +155,68 @@ def run_eager(ctx: Context) -> None:
             f"{r}_over_standard": sig(rates["standard"] / rates[r], 3)
             for r in rates if r != "standard"
         })  # fmt: skip
+    short = {"warm": 1, "timed": 1, "log_every": 1}
+    no_reads = ("--resilience.nan_replay", "false")
+    for residual in ("standard", "block"):
+        ctx.measure(f"step_profile {residual}", lambda r=residual: _only(train(
+            ctx, r, False, short, no_reads, after=lambda t: step_profile(ctx, t)),
+            ("residual", "first_step_s", *PROFILE_KEYS)))  # fmt: skip
+    ctx.measure("bitwise", lambda: bitwise(ctx, short))
 
 
-def _eager_backend_for_dry_run() -> None:
-    """torch.compile(..., backend='eager') wherever the trainer compiles (nn.Module.compile calls
-    torch.compile): dynamo traces and counts graph breaks exactly as it does on a GPU."""
-    real = torch.compile
-
-    def compile_eager(*args, **kwargs):
-        kwargs.setdefault("backend", "eager")
-        return real(*args, **kwargs)
-
-    torch.compile = compile_eager
+PROFILE_KEYS = ("host_ms_per_step", "device_ms_per_step", "host_over_device",
+                "launches_per_step", "launches_per_layer", "top_kernels")  # fmt: skip
 
 
-def compiled_case(ctx: Context, residual: str, plan: dict) -> dict[str, Any]:
-    import torch._dynamo
-    from torch._dynamo.utils import counters
+def _only(values: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: values[k] for k in keys if k in values}
 
-    eager_plan = {"warm": 1, "timed": plan["compare"] - 1, "log_every": 1}
-    eager = train(ctx, residual, False, eager_plan)
-    torch._dynamo.reset()
-    counters.clear()
-    values = train(ctx, residual, True, plan)
-    breaks = dict(counters["graph_break"])
-    values["graph_breaks"] = sum(breaks.values())
-    values["graph_break_reasons"] = {k[:200]: v for k, v in list(breaks.items())[:8]}
-    values["dynamo_stats"] = dict(counters["stats"])
-    k = plan["compare"]
-    compiled_losses, eager_losses = values["losses"][:k], eager["losses"][:k]
-    diffs = [abs(a - b) / abs(b) for a, b in zip(compiled_losses, eager_losses)]
-    values["eager_losses"] = eager_losses
-    values["loss_rel_diff_max"] = sig(max(diffs), 3)
-    if not max(diffs) <= LOSS_RTOL:
-        raise OutOfBounds(
-            f"compiled loss differs from eager by {max(diffs):.2e} (relative) > {LOSS_RTOL:.0e}",
-            values,
-        )
+
+def step_profile(ctx: Context, trainer, steps: int = 3) -> dict[str, Any]:
+    """Host vs device milliseconds per step and kernel launches per layer (see the docstring)."""
+    host, pairs = [], []
+    ctx.sync()
+    for _ in range(steps):
+        if ctx.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        trainer._train_step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if ctx.cuda:
+            end.record()
+            pairs.append((start, end))
+    ctx.sync()
+    t0 = time.perf_counter()
+    device = [s.elapsed_time(e) for s, e in pairs] or [(time.perf_counter() - t0) * 1e3]
+    profile = profile_kernels(ctx, trainer._train_step)
+    layers = trainer.cfg.model.n_layers
+    host_ms, device_ms = statistics.median(host), statistics.median(device)
+    return {
+        "host_ms_per_step": sig(host_ms),
+        "device_ms_per_step": sig(device_ms) if ctx.cuda else None,
+        "host_over_device": sig(host_ms / device_ms, 3) if ctx.cuda else None,
+        "launches_per_step": profile["launches"],
+        "launches_per_layer": sig(profile["launches"] / layers, 3),
+        "top_kernels": profile["top_kernels"][:5],
+    }
+
+
+def bitwise(ctx: Context, plan: dict) -> dict[str, Any]:
+    """Two block runs, same seed, same batches: parameters equal bit for bit after the last step
+    (a difference names the nondeterministic kernel's effect: its largest relative size)."""
+    kept: list[torch.Tensor] = []
+
+    def keep(trainer) -> dict:
+        kept.append([p.detach().clone() for p in trainer.model.parameters()])
+        return {}
+
+    first = train(ctx, "block", False, plan, after=keep)
+    second = train(ctx, "block", False, plan, after=keep)
+    a, b = kept
+    equal = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    values = {"params": len(a), "equal": equal, "losses": [first["losses"], second["losses"]]}
+    if not equal:
+        values["max_rel_diff"] = sig(max(rel_err(y, x) for x, y in zip(a, b)), 3)
+    goal(values, "bitwise_equal", float(equal), ">=", 1.0)
     return values
-
-
-def run_compiled(ctx: Context) -> None:
-    plan = DRY if ctx.dry_run else REAL
-    if ctx.dry_run:
-        _eager_backend_for_dry_run()
-    residuals = ("block",) if ctx.dry_run else COMPILED_ORDER
-    last = 0.0
-    for residual in residuals:
-        if last and ctx.time_left() < 1.3 * last:
-            ctx.emit(residual, status="skipped",
-                     error=f"{ctx.time_left():.0f} s left in the stage; the last residual "
-                     f"took {last:.0f} s")  # fmt: skip
-            continue
-        t0 = time.monotonic()
-        ctx.measure(residual, lambda r=residual: compiled_case(ctx, r, plan))
-        last = time.monotonic() - t0

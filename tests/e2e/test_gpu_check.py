@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,17 +55,43 @@ def test_dry_run_writes_an_ok_line_for_every_stage(tmp_path):
             assert line["status"] == "ok" or allowed, line
     summary = lines[-1]
     assert (summary["stage"], summary["name"], summary["status"]) == ("check", "summary", "ok")
-    assert summary["values"]["results_file"].startswith("benchmarks/results/gpu_check_cpu_")
+    results_file = summary["values"]["results_file"]
+    assert results_file.startswith("benchmarks/results/gpu_check_cpu_")
+    assert (summary["values"]["device"], summary["values"]["date"]) == ("cpu", results_file[-16:-6])
+    # the results under their committed name beside the lines; a dry run writes none in the tree
+    assert (out / Path(results_file).name).read_text() == (out / "gpu_check.jsonl").read_text()
+    assert not (ROOT / results_file).exists()
+    # the stage budgets a GPU run has, printed first: they fit the budget with a margin
+    table = result.stdout.split("gpu_check:")[0]
+    budgets = dict(re.findall(r"^  (\w+)\s+(\d+) s", table, re.M))
+    assert list(budgets) == [s.name for s in STAGES] + ["total"], table
+    assert sum(int(v) for k, v in budgets.items() if k != "total") == int(budgets["total"]) <= 420
     # the numbers a GPU run is read for are there, from the real code paths
     by_name = {(line["stage"], line["name"]): line["values"] for line in lines}
     assert by_name[("env", "device")]["name"] == "cpu"
     assert by_name[("unit_tests", "pytest")]["counts"]["passed"] > 0
     reads = [v for (stage, name), v in by_name.items() if name.startswith("read d=")]
     assert reads and all(v["rel_err"]["out"] < 1e-2 and v["fwd_ms"] > 0 for v in reads)
+    assert by_name[("kernels", "graph_read")]["replay_equals_eager"] is True
     assert set(by_name[("trainer", "step_time_ratios")]) == {"block_over_standard",
                                                             "full_over_standard"}  # fmt: skip
-    assert by_name[("compiled", "block")]["graph_breaks"] == 0
+    profile = by_name[("trainer", "step_profile block")]
+    assert profile["host_ms_per_step"] > 0 and profile["launches_per_layer"] > 0
+    assert by_name[("trainer", "bitwise")]["equal"] is True  # CPU: deterministic
+    assert by_name[("llama1b", "standard")]["graph_breaks"] == 0
+    assert "block_over_standard" in by_name[("llama1b", "step_time_ratio")]
+    loss = by_name[("loss", "equal_tokens")]
+    assert loss["steps_each"] >= 2 and set(loss["loss"]) == {"block", "standard"}
+    world = {name: v for (stage, name), v in by_name.items() if stage == "world1"}
+    assert world["p2p_self_loop"]["equal"] and world["ring_cp1"]["rel_err"] < 1e-4
+    assert world["flight_recorder"]["groups"]
     assert by_name[("hf", "logits_fp32")]["rel_err"] < 1e-4
+    # every goal is judged and counted (on CPU the rates miss theirs: the logic is what runs)
+    goals = summary["values"]["goals"]
+    judged = {k.split("/")[-1] for k in goals["each"]}
+    assert {"fwd_of_copy", "bwd_of_copy", "mfu", "block_over_standard", "ring_over_sdpa",
+            "block_loss_minus_standard", "bitwise_equal"} <= judged  # fmt: skip
+    assert goals["met"] + goals["missed"] == len(goals["each"])
     assert (out / "gpu_check.log").stat().st_size > 0
 
 
