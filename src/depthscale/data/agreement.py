@@ -39,7 +39,7 @@ def stream_digest(tokens: np.ndarray) -> str:
 def data_identity(data: DataBundle, seed: int) -> dict[str, Any]:
     """What must be equal on every rank, field by field (named in the error)."""
     return {
-        "tokenizer": f"{data.tokenizer.name} {data.tokenizer.fingerprint[:16]}",
+        "tokenizer": data.tokenizer.label,
         "train windows": data.train.n_windows,
         "train tokens": _train_digest(data.train),
         "validation windows": data.val.n_windows if data.val is not None else 0,

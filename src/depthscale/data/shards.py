@@ -43,7 +43,7 @@ from depthscale.data.sources import (
     parquet_file,
     text_suffix,
 )
-from depthscale.data.tokenizer import Tokenizer
+from depthscale.data.tokenizer import Tokenizer, tokenizer_label
 from depthscale.errors import DataError
 
 MANIFEST = SHARD_MANIFEST
@@ -266,10 +266,15 @@ def read_shards(directory: Path, tokenizer: Tokenizer) -> ConcatTokens:
             f"{directory / MANIFEST}: format {manifest.get('format')!r}; allowed: {FORMAT!r}"
         )
     if recorded != tokenizer.fingerprint:
+        theirs = tokenizer_label(manifest.get("tokenizer_name"), recorded)
+        eos = manifest.get("eos_id", tokenizer.eos_id)
+        other_eos = (
+            f", EOS id {eos} there, {tokenizer.eos_id} here" if eos != tokenizer.eos_id else ""
+        )
         raise DataError(
-            f"{directory} was tokenized with another tokenizer ({manifest.get('tokenizer_name')} "
-            f"{recorded[:16]}), not data.tokenizer ({tokenizer.name} {tokenizer.fingerprint[:16]});"
-            " allowed: the tokenizer that wrote the shards"
+            f"{directory} was tokenized with another tokenizer ({theirs}), not data.tokenizer "
+            f"({tokenizer.label}{other_eos}); allowed: the tokenizer that wrote the shards"
+            + (" (data.eos_token picks its EOS)" if other_eos else "")
         )
     parts = []
     for shard in shards:

@@ -31,6 +31,7 @@ __all__ = [
     "Tokenizer",
     "build_tokenizer",
     "load_tokenizer",
+    "tokenizer_label",
     "train_bpe",
 ]
 
@@ -66,8 +67,7 @@ class Tokenizer(ABC):
     @property
     def label(self) -> str:
         """The name, and the fingerprint where it says more than the name (errors compare two)."""
-        fp = self.fingerprint[:16]
-        return self.name if fp == self.name else f"{self.name} {fp}"
+        return tokenizer_label(self.name, self.fingerprint)
 
     @property
     def eos_summary(self) -> str:
@@ -99,6 +99,12 @@ class Tokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
+
+
+def tokenizer_label(name: str | None, fingerprint: str) -> str:
+    """'byte', or 'NAME hf-0123456789ab': a fingerprint equal to the name is said once."""
+    fingerprint = fingerprint[:16]
+    return fingerprint if name in (None, fingerprint) else f"{name} {fingerprint}"
 
 
 class ByteTokenizer(Tokenizer):
