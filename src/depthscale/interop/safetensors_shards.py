@@ -5,6 +5,7 @@ shards and the `model.safetensors.index.json` that maps every tensor to its file
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,14 +51,36 @@ def save_weights(
         size += nbytes
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], path / "model.safetensors", metadata=metadata)
+        _save(shards[0], path / "model.safetensors", metadata)
         return ["model.safetensors"]
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(files, shards, strict=True):
-        save_file(shard, path / file, metadata=metadata)
+        _save(shard, path / file, metadata)
         weight_map |= dict.fromkeys(shard, file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return [*files, "model.safetensors.index.json"]
+
+
+def _save(tensors: Mapping[str, Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """`save_file`, then the mode every other file of the export gets (0666 less the umask):
+    safetensors (0.8) creates its files 0600 whatever the umask, which left the weights unreadable
+    to the group and others that can read the rest of the export."""
+    save_file(tensors, file, metadata=metadata)
+    os.chmod(file, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc; setting it to
+    read it would briefly give files made by other threads another mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
