@@ -1,6 +1,6 @@
 """The corpus formats teams already have: text in .jsonl.gz, .jsonl.zst and .parquet reads as the
-same documents as .jsonl; Megatron IndexedDataset pairs and OLMo / Dolma token arrays, written here
-to their documented layouts by this file's own writers (no megatron-core, no dolma), read
+same documents as .jsonl; Megatron IndexedDataset pairs and OLMo / Dolma token arrays, written
+to their documented layouts (tests/peer_writers.py; the peers' own writers: test_peer_formats.py), read
 document for document into the stream depthscale's tokenization would write; damaged or
 mismatched files are one DataError naming the file."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from depthscale.data.loader import tokenize_corpus
 from depthscale.data.sources import corpus_files, iter_documents, token_format
 from depthscale.data.tokenizer import ByteTokenizer
 from depthscale.errors import DataError
+from peer_writers import write_megatron
 
 BYTE = ByteTokenizer()
 DOCS = ["first document\n", "zweites Dokument: äöü", "", "the third, with a\nnew line"]
@@ -116,32 +116,6 @@ def test_a_format_whose_reader_is_missing_names_the_extra(tmp_path, monkeypatch,
 # --------------------------------------------------------------------- Megatron
 
 
-MEGATRON_CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4}
-
-
-def _write_megatron(prefix: Path, documents: list[list[list[int]]], dtype) -> None:
-    """megatron/core/datasets/indexed_dataset.py's layout: the .bin holds every sequence back to
-    back; the .idx: magic, version 1, dtype code, sequence count, document count (documents + 1),
-    int32 lengths, int64 byte pointers, int64 document indices ending with the sequence count."""
-    dtype = np.dtype(dtype)
-    lengths, pointers, doc_index, offset = [], [], [0], 0
-    with open(f"{prefix}.bin", "wb") as f:
-        for doc in documents:
-            for seq in doc:
-                f.write(np.asarray(seq, dtype=dtype.newbyteorder("<")).tobytes())
-                lengths.append(len(seq))
-                pointers.append(offset)
-                offset += len(seq) * dtype.itemsize
-            doc_index.append(len(lengths))
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(
-            b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", MEGATRON_CODES[dtype])
-        )
-        f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(doc_index)))
-        f.write(np.asarray(lengths, "<i4").tobytes() + np.asarray(pointers, "<i8").tobytes())
-        f.write(np.asarray(doc_index, "<i8").tobytes())
-
-
 def _megatron_docs() -> list[list[list[int]]]:
     """Three documents: two sequences with an EOD at the end (`--append-eod`), one without an
     EOD, one sequence ending in EOD."""
@@ -152,7 +126,7 @@ def _megatron_docs() -> list[list[list[int]]]:
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
 @pytest.mark.parametrize("name", ["data.bin", "data.idx"])
 def test_a_megatron_dataset_is_read_document_for_document(tmp_path, dtype, name):
-    _write_megatron(tmp_path / "data", _megatron_docs(), dtype)
+    write_megatron(tmp_path / "data", _megatron_docs(), dtype)
     cfg = _cfg(tmp_path / name, tmp_path)
     assert token_format(cfg) == "megatron"
     eos = BYTE.eos_id
@@ -165,7 +139,7 @@ def test_a_megatron_dataset_is_read_document_for_document(tmp_path, dtype, name)
 
 def test_damaged_or_mismatched_megatron_files_are_named(tmp_path):
     prefix = tmp_path / "data"
-    _write_megatron(prefix, _megatron_docs(), np.uint16)
+    write_megatron(prefix, _megatron_docs(), np.uint16)
     idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
     good_idx, good_bin = idx.read_bytes(), bin_.read_bytes()
     cases = [
@@ -182,7 +156,7 @@ def test_damaged_or_mismatched_megatron_files_are_named(tmp_path):
             tokenize_corpus(_cfg(bin_, tmp_path / str(n)), BYTE)
     idx.write_bytes(good_idx)
     bin_.write_bytes(good_bin)
-    _write_megatron(prefix, [[[10, 999]]], np.int32)
+    write_megatron(prefix, [[[10, 999]]], np.int32)
     with pytest.raises(DataError, match="document 0 holds token id 999, outside the tokenizer"):
         tokenize_corpus(_cfg(bin_, tmp_path / "wide"), BYTE)
     idx.unlink()
