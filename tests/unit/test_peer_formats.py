@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from depthscale.config import DataConfig
+from depthscale.config import ConfigError, DataConfig, load_config
 from depthscale.data.loader import tokenize_corpus
 from depthscale.data.shards import tokenize_to_shards
 from depthscale.data.sources import corpus_files, token_format
@@ -66,6 +66,12 @@ def test_the_configured_eos_wins_and_data_eos_token_overrides_it(tmp_path):
     assert load_tokenizer(tmp_path / "run").eos_id == ENDOFTEXT
     with pytest.raises(DataError, match=r"^data.eos_token='<\|eot\|>' is not a token of"):
         build_tokenizer(DataConfig(tokenizer=str(chat), eos_token="<|eot|>"), lambda: ())
+
+
+def test_data_eos_token_with_the_byte_tokenizer_is_a_config_error(tmp_path):
+    (tmp_path / "c.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"^data.eos_token='<\|im_end\|>' needs a tokenizer with"):
+        load_config(tmp_path / "c.toml", ["--data.eos_token", "<|im_end|>"])
 
 
 def test_a_text_cache_made_with_another_eos_is_not_reused(tmp_path):
