@@ -6,7 +6,10 @@ that takes the *global* output and LSE back; sliding windows (`window_attention`
 layer whose cost follows the window. On CUDA, in bf16/fp16:
 
 * tiles without a mask or top-left causal → `aten._scaled_dot_product_flash_attention` and its
-  backward (FlashAttention-2: GQA as is, LSE [B, H, Tq]);
+  backward (FlashAttention-2: GQA as is, LSE [B, H, Tq]); square band tiles (a sliding window's
+  diagonal block and halo) → `aten._flash_attention_forward` with its window arguments. The ring
+  then gives such work all of a step's keys in one call (`TilePolicy`): one kernel call and one
+  merge per step instead of one per 512-key tile;
 * tiles with an arbitrary mask (window edges, padding) → `aten._scaled_dot_product_efficient_attention`
   with an additive bias and `compute_log_sumexp`, and its backward;
 * windows → `aten._flash_attention_forward` with `window_size_left` (FlashAttention-2's local
@@ -35,8 +38,8 @@ from typing import Literal
 import torch
 
 HALF = (torch.bfloat16, torch.float16)
-MaskKind = Literal["none", "causal", "masked"]
-TilePath = Literal["cpu_flash", "cuda_flash", "cuda_efficient", "reference"]
+MaskKind = Literal["none", "causal", "window", "masked"]
+TilePath = Literal["cpu_flash", "cuda_flash", "cuda_flash_window", "cuda_efficient", "reference"]
 WindowPath = Literal["cpu_band", "cpu_tiles", "cuda_flash_window", "flex", "sdpa_blocks"]
 DocumentPath = Literal["cpu_tiles", "cuda_varlen", "flex", "sdpa_dense"]
 
@@ -63,8 +66,13 @@ SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
          "is_causal", "return_debug_mask"),
         ("scale", "window_size_left", "window_size_right"),
     ),
-    # called by autograd, not by us: only its window must exist, or the backward would be full
-    "_flash_attention_backward": ((), ("window_size_left", "window_size_right")),
+    # called by autograd for `window_attention` and by the ring's band tiles, the last two
+    # positional arguments (the forward's RNG state, unread without dropout) by position
+    "_flash_attention_backward": (
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k",
+         "max_q", "max_k", "dropout_p", "is_causal"),
+        ("scale", "window_size_left", "window_size_right"),
+    ),
 }  # fmt: skip
 """Per fused op: the arguments we pass by position (their names, in order) and those we pass by
 name. An op whose schema lacks them is not used."""
@@ -152,16 +160,49 @@ def tile_path(
     device_type: str, dtype: torch.dtype, mask: MaskKind, head_dim: int, caps: Capabilities
 ) -> TilePath:
     """The kernel a ring-attention tile runs on: CPU's flash kernel on CPU; on CUDA in bf16/fp16
-    the flash op for unmasked and causal tiles and the efficient op (additive bias) for the rest,
-    or for all when flash is unavailable; otherwise the fp32 reference."""
+    the flash op for unmasked and causal tiles, flash's window op for band tiles, and the
+    efficient op (additive bias) for the rest, or for all when those are unavailable; otherwise
+    the fp32 reference."""
     if device_type == "cpu":
         return "cpu_flash"
     if device_type == "cuda" and dtype in HALF and flash_head_ok(head_dim):
-        if mask != "masked" and caps.flash:
+        if mask in ("none", "causal") and caps.flash:
             return "cuda_flash"
+        if mask == "window" and caps.flash_window:
+            return "cuda_flash_window"
         if caps.efficient:
             return "cuda_efficient"
     return "reference"
+
+
+@dataclass(frozen=True)
+class TilePolicy:
+    """How the ring cuts a step's keys into kernel calls (`parallel/ring_plan.py` plans by it).
+
+    Bounded (the default): runs of at most `kv_tile` consecutive keys, each with the rows that see
+    it — what a materialised score tile needs, and on CPU what its flash kernel is measured
+    fastest at (`benchmarks/ring_attention.py --tiles`). Whole: a kernel that tiles internally
+    (FlashAttention-2) takes a step's unmasked or causal work in one call however many keys it
+    has, so a step costs one call and one fp32 merge instead of one per `kv_tile` keys (at 16K
+    local tokens, 32-64 merges over every query row: the merges, not the attention, bounded the
+    ring). Only masked work (a bias) stays cut into `kv_tile` runs, to bound the bias."""
+
+    whole: bool = False
+    window: bool = False
+    """Square band tiles (a window's diagonal block and halo) take flash's window arguments
+    instead of a bias (whole policy only)."""
+
+
+def tile_policy(
+    device_type: str, dtype: torch.dtype, head_dim: int, caps: Capabilities
+) -> TilePolicy:
+    """Whole steps where unmasked and causal tiles run on CUDA's flash op; bounded elsewhere
+    (CPU, the efficient op alone: it would take a causal step as a [T, T] bias, the reference:
+    it materialises scores)."""
+    if tile_path(device_type, dtype, "causal", head_dim, caps) != "cuda_flash":
+        return TilePolicy()
+    window = tile_path(device_type, dtype, "window", head_dim, caps) == "cuda_flash_window"
+    return TilePolicy(whole=True, window=window)
 
 
 def tile_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:

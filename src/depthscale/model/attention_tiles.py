@@ -9,8 +9,9 @@ return the LSE and take it back.
   tiles; it tiles its work internally, takes GQA as is and a causal flag, and an additive fp32 bias
   for masks that are not top-left causal (window edges, padding).
 * CUDA, bf16/fp16: SDPA's flash op (`_scaled_dot_product_flash_attention` and its backward: GQA as
-  is, LSE [B, H, Tq] fp32) for unmasked and causal tiles; SDPA's memory-efficient op with an additive
-  bias for the rest. That kernel has no GQA, so each KV head's G query heads are stacked along the
+  is, LSE [B, H, Tq] fp32) for unmasked and causal tiles; `_flash_attention_forward` with its window
+  arguments for square band tiles (row i sees keys i − left … i + right); SDPA's memory-efficient
+  op with an additive bias for the rest. That kernel has no GQA, so each KV head's G query heads are stacked along the
   rows ([B, Hkv, G·Tq, d]: dK/dV come out summed over them, K/V are not copied per query head) and
   the bias repeated G times; its bias rows must be 16-byte aligned and its LSE rows are padded to a
   multiple of 32, both handled here.
@@ -49,12 +50,14 @@ LSE_ROWS = 32
 
 class TileMask(NamedTuple):
     """Which (row, key) pairs of a tile are visible: all (`causal` False, `bias` None), top-left
-    causal (row i sees keys 0..i), or the pairs where `bias` [Tq, Tk] is 0 (−inf elsewhere);
-    `dense` is the boolean form (None: all visible, or given by the fields above)."""
+    causal (row i sees keys 0..i), a band of a square tile (`window` (left, right): row i sees keys
+    i − left … i + right), or the pairs where `bias` [Tq, Tk] is 0 (−inf elsewhere); `dense` is the
+    boolean form (None: all visible, or given by the fields above)."""
 
     causal: bool
     bias: Tensor | None
     dense: Tensor | None
+    window: tuple[int, int] | None = None
 
 
 def additive_bias(visible: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -73,13 +76,32 @@ def fused(device: torch.device) -> bool:
 def mask_kind(mask: TileMask) -> dispatch.MaskKind:
     if mask.causal:
         return "causal"
+    if mask.window is not None:
+        return "window"
     return "none" if mask.bias is None and mask.dense is None else "masked"
+
+
+def backend(device: torch.device) -> tuple[str, dispatch.Capabilities]:
+    """(device type, fused kernels usable there): what every choice below reads — the one place
+    a test replaces to run the CUDA choices with CPU tensors."""
+    return device.type, dispatch.capabilities(device)
 
 
 def path(q: Tensor, mask: TileMask) -> dispatch.TilePath:
     """The kernel this tile runs on (see `attention_dispatch.tile_path`)."""
-    caps = dispatch.capabilities(q.device)
-    return dispatch.tile_path(q.device.type, q.dtype, mask_kind(mask), q.shape[-1], caps)
+    kind, caps = backend(q.device)
+    return dispatch.tile_path(kind, q.dtype, mask_kind(mask), q.shape[-1], caps)
+
+
+def policy(q: Tensor) -> dispatch.TilePolicy:
+    """How the ring cuts its steps into tiles for q's kernels (`attention_dispatch.TilePolicy`)."""
+    kind, caps = backend(q.device)
+    return dispatch.tile_policy(kind, q.dtype, q.shape[-1], caps)
+
+
+def tile_dtype(q: Tensor) -> torch.dtype:
+    """What tiles compute in (`attention_dispatch.tile_dtype`)."""
+    return dispatch.tile_dtype(backend(q.device)[0], q.dtype)
 
 
 def visible(mask: TileMask, Tq: int, Tk: int, device: torch.device) -> Tensor | None:
@@ -88,7 +110,19 @@ def visible(mask: TileMask, Tq: int, Tk: int, device: torch.device) -> Tensor | 
         return mask.dense
     if mask.causal:
         return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril()
+    if mask.window is not None:
+        left, right = mask.window
+        offset = torch.arange(Tq, device=device)[:, None] - torch.arange(Tk, device=device)
+        return (offset <= left) & (offset >= -right)
     return None if mask.bias is None else mask.bias == 0
+
+
+def _bias(mask: TileMask, Tq: int, Tk: int, device: torch.device) -> Tensor | None:
+    """The additive bias of a mask that is not a kernel flag (a band, where the kernel has no
+    window arguments, or a boolean mask); None for a causal tile (the kernel's flag)."""
+    if mask.causal or mask.bias is not None or (mask.window is None and mask.dense is None):
+        return mask.bias
+    return additive_bias(visible(mask, Tq, Tk, device))
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask, scale: float) -> tuple[Tensor, Tensor]:
@@ -99,12 +133,15 @@ def forward(q: Tensor, k: Tensor, v: Tensor, mask: TileMask, scale: float) -> tu
         )
     k, v = _square(mask, q, k), _square(mask, q, v)
     if kernel == "cpu_flash":
+        bias = _bias(mask, q.shape[2], k.shape[2], q.device)
         return aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, mask.causal, attn_mask=mask.bias, scale=scale
+            q, k, v, 0.0, mask.causal, attn_mask=bias, scale=scale
         )
     if kernel == "cuda_flash":
         return cuda_flash_forward(q, k, v, mask.causal, scale)
-    return cuda_efficient_forward(q, k, v, _efficient_mask(mask, q), scale)
+    if kernel == "cuda_flash_window":
+        return cuda_flash_window_forward(q, k, v, mask.window, scale)
+    return cuda_efficient_forward(q, k, v, _efficient_mask(mask, q, k.shape[2]), scale)
 
 
 def backward(
@@ -127,13 +164,16 @@ def backward(
     Tk = k.shape[2]
     k, v = _square(mask, q, k), _square(mask, q, v)
     if kernel == "cpu_flash":
+        bias = _bias(mask, q.shape[2], k.shape[2], q.device)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, mask.causal, attn_mask=mask.bias, scale=scale
+            do, q, k, v, out, lse, 0.0, mask.causal, attn_mask=bias, scale=scale
         )
     elif kernel == "cuda_flash":
         dq, dk, dv = cuda_flash_backward(do, q, k, v, out, lse, mask.causal, scale)
+    elif kernel == "cuda_flash_window":
+        dq, dk, dv = cuda_flash_window_backward(do, q, k, v, out, lse, mask.window, scale)
     else:
-        bias = _efficient_mask(mask, q)
+        bias = _efficient_mask(mask, q, k.shape[2])
         dq, dk, dv = cuda_efficient_backward(do, q, k, v, out, lse, bias, scale)
     return dq, _unsquare(dk, Tk), _unsquare(dv, Tk)
 
@@ -153,16 +193,14 @@ def _unsquare(grad: Tensor, Tk: int) -> Tensor:
     return F.pad(grad, (0, 0, 0, Tk - grad.shape[2])) if grad.shape[2] < Tk else grad
 
 
-def _efficient_mask(mask: TileMask, q: Tensor) -> Tensor | None:
+def _efficient_mask(mask: TileMask, q: Tensor, Tk: int) -> Tensor | None:
     """The additive bias for the efficient kernel. A causal tile (square after `_square`) goes in
     as a bias too: its rows are stacked over query heads, which the kernel's causal flag would not
     follow."""
     if mask.causal:
         T = q.shape[2]
         return additive_bias(torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
-    if mask.bias is None and mask.dense is not None:
-        return additive_bias(mask.dense)
-    return mask.bias
+    return _bias(mask, q.shape[2], Tk, q.device)
 
 
 # ------------------------------------------------------------------------- CUDA: the flash op
@@ -199,6 +237,47 @@ def cuda_flash_backward(
         do, q, k, v, out, lse.contiguous(), None, None, Tq, Tk, 0.0, causal, seed, offset,
         scale=scale,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------- CUDA: flash with window arguments
+
+
+def cuda_flash_window_forward(
+    q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], scale: float
+) -> tuple[Tensor, Tensor]:
+    """A square band tile on FlashAttention-2's local attention: row i sees keys [i − left,
+    i + right] (bottom-right aligned, the same as top-left here: Tq = Tk), blocks outside the band
+    never computed. The op takes [B, T, H, d] (GQA as is) and returns the LSE [B, H, Tq]."""
+    (Tq, Tk), (left, right) = (q.shape[2], k.shape[2]), window
+    out, lse = aten._flash_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, Tq, Tk, 0.0, False,
+        False, scale=scale, window_size_left=left, window_size_right=right,
+    )[:2]  # fmt: skip
+    return out.transpose(1, 2), lse
+
+
+def cuda_flash_window_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    window: tuple[int, int],
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Its backward from the global `out`/`lse` (LSE contiguous, as for the flash op)."""
+    seed, offset, _ = _no_dropout_rng(q.device)
+    (Tq, Tk), (left, right) = (q.shape[2], k.shape[2]), window
+
+    def bthd(x: Tensor) -> Tensor:  # the op's layout, last dim contiguous
+        return x.transpose(1, 2).contiguous()
+
+    dq, dk, dv = aten._flash_attention_backward(
+        bthd(do), bthd(q), bthd(k), bthd(v), bthd(out), lse.contiguous(), None, None, Tq, Tk,
+        0.0, False, seed, offset, scale=scale, window_size_left=left, window_size_right=right,
+    )  # fmt: skip
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 # --------------------------------------------------------------- CUDA: the memory-efficient op

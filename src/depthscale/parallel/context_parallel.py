@@ -26,12 +26,17 @@ never of K/V):
 * **compute**: a (local queries, K/V block) pair is skipped when no key of the block is visible to
   any local query (causal: every key is later; window: every key is `window` or more positions away;
   padding keys are seen by nobody). Bidirectional attention (`causal=False`) skips only by window.
-  Inside a computed pair only keys some local query sees are used, in tiles of consecutive
-  positions (at most `kv_tile` keys), and each tile only with the query rows that see it — for
-  zigzag that skips exactly the masked chunk pairs, on the diagonal block too. The rows that see
-  every key of a run form one tile, the others (the diagonal, a window's edge) another: the first
-  needs no mask, the causal diagonal only the kernel's causal flag, and only window edges an
-  additive bias (built once per plan). Tiles run on fused kernels (`model/attention_tiles.py`).
+  Inside a computed pair only keys some local query sees are used, and each tile only with the
+  query rows that see it — for zigzag that skips exactly the masked chunk pairs, on the diagonal
+  block too. How a step is cut into tiles is the backend's `TilePolicy` (`ring_plan.py`): on
+  CUDA's flash op a step's keys go to one kernel call (zigzag's diagonal block is one causal call,
+  every other block one unmasked call, a contiguous window's diagonal and halo one call each on
+  flash's window arguments), so a step costs one call and one merge; on CPU (and the reference)
+  runs of at most `kv_tile` consecutive keys. Either way the rows that see every key form one tile
+  and the others (the diagonal, a window's edge) another: the first needs no mask, the causal
+  diagonal only the kernel's causal flag, and only window edges without window arguments an
+  additive bias (built once per plan). Tiles run on fused kernels (`model/attention_tiles.py`),
+  a step's compute is `ring_steps.py`.
 * **communication**: block j is forwarded on hop t only if a rank t or more hops further still needs
   it, and then only the keys such a rank needs. A block nobody else needs is never sent; the ring
   stops early once no block has to go further. With `contiguous` sharding and a window no longer than
@@ -79,14 +84,15 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from depthscale.model import attention_dispatch, attention_tiles
+from depthscale.model import attention_tiles
+from depthscale.model.attention_dispatch import TilePolicy
 from depthscale.model.documents import Documents
 from depthscale.model.transformer import Transformer
-from depthscale.parallel import p2p
+from depthscale.parallel import p2p, ring_steps
 from depthscale.parallel.cp_comm import CommStats, Ring
 from depthscale.parallel.loss import TokenLoss
-from depthscale.parallel.ring_documents import DocumentTile, step_tiles
-from depthscale.parallel.ring_plan import CALLS, Index, RingPlan, Span
+from depthscale.parallel.ring_documents import step_tiles
+from depthscale.parallel.ring_plan import BOUNDED, CALLS, RingPlan, Span
 from depthscale.parallel.sequence_layout import (
     ShardMode,
     _layout,
@@ -145,21 +151,6 @@ class RingStats(CommStats):
         return self.wait_s / self.ring_s if self.ring_s else 0.0
 
 
-# --------------------------------------------------------------------------- block math (fp32)
-
-
-def _merge(out: Tensor, lse: Tensor, rows: Index, out_b: Tensor, lse_b: Tensor) -> None:
-    """Online-softmax merge of a block result into the running (out, lse) rows, in place.
-
-    out ← out − σ(lse_b − lse)·(out − out_b); lse ← log(e^lse + e^lse_b). Rows not yet seen have
-    lse = −inf and out = 0, which this maps to exactly (out_b, lse_b)."""
-    o, s = rows.take(out, 3), rows.take(lse, 3)
-    weight = torch.sigmoid(lse_b - s).nan_to_num_(0.0)  # both −inf (packed documents): nothing
-    o = o - weight.unsqueeze(-1) * (o - out_b)
-    rows.put(out, o, 3)
-    rows.put(lse, torch.logaddexp(s, lse_b), 3)
-
-
 # --------------------------------------------------------------------------- the ring
 
 
@@ -172,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
             n, (B, H, _, d), Hkv = plan.size, q.shape, k.shape[1]
             scale = 1.0 / math.sqrt(d)
             with torch.autocast(q.device.type, enabled=False):
-                qg = q.unflatten(1, (Hkv, H // Hkv)).to(_tile_dtype(q))
+                qg = q.unflatten(1, (Hkv, H // Hkv)).to(attention_tiles.tile_dtype(q))
                 out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
                 lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
                 held = torch.stack([k, v])  # [2, B, Hkv, T, d]: the block this rank holds, as sent
@@ -186,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
                     tiles = step_tiles(plan, step, documents) if held is not None else []
                     stats.blocks_computed += bool(tiles)
                     stats.blocks_skipped += not tiles
-                    _forward_tiles(tiles, held, qg, out, lse, scale)
+                    ring_steps.forward_step(tiles, held, qg, out, lse, scale, fresh=step == 0)
                     held = _next_block(batch, plan, ring, step)
             y = out.flatten(1, 2).to(q.dtype)
             ctx.save_for_backward(q, k, v, y, lse)
@@ -210,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
             n, rank, (B, H, _, d), Hkv = plan.size, plan.rank, q.shape, k.shape[1]
             scale = 1.0 / math.sqrt(d)
             with torch.autocast(q.device.type, enabled=False):
-                dtype = _tile_dtype(q)
+                dtype = attention_tiles.tile_dtype(q)
                 qg = q.unflatten(1, (Hkv, H // Hkv)).to(dtype)
                 do = dy.unflatten(1, (Hkv, H // Hkv)).to(dtype)
                 yg = y.unflatten(1, (Hkv, H // Hkv)).to(dtype)
@@ -254,7 +245,7 @@ class _RingAttention(torch.autograd.Function):
                     elif held is not None:  # this rank's share of the remote block's dK/dV
                         shape = (2, B, Hkv, plan.payload(j, 1).numel(), d)
                         dkv = torch.zeros(shape, dtype=torch.float32, device=q.device)
-                    _backward_tiles(tiles, held, (qg, do, yg, lse), dq, dkv, scale)
+                    ring_steps.backward_step(tiles, held, (qg, do, yg, lse), dq, dkv, scale)
                     passing = []
                     if step > 0 and held is not None:  # add the earlier holders' share, pass it on
                         if step >= 2:
@@ -269,43 +260,6 @@ class _RingAttention(torch.autograd.Function):
                     plan.home_selection().add(dkv_own, home_dkv, 3)
         dk, dv = dkv_own.to(k.dtype).unbind(0)
         return dq.flatten(1, 2).to(q.dtype), dk, dv, None, None, None, None
-
-
-def _tile_dtype(q: Tensor) -> torch.dtype:
-    """What tiles compute in: the model's half dtype on CUDA (fused kernels), else fp32; the
-    merged output, the LSE and the gradient sums are fp32 either way."""
-    return attention_dispatch.tile_dtype(q.device.type, q.dtype)
-
-
-def _forward_tiles(tiles: list[DocumentTile], held, qg, out, lse, scale: float) -> None:
-    """Attend the local queries to the held block, tile by tile, merged into (out, lse)."""
-    groups = qg.shape[1:3]
-    for work in tiles:
-        tile = work.tile
-        kv = tile.cols.take(held, 3).to(qg.dtype)
-        q = tile.rows.take(qg, 3).flatten(1, 2)
-        out_t, lse_t = work.clear_empty(*attention_tiles.forward(q, kv[0], kv[1], work.mask, scale))
-        _merge(out, lse, tile.rows, out_t.unflatten(1, groups), lse_t.unflatten(1, groups))
-
-
-def _backward_tiles(tiles: list[DocumentTile], held, saved, dq, dkv, scale: float) -> None:
-    """The held block's share of dQ (into `dq`) and of its own dK/dV (into `dkv`)."""
-    qg, do, yg, lse = saved
-    groups = qg.shape[1:3]
-    for tile, mask, _ in tiles:
-        kv, rows = tile.cols.take(held, 3).to(qg.dtype), tile.rows
-        dq_t, dk_t, dv_t = attention_tiles.backward(
-            rows.take(do, 3).flatten(1, 2),
-            rows.take(qg, 3).flatten(1, 2),
-            kv[0],
-            kv[1],
-            rows.take(yg, 3).flatten(1, 2),
-            rows.take(lse, 3).flatten(1, 2),
-            mask,
-            scale,
-        )
-        rows.add(dq, dq_t.unflatten(1, groups).float(), 3)
-        tile.grad_cols.add(dkv, torch.stack([dk_t, dv_t]).float(), 3)
 
 
 def _kv_send(plan: RingPlan, ring: Ring, held: Tensor | None, step: int) -> list[p2p.Send]:
@@ -355,7 +309,8 @@ def ring_attention(
     q [B, H, T, hd] and k/v [B, Hkv, T, hd] are this rank's tokens, `q_pos` (== `k_pos`) [T] their
     global positions — any layout (see `shard_sequence`), equal length on every rank. Same contract
     as `sdpa_attention` on the full sequence; K/V travel at the KV head count (never expanded).
-    Each tile (at most `kv_tile` keys) runs a fused attention kernel that returns its LSE
+    Each tile (a whole step on CUDA's flash op, else at most `kv_tile` keys: `TilePolicy`) runs
+    a fused attention kernel that returns its LSE
     (`model/attention_tiles.py`: on CPU torch's flash kernel in fp32; on CUDA SDPA's flash or
     memory-efficient op in the model's half dtype — no score matrix either way), else a reference
     that materialises the tile's fp32 scores. Merging and the dK/dV sums stay fp32.
@@ -367,7 +322,8 @@ def ring_attention(
     Builds the call's plan from all ranks' positions (one all-gather); `RingAttention` with a
     declared layout plans once per shape instead."""
     _check_positions(q, k, q_pos, k_pos)
-    plan = RingPlan.build(q_pos, Span.of(window, causal, seq_len), kv_tile, group)
+    span = Span.of(window, causal, seq_len)
+    plan = RingPlan.build(q_pos, span, kv_tile, group, attention_tiles.policy(q))
     stats = stats if stats is not None else RingStats()
     return _RingAttention.apply(q, k, v, plan, group, stats, documents)
 
@@ -413,7 +369,7 @@ class RingAttention:
         self.group, self.layout, self.kv_tile = group, layout, kv_tile
         self.stats = stats if stats is not None else RingStats()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self._plans: dict[tuple[int, int, torch.device], RingPlan] = {}
+        self._plans: dict[tuple[int, int, torch.device, TilePolicy], RingPlan] = {}
         # outside any compiled graph (see the module doc); wrapped here, not at import, because
         # torch.compiler.disable imports dynamo (and Triton), which a plain import must not
         self._attend = torch.compiler.disable(self._attend)
@@ -446,7 +402,7 @@ class RingAttention:
                 documents=documents,
             )  # fmt: skip
         _check_positions(q, k, q_pos, k_pos)
-        plan = self.plan(q.shape[2], window, q.device)
+        plan = self.plan(q.shape[2], window, q.device, attention_tiles.policy(q))
         if q_pos.device.type == "cpu" and not torch.equal(q_pos, plan.pos[self.rank]):
             raise ValueError(
                 f"ring attention was set up for {self.layout} sharding: pass "
@@ -454,13 +410,15 @@ class RingAttention:
             )
         return _RingAttention.apply(q, k, v, plan, self.group, self.stats, documents)
 
-    def plan(self, local_len: int, window: int, device: torch.device) -> RingPlan:
-        key = (local_len, window, device)
+    def plan(
+        self, local_len: int, window: int, device: torch.device, policy: TilePolicy = BOUNDED
+    ) -> RingPlan:
+        key = (local_len, window, device, policy)
         if key not in self._plans:
             seq_len = local_len * self.size
             pos = [positions_for(seq_len, r, self.size, self.layout) for r in range(self.size)]
             span = Span.of(window, True, None)
-            self._plans[key] = RingPlan.of(pos, self.rank, span, self.kv_tile, device)
+            self._plans[key] = RingPlan.of(pos, self.rank, span, self.kv_tile, device, policy)
         return self._plans[key]
 
 

@@ -14,6 +14,10 @@ Per (plan, step) and batch, planned once on the host and shared by every layer a
   the tile's keys (in some row of the batch) gets output 0 and LSE −inf from it, which the ring's
   merge leaves out; the kernels are not asked what an empty row gives (torch's CPU flash kernel
   returns an LSE of 0).
+
+Such a bias has one entry per (row, key) of the tile, so a step the plan took whole (CUDA's policy:
+every key in one call) is cut into its bounded tiles (at most `kv_tile` keys) when one of its
+tiles would need it; a step whose tiles each lie in one document (or are skipped) stays whole.
 """
 
 from __future__ import annotations
@@ -52,12 +56,24 @@ def step_tiles(plan: RingPlan, step: int, documents: Documents | None) -> list[D
     key = ("ring", id(plan), step)
     hit = documents.cache.get(key)
     if hit is None or hit[0] is not plan:  # the plan is kept with its entry: its id stays unique
-        hit = (plan, [t for t in (_tile(plan, t, documents) for t in plan.tiles(step)) if t])
+        whole = plan.policy.whole
+        tiles = [_tile(plan, t, documents, biased=not whole) for t in plan.tiles(step)]
+        if any(t is _BIASED for t in tiles):  # a whole step that needs a bias: bounded tiles
+            tiles = [_tile(plan, t, documents) for t in plan.tiles(step, bounded=True)]
+        hit = (plan, [t for t in tiles if t is not None])
         documents.cache[key] = hit
     return hit[1]
 
 
-def _tile(plan: RingPlan, tile: Tile, documents: Documents) -> DocumentTile | None:
+_BIASED = object()
+"""What `_tile` gives, with biased=False, for a tile that needs a per-batch bias."""
+
+
+def _tile(
+    plan: RingPlan, tile: Tile, documents: Documents, biased: bool = True
+) -> DocumentTile | None | object:
+    """The tile under the batch's documents: None if skipped, `_BIASED` if it needs a bias and
+    `biased` is False."""
     ids = documents.host_ids
     q_doc, k_doc = ids[:, tile.host_q_pos], ids[:, tile.host_k_pos]  # [B, rows], [B, keys]
     if bool((k_doc.amax(1) < q_doc.amin(1)).all()):
@@ -66,6 +82,8 @@ def _tile(plan: RingPlan, tile: Tile, documents: Documents) -> DocumentTile | No
     last = torch.maximum(q_doc.amax(1), k_doc.amax(1))
     if bool((first == last).all()):
         return DocumentTile(tile, plan.tile_mask(tile), None)
+    if not biased:
+        return _BIASED
     seen = (q_doc[:, :, None] == k_doc[:, None, :]).unsqueeze(1)  # [B, 1, rows, keys]
     by_position = plan.mask(tile, host=True)
     if by_position is not None:

@@ -4,9 +4,20 @@ sequence layout (no communication; cached for the run), or gathered (one small a
 
 `Span` says which keys a query sees (causal or bidirectional, sliding window, padding). `RingPlan`
 derives from it, per block, which keys travel how many hops (`carry`, `hops`: a block nobody further
-needs is never sent, the ring stops early) and, per step, the tiles of work — runs of consecutive
-visible keys with only the query rows that see them. `Index` selects along one dim, as a `narrow`
-view when the selection is contiguous.
+needs is never sent, the ring stops early) and, per step, the tiles of work, cut by the kernels'
+`TilePolicy` (`model/attention_dispatch.py`, chosen per backend):
+
+* bounded (CPU, the reference): runs of at most `kv_tile` consecutive visible keys, each with only
+  the query rows that see it, split into the rows that see all of the run (no mask) and the rest;
+* whole (CUDA's flash op): a step's visible keys in one tile when its mask is none, top-left causal
+  or (with flash's window arguments) a square band — zigzag's diagonal block is one causal tile,
+  its two chunks ordered by position; else the rows that see every key in one unmasked tile and
+  the rest as one causal or band tile where it is one, cut into bounded tiles only where a bias is
+  needed. One kernel call and one merge per step in every causal and contiguous-window ring.
+
+Every row of a tile sees a contiguous range of its keys (positions sorted on both sides), so its
+mask kind follows from each row's first and last visible key (`_kind`), never from a [rows, keys]
+matrix. `Index` selects along one dim, as a `narrow` view when the selection is contiguous.
 """
 
 from __future__ import annotations
@@ -19,10 +30,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from depthscale.model.attention_dispatch import TilePolicy
 from depthscale.model.attention_tiles import TileMask, additive_bias, fused
 from depthscale.model.layers import attention_mask
 from depthscale.observe import spans
 
+BOUNDED = TilePolicy()
+"""The default policy: every tile at most `kv_tile` keys."""
 CALLS = itertools.count()
 """Ring-attention calls made by this process; every rank of a cp group makes the same ones, so the
 number names a call's messages identically at both ends."""
@@ -50,7 +64,7 @@ class Index:
         if self.span is not None:
             acc.narrow(dim, *self.span).copy_(value)
         else:
-            acc.index_copy_(dim, self.idx, value)
+            acc.index_copy_(dim, self.idx, value.to(acc.dtype))
 
     def add(self, acc: Tensor, value: Tensor, dim: int) -> None:
         if self.span is not None:
@@ -139,6 +153,8 @@ class Tile:
     """Every (row, key) pair is visible: no mask is built."""
     causal: bool = False
     """Row i sees keys 0..i of the tile and no others (top-left causal: a kernel's causal flag)."""
+    window: tuple[int, int] | None = None
+    """Square, row i sees keys i − left … i + right (a window's band: flash's window arguments)."""
     _mask: TileMask | None = None
 
 
@@ -158,22 +174,36 @@ class RingPlan:
     pos: list[Tensor]
     carry: list[list[Tensor]]
     hops: list[int]
-    _tiles: dict[int, list[Tile]] = field(default_factory=dict)
+    policy: TilePolicy = BOUNDED
+    _tiles: dict[tuple[int, bool], list[Tile]] = field(default_factory=dict)
     _payloads: dict[tuple[int, int], Tensor] = field(default_factory=dict)
     _selections: dict[int | str, Index] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, positions: Tensor, span: Span, kv_tile: int, group: ProcessGroup) -> RingPlan:
+    def build(
+        cls,
+        positions: Tensor,
+        span: Span,
+        kv_tile: int,
+        group: ProcessGroup,
+        policy: TilePolicy = BOUNDED,
+    ) -> RingPlan:
         """From this rank's positions, all-gathered over `group` (a collective and a host copy)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         gathered = [torch.empty_like(positions) for _ in range(size)]
         with spans.collective("all_gather", group, positions):
             dist.all_gather(gathered, positions.contiguous(), group=group)
-        return cls.of([p.cpu() for p in gathered], rank, span, kv_tile, positions.device)
+        return cls.of([p.cpu() for p in gathered], rank, span, kv_tile, positions.device, policy)
 
     @classmethod
     def of(
-        cls, pos: list[Tensor], rank: int, span: Span, kv_tile: int, device: torch.device
+        cls,
+        pos: list[Tensor],
+        rank: int,
+        span: Span,
+        kv_tile: int,
+        device: torch.device,
+        policy: TilePolicy = BOUNDED,
     ) -> RingPlan:
         """From every rank's positions (host tensors, rank order), without communication."""
         size = len(pos)
@@ -188,7 +218,7 @@ class RingPlan:
             c.reverse()
             carry.append(c)
             hops.append(max((t for t in range(1, size) if need[t].any()), default=0))
-        return cls(rank, size, span, kv_tile, device, pos, carry, hops)
+        return cls(rank, size, span, kv_tile, device, pos, carry, hops, policy)
 
     def owner(self, step: int) -> int:
         """The block this rank holds at `step`."""
@@ -239,31 +269,88 @@ class RingPlan:
             self._selections[step] = Index(keep, here.numel(), self.device)
         return self._selections[step]
 
-    def tiles(self, step: int) -> list[Tile]:
-        """The work at `step` (empty: the whole held block is masked for every local query).
+    def tiles(self, step: int, bounded: bool = False) -> list[Tile]:
+        """The work at `step` (empty: the whole held block is masked for every local query), cut
+        by the plan's policy (see the module doc); `bounded`: by the bounded policy whatever the
+        plan's (what a tile's per-batch bias needs: `ring_documents`).
 
-        Only keys seen by some local query are used, cut into runs of consecutive positions of at
-        most `kv_tile` keys; each run takes only the query rows that see it. Zigzag's two chunks are
-        two runs, so its masked chunk pairs are skipped exactly; long runs bound the score memory."""
-        if step in self._tiles:
-            return self._tiles[step]
+        Only keys seen by some local query are used; each tile takes only the query rows that see
+        it. Zigzag's masked chunk pairs are skipped exactly either way."""
+        whole = self.policy.whole and not bounded
+        if (step, whole) in self._tiles:
+            return self._tiles[(step, whole)]
         j = self.owner(step)
         here = self.payload(j, step)
         q_pos, k_pos = self.pos[self.rank], self.pos[j][here]
         cols = self.span.keys_seen(q_pos.sort().values, k_pos).nonzero().flatten()
+        grad_base = here if step == 0 else self.payload(j, 1)
+        ordered = bool((q_pos[1:] > q_pos[:-1]).all() and (k_pos[1:] > k_pos[:-1]).all())
+        tiles: list[Tile] = []
+        rows: Tensor | None = torch.ones_like(q_pos, dtype=torch.bool)  # rows left to tile
+        if cols.numel() and whole and ordered:  # positions sorted: every row sees a key range
+            where = (cols, q_pos, k_pos, here, grad_base)
+            seeing = self.span.rows_seeing(k_pos[cols], q_pos)
+            rows = self._whole_tile(tiles, seeing, *where)
+            if rows is not None:  # rows seeing every key in one tile, the others in another
+                seeing_all = seeing & self.span.rows_seeing_all(k_pos[cols], q_pos)
+                self._whole_tile(tiles, seeing_all, *where)
+                rows = self._whole_tile(tiles, seeing & ~seeing_all, *where)
+        if cols.numel() and rows is not None:
+            self._bounded_tiles(tiles, rows, cols, q_pos, k_pos, here, grad_base)
+        self._tiles[(step, whole)] = tiles
+        return tiles
+
+    def _whole_tile(
+        self, tiles: list[Tile], row_mask, cols, q_pos, k_pos, here, grad_base
+    ) -> Tensor | None:
+        """Appends (rows in `row_mask`) × (the keys of `cols` they see) as one tile if it needs no
+        bias (returns None; also when no row is given), else appends nothing and returns the
+        rows."""
+        if not row_mask.any():
+            return None
+        rows_pos = q_pos[row_mask]
+        first, last = self._ranges(rows_pos, k_pos[cols])
+        lo, hi = int(first.min()), int(last.max())
+        cols, first, last = cols[lo:hi], first - lo, last - lo
+        kind = _kind(first, last, cols.numel(), self.policy.window)
+        if kind is None:
+            return row_mask
+        dense, causal = kind == "dense", kind == "causal"
+        window = kind if isinstance(kind, tuple) else None
+        keys_pos = k_pos[cols]
+        tiles.append(
+            self._tile(row_mask, cols, rows_pos, keys_pos, here, grad_base, dense, causal, window)
+        )
+        return None
+
+    def _ranges(self, rows_pos: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """Per row, the first and one past the last index of `keys` (sorted) it sees: a row sees
+        the keys k with q − hi ≤ k ≤ q − lo, a contiguous range of sorted keys."""
+        n = keys.numel()
+        lo, hi = self.span.lo, self.span.hi
+        first = (
+            torch.zeros_like(rows_pos) if hi is None else torch.searchsorted(keys, rows_pos - hi)
+        )
+        last = (
+            torch.full_like(rows_pos, n)
+            if lo is None
+            else torch.searchsorted(keys, rows_pos - lo, right=True)
+        )
+        return first, last
+
+    def _bounded_tiles(self, tiles: list[Tile], rows, cols, q_pos, k_pos, here, grad_base):
+        """Runs of at most `kv_tile` consecutive keys of `cols`, each with the rows (of `rows`)
+        that see it: those that see all of the run in one unmasked tile, the others (the
+        diagonal, a window's edge) in another — only the latter needs a mask."""
         kp = k_pos[cols]
         breaks = ((cols[1:] != cols[:-1] + 1) | (kp[1:] != kp[:-1] + 1)).nonzero().flatten() + 1
         bounds = [0, *breaks.tolist(), cols.numel()]
-        grad_base = here if step == 0 else self.payload(j, 1)
-        tiles = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             for a in range(lo, hi, self.kv_tile):
                 c = cols[a : min(hi, a + self.kv_tile)]
                 tile_pos = kp[a : a + c.numel()]  # consecutive, so already sorted
-                seeing = self.span.rows_seeing(tile_pos, q_pos)
+                seeing = rows & self.span.rows_seeing(tile_pos, q_pos)
                 seeing_all = seeing & self.span.rows_seeing_all(tile_pos, q_pos)
-                # the rows that see every key are one dense tile; the rest (the diagonal, a
-                # window's edge) another, so that only the latter needs a mask
                 for row_mask in (seeing_all, seeing & ~seeing_all):
                     if not row_mask.any():
                         continue
@@ -278,20 +365,24 @@ class RingPlan:
                         and torch.equal(rows_pos, tile_pos[:n])
                     )
                     tiles.append(
-                        Tile(
-                            Index(row_mask.nonzero().flatten(), q_pos.numel(), self.device),
-                            Index(c, here.numel(), self.device),
-                            Index(torch.searchsorted(grad_base, here[c]), -1, self.device),
-                            rows_pos.to(self.device),
-                            tile_pos.to(self.device),
-                            rows_pos,
-                            tile_pos,
-                            dense,
-                            causal,
-                        )
+                        self._tile(row_mask, c, rows_pos, tile_pos, here, grad_base, dense, causal)
                     )
-        self._tiles[step] = tiles
-        return tiles
+
+    def _tile(
+        self, row_mask, cols, rows_pos, keys_pos, here, grad_base, dense, causal, window=None
+    ) -> Tile:
+        return Tile(
+            Index(row_mask.nonzero().flatten(), row_mask.numel(), self.device),
+            Index(cols, here.numel(), self.device),
+            Index(torch.searchsorted(grad_base, here[cols]), -1, self.device),
+            rows_pos.to(self.device),
+            keys_pos.to(self.device),
+            rows_pos,
+            keys_pos,
+            dense,
+            causal,
+            window,
+        )
 
     def mask(self, tile: Tile, host: bool = False) -> Tensor | None:
         """bool [rows, keys] (True = visible), None when all are; on the host with `host` (for
@@ -313,6 +404,30 @@ class RingPlan:
                 tile._mask = TileMask(False, None, self.mask(tile))
             elif tile.causal:
                 tile._mask = TileMask(True, None, None)
+            elif tile.window is not None:
+                tile._mask = TileMask(False, None, None, tile.window)
             else:
                 tile._mask = TileMask(False, additive_bias(self.mask(tile)), None)
         return tile._mask
+
+
+def _kind(first: Tensor, last: Tensor, n_keys: int, window: bool) -> str | tuple[int, int] | None:
+    """What one kernel call needs for rows that see keys [first, last) each: 'dense' (every
+    key), 'causal' (row i sees 0..i: top-left), a square band (left, right) where `window`, or
+    None (a bias)."""
+    n = first.numel()
+    if bool((first == 0).all() and (last == n_keys).all()):
+        return "dense"
+    i = torch.arange(n)
+    if n <= n_keys and bool((first == 0).all() and (last == i + 1).all()):
+        return "causal"
+    if window and n == n_keys:
+        left, right = int((i - first).max()), int((last - 1 - i).max())
+        if (
+            left >= 0
+            and right >= 0
+            and bool((first == (i - left).clamp(min=0)).all())
+            and bool((last == (i + right + 1).clamp(max=n_keys)).all())
+        ):
+            return (left, right)
+    return None
