@@ -50,11 +50,15 @@ def splits_from_world() -> bool:
     return dist.group.WORLD.bound_device_id is not None
 
 
-def own_group(parts: list[list[int]], desc: str) -> dist.ProcessGroup | None:
+def own_group(
+    parts: list[list[int]], desc: str, backend: str | None = None
+) -> dist.ProcessGroup | None:
     """This rank's group among the disjoint `parts` (global ranks), created by its members only;
-    None for a rank in no part. Every rank calls it with the same `parts`, in the same order."""
+    None for a rank in no part. Every rank calls it with the same `parts`, in the same order.
+    `backend`: the world's when None; "gloo" for a host-side group beside an NCCL world (made
+    with `new_group` by its members: only the device communicator splits)."""
     rank = dist.get_rank()
-    if splits_from_world():
+    if splits_from_world() and backend is None:
         # looked up at call time: `count_synchronizations` and tests replace it
         return distributed_c10d.split_group(
             split_ranks=parts, group_desc=desc, timeout=group_timeout
@@ -62,7 +66,11 @@ def own_group(parts: list[list[int]], desc: str) -> dist.ProcessGroup | None:
     part = next((p for p in parts if rank in p), None)
     # a rank in no part still makes one group (of itself), so all ranks' group counts stay equal
     group = dist.new_group(
-        part or [rank], timeout=group_timeout, use_local_synchronization=True, group_desc=desc
+        part or [rank],
+        timeout=group_timeout,
+        backend=backend,
+        use_local_synchronization=True,
+        group_desc=desc,
     )
     return group if part is not None else None
 

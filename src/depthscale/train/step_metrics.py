@@ -8,9 +8,15 @@ torchtitan does.
 
 What the ranks must agree on every step but lives on the host anyway — whether any rank received a
 stop signal, and each rank's busy time per phase for the straggler detector — travels in a host
-tensor over a gloo group, posted at the end of one step and read at the end of the next
-(`HostVote`): the exchange overlaps a whole step, and every rank reads the same result at the same
-step, so all still stop after the same step (one step later than the signal).
+tensor over gloo, posted at the end of one step and read at the end of the next (`HostVote`): the
+exchange overlaps a whole step, and every rank reads the same result at the same step, so all still
+stop after the same step (one step later than the signal).
+
+Across nodes it goes in two levels, never over a gloo group spanning the world (whose creation
+connects every rank to every other: ~N² connections, and whose collectives take O(N) hops): within
+each node (a gloo group of its ranks), then among the nodes' first ranks (one per node), then back
+within each node — the three collectives run one after the other in a thread of their own, so the
+exchange still overlaps the step.
 
 The stop flag is one number a step, whatever the world size. The busy rows are world × phases
 numbers, too many to send every step at scale: every `gather_every(world)` steps each rank sends the
@@ -23,7 +29,9 @@ row per rank per gather (medians, as it judges them; `observe/stragglers.py`), s
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import threading
 from typing import Any
 
 import torch
@@ -31,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from depthscale.observe import spans
+from depthscale.parallel import startup
 
 
 class PendingMetrics:
@@ -76,6 +85,13 @@ def gather_every(world: int) -> int:
     return max(1, math.ceil(world / ROWS_PER_STEP))
 
 
+def node_size(world: int) -> int:
+    """Ranks per node as torchrun lays them out (LOCAL_WORLD_SIZE, global ranks contiguous per
+    node); the whole world — one level — where that is unset or does not divide the world."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local if 0 < local < world and world % local == 0 else world
+
+
 class HostVote:
     """Stop flags and busy rows agreed over the ranks one step late, never touching the device.
 
@@ -83,8 +99,9 @@ class HostVote:
     (any rank asked to stop, every rank's busy row — the median of its rows over the `every` steps
     up to the previous one — or None on the steps that end no gather). One process has nothing to
     agree on: its stop is returned at once. `every`: steps between gathers of the rows (default
-    `gather_every(world)`); `group`: the gloo group to agree over (default: the world's, a gloo
-    group of its own under NCCL, made at the first exchange)."""
+    `gather_every(world)`); `group`: a group to agree over in one level (tests pass stand-ins);
+    else per node and among the nodes (`node`: ranks per node, default `node_size(world)`), or
+    over the world's gloo group (a gloo group of its own under NCCL) on one node."""
 
     def __init__(
         self,
@@ -92,10 +109,13 @@ class HostVote:
         rank: int,
         every: int | None = None,
         group: dist.ProcessGroup | None = None,
+        node: int | None = None,
     ) -> None:
         self.world, self.rank = world, rank
         self.every = every if every is not None else gather_every(world)
+        self.node = node if node is not None else node_size(world)
         self._group = group
+        self._levels: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
         self._posted: tuple[Any, Tensor, list[Tensor], int] | None = None
         self._mine: list[list[float]] = []
         """This rank's rows since the last gather."""
@@ -103,11 +123,27 @@ class HostVote:
 
     @property
     def group(self) -> dist.ProcessGroup:
+        """The one-level group: the world's when it is gloo, else a gloo group over it."""
         if self._group is None:
-            # host tensors need a host backend; a gloo world group serves as it is
             gloo = dist.get_backend() == "gloo"
             self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
         return self._group
+
+    @property
+    def two_levels(self) -> bool:
+        return self._group is None and self.node < self.world
+
+    def levels(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """(this node's gloo group, the gloo group of the nodes' first ranks — None on the other
+        ranks), made by their members only, at the first exchange (every rank makes both)."""
+        if self._levels is None:
+            n = self.node
+            nodes = [list(range(i, i + n)) for i in range(0, self.world, n)]
+            node = startup.own_group(nodes, "host_vote_node", backend="gloo")
+            leaders = startup.own_group([[p[0] for p in nodes]], "host_vote_leaders", "gloo")
+            assert node is not None
+            self._levels = (node, leaders)
+        return self._levels
 
     def exchange(
         self, stop: bool, busy: list[float] | None
@@ -123,20 +159,29 @@ class HostVote:
             self._mine = []
             mine = torch.tensor([float(stop), *median], dtype=torch.float64)
             gathered = [torch.empty_like(mine) for _ in range(self.world)]
-            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
-            self._posted = (work, mine, gathered, len(median))
+            self._posted = (self._post(mine, gathered), mine, gathered, len(median))
         else:
             flag = torch.tensor([float(stop)], dtype=torch.float64)
-            work = dist.all_reduce(flag, group=self.group, async_op=True)
-            self._posted = (work, flag, [flag], 0)
+            self._posted = (self._post(flag, None), flag, [flag], 0)
         return previous
+
+    def _post(self, mine: Tensor, gathered: list[Tensor] | None) -> Any:
+        """Start the all-gather of `mine` into `gathered` (None: the sum of `mine` in place); a
+        work to wait for."""
+        if not self.two_levels:
+            if gathered is None:
+                return dist.all_reduce(mine, group=self.group, async_op=True)
+            return dist.all_gather(gathered, mine, group=self.group, async_op=True)
+        levels = self.levels()  # made here, on the caller's thread, in every rank's order
+        return _Thread(lambda: _two_levels(mine, gathered, *levels))
 
     def _take(self) -> tuple[bool, list[list[float]] | None]:
         if self._posted is None:
             return False, None
         work, sent, out, width = self._posted
         self._posted = None
-        with spans.collective("all_gather" if width else "all_reduce", self._group, sent):
+        group = self._levels[0] if self._levels is not None else self._group
+        with spans.collective("all_gather" if width else "all_reduce", group, sent):
             work.wait()
         values = torch.stack(out).numpy()  # host memory: no device is waited for
         rows = values[:, 1:].tolist() if width else None
@@ -145,3 +190,51 @@ class HostVote:
     def close(self) -> None:
         """Finish the posted exchange (every rank posts the same number)."""
         self._take()
+
+
+def _two_levels(
+    mine: Tensor,
+    gathered: list[Tensor] | None,
+    node: dist.ProcessGroup,
+    leaders: dist.ProcessGroup | None,
+) -> None:
+    """The exchange in two levels, blocking (run on `_Thread`): within the node to its first rank,
+    among the first ranks, back within the node. `gathered` None: `mine` becomes the world's sum."""
+    if gathered is None:
+        dist.all_reduce(mine, group=node)
+        if leaders is not None:
+            dist.all_reduce(mine, group=leaders)
+        dist.broadcast(mine, group=node, group_src=0)
+        return
+    n, width = dist.get_world_size(node), mine.numel()
+    block = torch.empty(n, width, dtype=mine.dtype)
+    lead = leaders is not None
+    dist.gather(mine, list(block) if lead else None, group=node, group_dst=0)
+    world = torch.empty(len(gathered) // n, n, width, dtype=mine.dtype)
+    if lead:
+        dist.all_gather(list(world), block, group=leaders)
+    dist.broadcast(world, group=node, group_src=0)
+    for out, row in zip(gathered, world.reshape(-1, width)):
+        out.copy_(row)
+
+
+class _Thread:
+    """`fn()` on a daemon thread of its own, with a work's `wait()` (its exception re-raised
+    there). Daemon: a collective stuck on a dead peer must not hold the process at exit."""
+
+    def __init__(self, fn) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as err:  # noqa: BLE001 - re-raised by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="host-vote", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
