@@ -62,6 +62,8 @@ class TransformerBlock(nn.Module):
             self.ffn_residual = make_residual(cfg, 2 * layer_id + 1)
         self.projections: Projections = LOCAL
         self.recompute: RecomputeMode = "none"
+        self._compiled_parts: dict = {}
+        """Compiled norm + sublayer bodies by method name (`compile`, AttnRes blocks)."""
 
     def residuals(self) -> list[nn.Module]:
         """This layer's residual modules in sublayer order."""
@@ -94,24 +96,67 @@ class TransformerBlock(nn.Module):
     ) -> DepthState:
         """read → norm → sublayer → write, once per sublayer. The depth reads are per token, so
         packed documents change only attention (and RoPE, through cos/sin)."""
-        body = self._body
+        part = self._compiled_parts.get
         where = (cos, sin, positions, cache, start, documents)
         if self.parallel:
             h, state = self.residual.read(state)
-            x = self.attention_norm(h)
-            return self.residual.write(state, body(self.parallel_sublayer, x, *where))
+            y = part("normed_parallel", self.normed_parallel)(h, *where)
+            return self.residual.write(state, y)
         h, state = self.attention_residual.read(state)
-        x = self.attention_norm(h)
-        y = body(self.attention_sublayer, x, *where)
+        y = part("normed_attention", self.normed_attention)(h, *where)
         state = self.attention_residual.write(state, y)
         h, state = self.ffn_residual.read(state)
-        return self.ffn_residual.write(state, body(self.mlp_sublayer, self.ffn_norm(h)))
+        return self.ffn_residual.write(state, part("normed_mlp", self.normed_mlp)(h))
+
+    def normed_attention(self, h: Tensor, *where) -> Tensor:
+        """The attention sublayer's output for its depth read `h`: norm, then the body."""
+        return self._body(self.attention_sublayer, self.attention_norm(h), *where)
+
+    def normed_mlp(self, h: Tensor) -> Tensor:
+        return self._body(self.mlp_sublayer, self.ffn_norm(h))
+
+    def normed_parallel(self, h: Tensor, *where) -> Tensor:
+        return self._body(self.parallel_sublayer, self.attention_norm(h), *where)
 
     def _body(self, sublayer, *args) -> Tensor:
         """Run a sublayer body, checkpointed under `recompute = "sublayer"`."""
         if self.recompute == "sublayer" and torch.is_grad_enabled():
             return checkpoint(sublayer, *args, use_reentrant=False)
         return sublayer(*args)
+
+    def compile(self, *args, **kwargs) -> None:
+        """Compile this block in place (`nn.Module.compile`, what `train.compile` calls on every
+        block; arguments as `torch.compile`'s) as one graph that every block at every depth shares
+        (dynamo keys its cache by code and lifts parameters as graph inputs).
+
+        A standard residual's state is one tensor of one shape: the whole block compiles, and
+        Inductor fuses each write into the next norm. An AttnRes depth state grows with depth
+        (b_0 and every completed block), and a block's place in its AttnRes block decides what its
+        reads do (phase 1 at the first sublayer, a commit at the last): compiled whole, each block
+        would be a graph of its own — one per layer, minutes of Inductor before the first step of
+        a deep model. So the depth reads and writes run eagerly — the fused kernels (Triton,
+        C++) they call are what a compiled read calls too on CUDA, exact and with their gradients
+        chained, which custom ops under the compiler cannot — and each sublayer's norm and body
+        compile: one graph for attention and one for the MLP (one for a parallel block), whatever
+        the depth and the AttnRes variant. `compiled_parts` names what was compiled."""
+        if not any(isinstance(r, AttnResidual) for r in self.residuals()):
+            super().compile(*args, **kwargs)
+            return
+        names = ("normed_parallel",) if self.parallel else ("normed_attention", "normed_mlp")
+        self._compiled_parts = {n: torch.compile(getattr(self, n), *args, **kwargs) for n in names}
+
+    def __getstate__(self) -> dict:
+        """As `nn.Module` drops its compiled call: copies and pickles hold no compiled code."""
+        state = super().__getstate__()
+        state["_compiled_parts"] = {}
+        return state
+
+    @property
+    def compiled_parts(self) -> list[str]:
+        """What `compile` compiled: ["layer"], the sublayer parts, or nothing."""
+        if self._compiled_call_impl is not None:
+            return ["layer"]
+        return list(self._compiled_parts)
 
     def attention_sublayer(
         self,

@@ -86,9 +86,11 @@ def compile_blocks(model: nn.Module) -> int:
     (a compiled whole model would leave stages uncompiled). `nn.Module.compile` keeps parameter
     names, so state dicts and checkpoints are unchanged. Static shapes: train and eval batches
     differ, and dynamic-shape tracing of the custom AttnRes autograd Functions is not reliable; a
-    recompile per shape is cheap. Blocks share their code, and dynamo keys its cache by code: a
-    block whose inputs differ (more completed AttnRes blocks deeper in the model) is one more
-    entry, so the limit is raised to hold one per block. Returns the number of blocks compiled."""
+    recompile per shape is cheap. Blocks share their code, and dynamo keys its cache by code: each
+    shape and grad mode (train, eval) is one more entry, and so would be each block whose inputs
+    differ (AttnRes blocks compile their sublayer parts, which do not: `TransformerBlock.compile`),
+    so the limit is raised to two per block: no block falls back to eager for want of an entry.
+    Returns the number of blocks compiled."""
     import torch._dynamo
 
     layers = list(model.layers.values())
