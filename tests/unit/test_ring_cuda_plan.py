@@ -6,7 +6,7 @@ kernel calls run with CPU tensors.
 * Call counts at T_loc = 16K, cp = 8 (the shapes of the issue: 128K tokens): on CUDA each ring step
   is one kernel call forward (one backward) and at most one merge — zigzag and contiguous causal,
   and a contiguous sliding window (its diagonal and halo on flash's window arguments) — where the
-  bounded 512-key tiles gave 16-63 calls and merges a step. The stand-ins return outputs of the
+  bounded 512-key tiles gave 16-64 calls and merges a step. The stand-ins return outputs of the
   right shape without computing; the ring's own step code (`ring_steps`) runs, over each rank's
   real held payload shape.
 * Exactness at small T, cp = 4: every rank's steps (`ring_steps` over the plan's tiles, the held
@@ -242,7 +242,7 @@ def _counts(layout: str, window: int, policy):
 def test_on_cuda_each_ring_step_is_one_call_and_at_most_one_merge(monkeypatch, layout, window):
     """cp = 8, T_loc = 16K, bf16, the CUDA path: every step one forward call and one backward
     call, at most one merge (none at the first step: copied), on flash (causal, unmasked) or its
-    window op; the bounded 512-key tiles (CPU's policy) cut the diagonal block into 32 or more
+    window op; the bounded 512-key tiles (the policy before, now the reference's) cut the diagonal block into 32 or more
     (its plan: one call and one merge a tile; planned for one step of one rank, no compute)."""
     monkeypatch.setattr(attention_tiles, "backend", lambda device: ("cuda", ALL))
     ops, merges = FakeFusedOps(compute=False), MergeCounter()
@@ -335,3 +335,18 @@ def test_the_trainers_ring_at_cp1_is_one_flash_call_equal_to_sdpa(fake_cuda):
     bound = fp32_sum_bound(3 * 16 + 3 * 256 + 256 * 2)
     check(result["out_rel_err"], bound, "out")
     check(result["dq_rel_err"], bound, "dq")
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "caps", "want"),
+    [
+        ("cuda", torch.bfloat16, ALL, dispatch.TilePolicy(whole=True, window=True)),
+        ("cuda", torch.float16, dispatch.Capabilities(flash=True), dispatch.TilePolicy(True)),
+        ("cuda", torch.bfloat16, dispatch.Capabilities(efficient=True), dispatch.TilePolicy()),
+        ("cuda", torch.float32, ALL, dispatch.TilePolicy()),  # the reference materialises scores
+        ("cpu", torch.float32, dispatch.Capabilities(), dispatch.TilePolicy(whole=True)),
+        ("mps", torch.bfloat16, ALL, dispatch.TilePolicy()),
+    ],
+)
+def test_tile_policy_per_backend(device, dtype, caps, want):
+    assert dispatch.tile_policy(device, dtype, 64, caps) == want

@@ -31,8 +31,9 @@ never of K/V):
   block too. How a step is cut into tiles is the backend's `TilePolicy` (`ring_plan.py`): on
   CUDA's flash op a step's keys go to one kernel call (zigzag's diagonal block is one causal call,
   every other block one unmasked call, a contiguous window's diagonal and halo one call each on
-  flash's window arguments), so a step costs one call and one merge; on CPU (and the reference)
-  runs of at most `kv_tile` consecutive keys. Either way the rows that see every key form one tile
+  flash's window arguments), so a step costs one call and one merge — on CPU's flash kernel too
+  (without window arguments: band tiles there take a bias); the reference takes runs of at most
+  `kv_tile` consecutive keys. Either way the rows that see every key form one tile
   and the others (the diagonal, a window's edge) another: the first needs no mask, the causal
   diagonal only the kernel's causal flag, and only window edges without window arguments an
   additive bias (built once per plan). Tiles run on fused kernels (`model/attention_tiles.py`),
@@ -309,7 +310,7 @@ def ring_attention(
     q [B, H, T, hd] and k/v [B, Hkv, T, hd] are this rank's tokens, `q_pos` (== `k_pos`) [T] their
     global positions — any layout (see `shard_sequence`), equal length on every rank. Same contract
     as `sdpa_attention` on the full sequence; K/V travel at the KV head count (never expanded).
-    Each tile (a whole step on CUDA's flash op, else at most `kv_tile` keys: `TilePolicy`) runs
+    Each tile (a whole step on the flash kernels, else at most `kv_tile` keys: `TilePolicy`) runs
     a fused attention kernel that returns its LSE
     (`model/attention_tiles.py`: on CPU torch's flash kernel in fp32; on CUDA SDPA's flash or
     memory-efficient op in the model's half dtype — no score matrix either way), else a reference

@@ -7,9 +7,10 @@ derives from it, per block, which keys travel how many hops (`carry`, `hops`: a 
 needs is never sent, the ring stops early) and, per step, the tiles of work, cut by the kernels'
 `TilePolicy` (`model/attention_dispatch.py`, chosen per backend):
 
-* bounded (CPU, the reference): runs of at most `kv_tile` consecutive visible keys, each with only
-  the query rows that see it, split into the rows that see all of the run (no mask) and the rest;
-* whole (CUDA's flash op): a step's visible keys in one tile when its mask is none, top-left causal
+* bounded (the reference, CUDA's efficient op alone): runs of at most `kv_tile` consecutive
+  visible keys, each with only the query rows that see it, split into the rows that see all of
+  the run (no mask) and the rest;
+* whole (CUDA's and CPU's flash kernels): a step's visible keys in one tile when its mask is none, top-left causal
   or (with flash's window arguments) a square band — zigzag's diagonal block is one causal tile,
   its two chunks ordered by position; else the rows that see every key in one unmasked tile and
   the rest as one causal or band tile where it is one, cut into bounded tiles only where a bias is
