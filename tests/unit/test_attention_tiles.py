@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from depthscale.model import attention_tiles
+from depthscale.model.attention_dispatch import TilePolicy
 from depthscale.model.layers import attention_mask
 from depthscale.parallel.ring_plan import RingPlan, Span
 from depthscale.parallel.sequence_layout import positions_for
@@ -61,6 +62,29 @@ def test_fused_tile_matches_the_reference(kind):
         check(scaled_err(a, b), fp32_sum_bound(chain), f"{kind} {name}")
 
 
+def test_a_band_tile_on_the_cpu_kernel_is_its_window():
+    """A square band tile (`TileMask.window`, what flash's window op takes on CUDA) run on CPU's
+    flash kernel (as a bias) gives the reference's result under the same band."""
+    q, k, v, do = _case(2, Tq=32, Tk=32)
+    mask = attention_tiles.TileMask(False, None, None, (5, 2))
+    band = attention_tiles.visible(mask, 32, 32, q.device)
+    offset = torch.arange(32)[:, None] - torch.arange(32)
+    assert torch.equal(band, (offset <= 5) & (offset >= -2))
+    scale = q.shape[-1] ** -0.5
+    want = attention_tiles.reference_forward(q.double(), k.double(), v.double(), band, scale)
+    got = attention_tiles.forward(q, k, v, mask, scale)
+    bound = fp32_sum_bound(k.shape[2] + q.shape[-1])
+    for a, b, name in zip(got, want, ("out", "lse"), strict=True):
+        check(scaled_err(a, b), bound, f"band {name}")
+    grads = attention_tiles.backward(do, q, k, v, *got, mask, scale)
+    ref = attention_tiles.reference_backward(
+        do.double(), q.double(), k.double(), v.double(), *want, band, scale
+    )
+    chain = 2 * (k.shape[2] + q.shape[-1]) + q.shape[2] * q.shape[1] // k.shape[1]
+    for a, b in zip(grads, ref, strict=True):
+        check(scaled_err(a, b), fp32_sum_bound(chain), "band gradient")
+
+
 def test_reference_gradients_are_autograds():
     """The reference backward (used off CPU) against autograd through the reference forward."""
     q, k, v, do = (t.double() for t in _case(1))
@@ -73,15 +97,21 @@ def test_reference_gradients_are_autograds():
         torch.testing.assert_close(a, leaf.grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "policy", [TilePolicy(), TilePolicy(whole=True), TilePolicy(whole=True, window=True)]
+)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("window", [0, 24])
-def test_causal_tiles_need_no_mask_and_cover_each_visible_pair_once(layout, window):
-    """Per rank and step, the plan's tiles cover exactly the visible (query, key) pairs, each once;
-    without a window every tile is dense or top-left causal, so no mask is built at all."""
+@pytest.mark.parametrize("window", [0, 24, 8])
+def test_causal_tiles_need_no_mask_and_cover_each_visible_pair_once(layout, window, policy):
+    """Per rank and step, the plan's tiles cover exactly the visible (query, key) pairs, each once,
+    under every tile policy; without a window every tile is dense or top-left causal, so no mask
+    is built at all; whole steps take one tile each without a window (and with one, contiguous,
+    on the window op)."""
     cp, T, kv_tile = 2, 64, 16
     pos = [positions_for(T, r, cp, layout) for r in range(cp)]
     for rank in range(cp):
-        plan = RingPlan.of(pos, rank, Span.of(window, True, None), kv_tile, torch.device("cpu"))
+        span = Span.of(window, True, None)
+        plan = RingPlan.of(pos, rank, span, kv_tile, torch.device("cpu"), policy)
         for step in range(cp):
             if not plan.holds(step):
                 continue
@@ -97,6 +127,9 @@ def test_causal_tiles_need_no_mask_and_cover_each_visible_pair_once(layout, wind
                 visible = attention_mask(tile.q_pos, tile.k_pos, window)
                 if mask.causal:
                     assert torch.equal(visible, torch.ones_like(visible).tril())
+                elif mask.window is not None:
+                    band = attention_tiles.visible(mask, *visible.shape, visible.device)
+                    assert torch.equal(visible, band)
                 elif mask.bias is None:
                     assert visible.all()
                 else:
@@ -104,3 +137,6 @@ def test_causal_tiles_need_no_mask_and_cover_each_visible_pair_once(layout, wind
                 covered[rows[:, None], cols[None, :]] += visible.int()
             want = attention_mask(pos[rank], keys, window).int()
             assert torch.equal(covered, want), (rank, step)
+            whole_steps = window == 0 or (layout == "contiguous" and policy.window)
+            if policy.whole and whole_steps:
+                assert len(plan.tiles(step)) == 1, (rank, step)
