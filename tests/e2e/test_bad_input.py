@@ -522,6 +522,27 @@ OUTPUTS = [
     (["convert", "ds-to-hf", "--run", "{run}", "--out", "{file}/hf"], "'{file}' is a file"),
     (["diagnose", "--nproc", "1", "--run", "{file}/run"], "'{file}' is a file"),
     (["plan", "--calibrate", "{tmp}"], "--calibrate '{tmp}' is a directory"),
+    (["plan", "--calibrate", "{file}/c.json"], "'{file}' is a file"),
+    # the file written beside --out: depth's numbers, timeline's picture of one step
+    (
+        ["trace", "depth", "--run", "{run}", "--out", "{tmp}/out.png"],
+        "'{tmp}/out.json' is a directory",
+    ),
+    (
+        ["trace", "timeline", "--run", "{run}", "--out", "{tmp}/tl.json"],
+        "'{tmp}/tl.png' is a directory",
+    ),
+    (["trace", "hang", "--run", "{run}", "--out", "{file}/hang.txt"], "'{file}' is a file"),
+    (["tokenize", "{file}", "--out", "{file}/shards", "--tokenizer", "byte"], "'{file}' is a file"),
+    # lm-evaluation-harness writes its results after the whole evaluation
+    (
+        ["lm-eval", "--model", "depthscale", "--tasks", "t", "--output_path", "{file}/out"],
+        "--output_path: '{file}/out' cannot be created because '{file}' is a file",
+    ),
+    (
+        ["lm-eval", "--tasks", "t", "-o", "{tmp}", "--output_path={file}/r.json"],
+        "--output_path '{file}/r.json' cannot be created because '{file}' is a file",
+    ),
     (
         ["convert", "ds-to-hf", "--run", "{run}", "--out", "{tmp}/hf", "--max-shard-size", "5XB"],
         "--max-shard-size '5XB' is not a size",
@@ -533,13 +554,46 @@ OUTPUTS = [
     "argv, message", OUTPUTS, ids=[" ".join(a[:2] + a[6:]) for a, _ in OUTPUTS]
 )
 def test_output_paths_that_cannot_be_created(small_run, tmp_path, capsys, argv, message):
+    """Refused before any work, naming the flag and the path: every file a command writes."""
     file = tmp_path / "file"
     file.write_text("mine\n")
+    for taken in ("out.json", "tl.png"):
+        (tmp_path / taken).mkdir()
     fill = {"run": small_run, "file": file, "tmp": tmp_path}
     before = tree_digest(small_run)
     code, _, err = run_main(capsys, *[a.format(**fill) for a in argv])
     assert_one_line_error(code, err, message.format(**fill))
     assert file.read_text() == "mine\n" and tree_digest(small_run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out.json", "tl.png"]
+
+
+MADE = {
+    "eval": (["eval", "--run", "{run}", "--tasks", "{task}", "--json", "{new}/r.json"], ["r.json"]),
+    "trace depth": (["trace", "depth", "--run", "{run}", "--out", "{new}/d.png"], ["d.json", "d.png"]),
+    "trace timeline": (["trace", "timeline", "--run", "{run}", "--out", "{new}/t.json"], ["t.json", "t.png"]),
+    "trace hang": (["trace", "hang", "--run", "{run}", "--out", "{new}/h.txt"], ["h.txt"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(MADE))
+def test_output_paths_whose_parents_do_not_exist_yet_are_made(small_run, tmp_path, capsys, command):
+    """A path under directories that do not exist yet is written, its parents made (as `mkdir -p`
+    would): `eval --json DIR/missing/x.json` scored every task, printed the table, then failed on
+    the path and lost the results; `trace hang --out` did the same after reading the dumps."""
+    run = tmp_path / "run"
+    _copy_tree(small_run, run)
+    (run / "trace" / "hang").mkdir()
+    (run / "trace" / "hang" / "rank00000.json").write_text('{"rank": 0}')
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"context": "1 + 1 =", "choices": [" 2", " 3"], "gold": 0}\n')
+    new = tmp_path / "missing" / "dir"
+    argv, written = MADE[command]
+    code, _, err = run_main(capsys, *[a.format(run=run, task=task, new=new) for a in argv])
+    assert code == 0, err
+    assert sorted(p.name for p in new.iterdir()) == written
+    if command == "eval":
+        (result,) = json.loads((new / "r.json").read_text())
+        assert result["acc"] in (0.0, 1.0)
 
 
 def test_trace_schedule_that_cannot_exist(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """What a new user meets in the first hour, in-process: --version, train --help naming every config
 key, --print-config, plan resolving the vocabulary as training does and printing the command that
-launches its layout, and help texts that cite only docs that exist."""
+launches its layout (and failing when the one layout asked for is rejected), help texts that cite
+only docs that exist; and `python -m depthscale`, the one case that needs a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import dataclasses
 import json
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
@@ -101,3 +104,38 @@ def test_help_cites_only_docs_that_exist():
     assert cited, "no help text cites a doc"
     missing = sorted(doc for doc in cited if not (ROOT / doc).is_file())
     assert not missing, missing
+
+
+def test_python_m_depthscale_is_the_command(tmp_path):
+    """`python -m depthscale` (what `python -m torch.distributed.run`-style launchers and machines
+    without the console script on PATH run) is the `depthscale` command: it was refused as "a
+    package and cannot be directly executed"."""
+    for argv, first in (
+        (["--help"], "usage: depthscale "),
+        (["train", "--help"], "usage: depthscale train"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "depthscale", *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(first), proc.stdout[:200]
+    assert "[train]" in proc.stdout  # the config keys of train --help
+
+
+def test_plan_fails_when_the_one_layout_asked_for_is_rejected(capsys):
+    """`plan --layout L` answers whether L runs: a rejected L prints its row and exits 1 with the
+    reason on stderr (it exited 0, which a script reads as yes); an accepted one exits 0."""
+    argv = ["plan", "-c", CONFIG, "--gpus", "4", "--layout"]
+    assert main([*argv, "tp=8"]) == 1
+    out = capsys.readouterr()
+    assert "rejected: uses 8 GPUs, not 4" in out.out
+    assert out.err.strip().splitlines() == [
+        "depthscale: plan: --layout tp=8 is rejected (tp=8,pp=1,mb=1: uses 8 GPUs, not 4)"
+    ]
+    assert main([*argv, "tp=8", "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["layouts"][0]["ok"]
+    assert main([*argv, "tp=2,fsdp=2"]) == 0
+    assert capsys.readouterr().err == ""

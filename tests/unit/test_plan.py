@@ -341,9 +341,10 @@ def test_collectives_are_charged_what_they_add_between_bursts_of_compute(monkeyp
     assert calls == round_ * 3
 
 
-def test_cli_calibrate_needs_an_existing_directory(tmp_path, capsys):
-    assert main(["plan", "--calibrate", str(tmp_path / "no" / "c.json")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+def test_cli_calibrate_needs_a_path_it_can_write(tmp_path, capsys):
+    (tmp_path / "file").write_text("mine\n")  # its missing parents would be made, as for any output
+    assert main(["plan", "--calibrate", str(tmp_path / "file" / "c.json")]) == 2
+    assert "because '" + str(tmp_path / "file") + "' is a file" in capsys.readouterr().err
     assert main(["plan", "--model.vocab_size", "256"]) == 2
     assert "--gpus" in capsys.readouterr().err
 

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from depthscale.cli.output_paths import check_output
+from depthscale.cli.output_paths import check_output, write_output
 from depthscale.errors import CheckpointError, ConfigError, DepthscaleError
 
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     results = [score(model, tokenizer, task, args.batch_size) for task in tasks]
     print(as_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_output(Path(args.json), json.dumps(results, indent=2) + "\n")
     return 0
 
 
@@ -49,6 +49,23 @@ def lm_eval(argv: list[str]) -> int:
         raise DepthscaleError(
             "depthscale lm-eval needs lm-evaluation-harness; pip install 'depthscale[lm-eval]'"
         )
+    output = _harness_output(argv)
+    if output is not None:  # the harness writes its results last, after the whole evaluation
+        path = Path(output)
+        check_output("--output_path", path, directory=path.suffix != ".json")
     from depthscale.interop.lm_eval_adapter import main
 
     return main(argv)
+
+
+def _harness_output(argv: list[str]) -> str | None:
+    """The harness's `--output_path` / `-o` (as argparse reads it: `--output_path X`,
+    `--output_path=X`, the last one winning): a directory, or a file when it ends in .json (the
+    harness writes `NAME_<time>.json` beside it, and its samples in that directory)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg in ("--output_path", "-o") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--output_path="):
+            value = arg.partition("=")[2]
+    return value

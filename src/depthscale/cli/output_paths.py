@@ -1,5 +1,6 @@
 """Output paths of the commands, checked before any work: a run that would fail at its end, when
-it writes, is refused at its start with one line naming the flag."""
+it writes, is refused at its start with one line naming the flag. A path whose parents do not
+exist yet is allowed (they are made when the file is written, as `mkdir -p` would)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,9 @@ def check_output(flag: str, path: Path, directory: bool = False) -> None:
             "allowed: a path whose parents are directories"
         )
     check_dir_creatable(flag, path.parent)
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write a file `check_output` accepted, making the parent directories it found creatable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -9,7 +9,7 @@ import math
 import sys
 from pathlib import Path
 
-from depthscale.cli.output_paths import check_output
+from depthscale.cli.output_paths import check_output, write_output
 from depthscale.errors import ConfigError
 
 
@@ -20,10 +20,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         from depthscale.observe.calibrate import measure_cluster
 
         out = Path(args.calibrate)
-        if not out.parent.is_dir():
-            raise ConfigError(f"--calibrate {out}: directory {out.parent} does not exist")
         check_output("--calibrate", out)
-        out.write_text(json.dumps(measure_cluster(args.nproc), indent=1) + "\n")
+        write_output(out, json.dumps(measure_cluster(args.nproc), indent=1) + "\n")
         print(f"wrote {out}: use --cluster {out}")
         return 0
     if args.gpus is None:
@@ -62,7 +60,12 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(str(err)) from None
     if args.framework == "depthscale":
         report["launch"] = _launch_command(args, rest, cfg, report)
-    print(to_json(report) if args.json else format_table(report))
+    print(to_json(report) if args.json else format_table(report), flush=True)
+    if args.layout and not any(r["ok"] for r in report["layouts"]):
+        # the one layout asked for cannot run: a script (or CI) must not read the answer as yes
+        reason = "; ".join(f"{r['label']}: {r['reason']}" for r in report["layouts"])
+        print(f"depthscale: plan: --layout {args.layout} is rejected ({reason})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -11,8 +11,11 @@ from depthscale.errors import ConfigError
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.out:
-        check_output("--out", Path(args.out))
+    if args.out:  # and the file written beside it (depth: its numbers; timeline: one step's PNG)
+        out = Path(args.out)
+        beside = {"depth": ".json", "timeline": ".png"}.get(args.what)
+        for path in (out, out.with_suffix(beside)) if beside else (out,):
+            check_output("--out", path)
     if args.what == "schedule":
         return _schedule(args)
     if args.what in ("timeline", "stragglers", "hang"):

@@ -114,6 +114,7 @@ def _hang(run: Path, out: Path | None) -> int:
     text = _source_line(run, folder, launch) + "\n" + format_report(report, dumps)
     print(text)
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
     return 0
 
