@@ -182,6 +182,22 @@ CONFIG_CASES = [
         ],
         "data.stages[0].weights names 'b', not a source",
     ),
+    # a key an entry must set, left out: named as missing, not as its default (at_step=0)
+    (
+        [
+            "--data.sources",
+            f'[{{name = "a", path = "{FILE}", weight = 1}}]',
+            "--data.stages",
+            "[{weights = {a = 1}}]",
+        ],
+        "data.stages[0] misses at_step; required in every [[data.stages]] table: at_step, weights",
+    ),
+    (
+        ["--data.sources", f'[{{name = "a", path = "{FILE}"}}]'],
+        "data.sources[0] misses weight; required in every [[data.sources]] table: name, path, "
+        "weight",
+    ),
+    (["--eval.tasks", '[{name = "t"}]'], "eval.tasks[0] misses path; required"),
 ]
 
 

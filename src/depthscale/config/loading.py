@@ -92,7 +92,8 @@ def _coerce(key: str, value: Any, tp: Any, from_string: bool) -> Any:
 def _table_list(key: str, value: Any, item: type, from_string: bool) -> list[Any]:
     """A list of tables (`[[eval.tasks]]` in TOML; on the command line an inline TOML array,
     `--eval.tasks '[{path = "a.jsonl"}]'`), every table's keys and values checked against `item`,
-    each error naming `section.key[index].field`."""
+    each error naming `section.key[index].field`; a key the schema marks REQUIRED that a table
+    leaves out is named as missing."""
     allowed = f"[[{key}]] tables, or on the command line --{key} '[{{key = value, ...}}, ...]'"
     if from_string and isinstance(value, str):
         try:
@@ -111,6 +112,13 @@ def _table_list(key: str, value: Any, item: type, from_string: bool) -> list[Any
             if name not in hints:
                 raise _unknown(f"key in [[{key}]] (entry {i})", name, list(hints))
             setattr(entry, name, _coerce(f"{key}[{i}].{name}", v, hints[name], False))
+        required = [f.name for f in dataclasses.fields(item) if f.metadata.get("required")]
+        missing = [name for name in required if name not in table]
+        if missing:  # not its default's value, which would read as if it were set
+            raise ConfigError(
+                f"{key}[{i}] misses {', '.join(missing)}; required in every [[{key}]] table: "
+                + ", ".join(required)
+            )
         out.append(entry)
     return out
 

@@ -153,15 +153,21 @@ class ModelConfig:
             )
 
 
+REQUIRED = {"required": True}
+"""The metadata of a key that an entry of a list of tables (`[[data.sources]]`, ...) must set:
+its default only fills the dataclass, and a missing key is named as missing
+(`loading._table_list`), not reported as its default's value."""
+
+
 @dataclass
 class DataSource:
     """One source of a mixture (`[[data.sources]]`): its corpus and its share of the tokens."""
 
-    name: str = ""
+    name: str = field(default="", metadata=REQUIRED)
     """What it is logged as (`tokens/<name>`, `epoch/<name>`) and what stages call it."""
-    path: str = ""
+    path: str = field(default="", metadata=REQUIRED)
     """A corpus as `data.path` names one (any format of docs/data.md)."""
-    weight: float = 0.0
+    weight: float = field(default=0.0, metadata=REQUIRED)
     """Its share of every batch's tokens (> 0; the weights are normalised)."""
     max_epochs: float = 0.0
     """Refuse a run whose schedule would read it more than this many times; 0 = no limit."""
@@ -173,9 +179,9 @@ class DataSource:
 class DataStage:
     """New weights from a step on (`[[data.stages]]`), e.g. to anneal on a high-quality mix."""
 
-    at_step: int = 0
+    at_step: int = field(default=0, metadata=REQUIRED)
     """The first step (from 1) that draws with these weights."""
-    weights: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict, metadata=REQUIRED)
     """{source name = weight}; a source not named draws nothing in this stage."""
 
 
@@ -487,7 +493,7 @@ class EvalTask:
     every `train.eval_every` steps (`evaluation/multiple_choice.py`); logged as
     `eval/<name>/acc` and `eval/<name>/acc_norm`."""
 
-    path: str = ""
+    path: str = field(default="", metadata=REQUIRED)
     name: str = ""
     """The name it is logged under; "" = the file's name without its suffix."""
     limit: int = 0
@@ -504,8 +510,8 @@ class EvalSet:
     `train.eval_every` steps on `train.eval_batches` batches; logged as `val/<name>/loss` and
     `val/<name>/bpb` (bits per byte of its text)."""
 
-    name: str = ""
-    path: str = ""
+    name: str = field(default="", metadata=REQUIRED)
+    path: str = field(default="", metadata=REQUIRED)
     jsonl_field: str = ""
     """Its text field or column; "" = data.jsonl_field."""
 
