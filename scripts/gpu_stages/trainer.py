@@ -17,7 +17,8 @@ the trainer's peak (the spec sheet for known GPUs).
 - `bitwise`: two block runs from the same seed on the same batches: every parameter after the
   last step equal bit for bit (`torch.equal`), or the largest relative difference.
 
-`train` (one `Trainer.fit` with its numbers) is shared with the llama1b, loss and offload stages.
+`train` (one `Trainer.fit` with its numbers) serves the llama1b and offload stages too, and
+`overrides` (the config) the loss stage.
 """
 
 from __future__ import annotations

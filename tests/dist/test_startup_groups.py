@@ -44,9 +44,12 @@ def _split_like_nccl(layouts: list[dict], parts: list[list[int]]) -> dict:
                 total = torch.tensor([float(rank)])
                 dist.all_reduce(total, group=group)
                 sums[name] = [sorted(dist.get_process_group_ranks(group)), total.item()]
+            alone = [mesh.get_group(n).group_name for n in DIM_NAMES if mesh.size(
+                DIM_NAMES.index(n)) == 1]  # fmt: skip
             out["meshes"].append(
                 {"splits": len(splits), "new_groups": counts.new_groups, "sums": sums,
-                 "world_groups": [n for n in DIM_NAMES if mesh.get_group(n) is dist.group.WORLD]}
+                 "world_groups": [n for n in DIM_NAMES if mesh.get_group(n) is dist.group.WORLD],
+                 "alone": alone}
             )  # fmt: skip
         del splits[:]
         with startup.count_synchronizations() as counts:
@@ -77,11 +80,13 @@ def test_one_split_per_mesh_dimension_and_per_own_group(dist_pool):
     results = dist_pool(4).run(_split_like_nccl, layouts, parts)
     for rank, out in enumerate(results):
         two_by_two, whole = out["meshes"]
-        # five dimensions, five splits: none per part (the old loop made 4+4+2+4+2 new_groups)
-        assert (two_by_two["splits"], two_by_two["new_groups"]) == (5, []), rank
+        # five dimensions, three splits: none per part (the old loop made 4+4+2+4+2 new_groups),
+        # and the three of size 1 share one (a communicator of this rank alone)
+        assert (two_by_two["splits"], two_by_two["new_groups"]) == (3, []), rank
         assert two_by_two["world_groups"] == [], rank
+        assert len(set(two_by_two["alone"])) == 1 and len(two_by_two["alone"]) == 3, rank
         # a dimension over every rank is the world group itself, as in torch's own mesh
-        assert (whole["splits"], whole["new_groups"]) == (4, []), rank
+        assert (whole["splits"], whole["new_groups"]) == (1, []), rank
         assert whole["world_groups"] == ["dp_shard"], rank
         for layout, mesh in zip(layouts, (two_by_two, whole)):
             dims = ParallelDims(**layout)

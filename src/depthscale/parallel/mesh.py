@@ -76,14 +76,24 @@ class ParallelDims:
         Each rank creates only its own group of each dimension (`startup.own_group`: no barrier
         over the world, and no call per group of the world); NCCL with a bound device makes each
         dimension's groups with one communicator split (`split_group`), whatever its number of
-        parts. The flattened dimensions are torch's (gloo: one `new_group` per group on every
+        parts. The dimensions of size 1 share one group of the rank alone (one split, one
+        communicator, whatever their number). The flattened dimensions are torch's (gloo: one `new_group` per group on every
         rank, with no barrier unless TORCH_DIST_INIT_BARRIER=1; NCCL: one split) — made only
         where two of its dimensions exceed 1: otherwise its groups are those of one named
         dimension, which stands in for it (`flat`), and start-up enters no group beyond its own
         whatever the number of pipelines."""
         shape = tuple(getattr(self, name) for name in DIM_NAMES)
         ranks = torch.arange(self.world_size).reshape(shape)
-        groups = [_dim_group(ranks, d, name) for d, name in enumerate(DIM_NAMES)]
+        groups, alone = [], None
+        for d, name in enumerate(DIM_NAMES):
+            if shape[d] == 1 and self.world_size > 1:
+                # every dimension of size 1 shares one group of this rank alone: one split (one
+                # communicator) for all of them, not one each — nothing travels on it
+                if alone is None:
+                    alone = startup.own_group([[r] for r in range(self.world_size)], "mesh_1")
+                groups.append(alone)
+            else:
+                groups.append(_dim_group(ranks, d, name))
         mesh = DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=DIM_NAMES)
         flattened = {}
         for name, parts in FLATTENED.items():

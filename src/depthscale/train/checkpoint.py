@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.config import CheckpointConfig, ModelConfig
 from depthscale.errors import CheckpointError
+from depthscale.parallel import startup
 from depthscale.train.checkpoint_write import CheckpointWriter, SaveRecord, save_model
 from depthscale.train.manifest import (
     choose_on_rank0,
@@ -162,8 +163,11 @@ class Checkpointer:
             record.blocking_s = time.perf_counter() - start
         elif record.is_async:
             if dist.is_initialized() and self._writer.group is None:
-                # A background save must not interleave its collectives with training's on one group.
-                self._writer.group = dist.new_group(backend="gloo")
+                # A background save must not interleave its collectives with training's on one
+                # group. It spans the world: DCP plans the save over every rank in one group (made
+                # once, at the first background save, off the step's path; the writer process's
+                # group, save_process.py, likewise).
+                self._writer.group = dist.new_group(backend="gloo", timeout=startup.group_timeout)
             args = (record, _stage(state), rng, trainer_state)
             self._pending = threading.Thread(target=self._write_recorded, args=args, daemon=True)
             record.blocking_s = time.perf_counter() - start

@@ -126,7 +126,11 @@ class HostVote:
         """The one-level group: the world's when it is gloo, else a gloo group over it."""
         if self._group is None:
             gloo = dist.get_backend() == "gloo"
-            self._group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+            self._group = (
+                dist.group.WORLD
+                if gloo
+                else dist.new_group(backend="gloo", timeout=startup.group_timeout)
+            )
         return self._group
 
     @property
