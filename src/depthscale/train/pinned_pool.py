@@ -39,7 +39,8 @@ def pin_host_bytes(nbytes: int) -> torch.Tensor:
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
     ptr = buffer.data_ptr()
-    if int(cudart.cudaHostRegister(ptr, nbytes, 0)) != 0:
+    code = cudart.cudaHostRegister(ptr, nbytes, 0)  # a cudaError enum: `.value` 0 is success
+    if getattr(code, "value", code) != 0:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     weakref.finalize(buffer, cudart.cudaHostUnregister, ptr)
     return buffer
