@@ -60,9 +60,12 @@ def test_host_copies_take_exact_bytes_and_are_reused_every_step():
 def test_a_tensor_larger_than_a_slab_gets_a_slab_of_its_exact_size():
     pins = _Pins()
     pool = PinnedPool(pin=pins, slab_bytes=MIB)
+    small = pool.take((3,), torch.bfloat16)
     t = pool.take((3 * MIB + 1,), torch.uint8)
-    assert pins.sizes == [-(-(3 * MIB + 1) // ALIGN) * ALIGN]
-    assert t.numel() == 3 * MIB + 1 and t.data_ptr() % ALIGN == 0
+    assert pins.sizes == [MIB, -(-(3 * MIB + 1) // ALIGN) * ALIGN]
+    assert t.numel() == 3 * MIB + 1 and t.data_ptr() == pool.slabs[1].buffer.data_ptr()
+    again = pool.take((5,), torch.float32)  # after `small`'s region, rounded up to ALIGN
+    assert again.data_ptr() - small.data_ptr() == ALIGN
 
 
 def test_a_reused_slab_waits_for_the_fence_of_its_last_release():

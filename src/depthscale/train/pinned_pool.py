@@ -29,14 +29,18 @@ SLAB_BYTES = 64 << 20
 """A slab's size unless one tensor needs more: large enough that a step's activations take a few
 tens of slabs, small enough that the tail left unused in each is negligible."""
 ALIGN = 512
-"""Each region starts at a multiple of this (DMA-friendly, and any dtype's alignment)."""
+"""Each region starts this many bytes (a multiple) into its slab, which starts on a page: DMA-
+friendly, and any dtype's alignment."""
 
 
 def pin_host_bytes(nbytes: int) -> torch.Tensor:
     """`nbytes` of page-locked host memory, exactly: plain host memory registered with CUDA (and
     unregistered when the tensor dies), falling back to torch's pinned allocator where
     registration is refused."""
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    page = 4096  # registration pins whole pages: start on one, so no neighbour shares them
+    raw = torch.empty(nbytes + page - 1, dtype=torch.uint8)
+    start = -raw.data_ptr() % page
+    buffer = raw[start : start + nbytes]
     cudart = torch.cuda.cudart()
     ptr = buffer.data_ptr()
     code = cudart.cudaHostRegister(ptr, nbytes, 0)  # a cudaError enum: `.value` 0 is success
