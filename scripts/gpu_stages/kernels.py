@@ -16,7 +16,7 @@ kernel shows, far below what a wrong index or a race gives (order 1).
 
 Goals (docs/gpu.md), judged at d = 4096 and 8192, which run first: `fwd_of_copy` ≥ 0.80 and
 `bwd_of_copy` ≥ 0.65. With `benchmarks/attnres_traffic.py` present, its expected fractions
-(`expected(d, S, m)`) sit beside the measured ones (`traffic_model`). After the first case,
+(`traffic(d, S, m)`) sit beside the measured ones (`traffic_model`). After the first case,
 `graph_read` replays that read under `torch.cuda.graph`.
 
 The last lines list every compiled kernel variant with its registers, spills and shared memory
@@ -41,6 +41,7 @@ from gpu_stages.common import (
     copy_gbps,
     goal,
     max_abs,
+    one_line,
     rel_err,
     seconds_of,
     sig,
@@ -100,21 +101,30 @@ GOAL_FWD, GOAL_BWD = 0.80, 0.65
 
 
 def traffic_model():
-    """`benchmarks/attnres_traffic.py`'s `expected(d, S, m)` → {"fwd_of_copy", "bwd_of_copy"}: the
-    fraction of bandwidth its traffic model expects of the kernels, put beside the measured one;
-    None while that module (or the function) does not exist."""
+    """`benchmarks/attnres_traffic.py`'s `traffic(d, S, m, N=)` (its model of the kernels' HBM
+    bytes, from their launch plans): a function of (d, S, m, N) giving the fractions of bandwidth
+    it expects forward and backward, put beside the measured ones; None while that file does not
+    exist. A model that cannot run says why in its place: it is an aid to reading, and never fails
+    the measurement."""
     import importlib.util
 
     path = REPO / "benchmarks" / "attnres_traffic.py"
     if not path.exists():
         return None
-    spec = importlib.util.spec_from_file_location("attnres_traffic", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception:  # noqa: BLE001 - the model is an aid to reading; the measurement stands
-        return None
-    return getattr(module, "expected", None)
+
+    def expected(d: int, S: int, m: int, N: int) -> dict[str, Any]:
+        try:
+            spec = importlib.util.spec_from_file_location("attnres_traffic", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["attnres_traffic"] = module  # its dataclasses look themselves up there
+            spec.loader.exec_module(module)
+            model = module.traffic(d, S, m, N=N)
+            return {f"{p}_of_copy": model[k]["expected_bandwidth_fraction"]
+                    for p, k in (("fwd", "forward"), ("bwd", "backward"))}  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            return {"error": one_line(err, 200)}
+
+    return expected
 
 
 def graph_read(ctx: Context, shapes: dict, d: int, S: int, m: int) -> dict:
@@ -271,7 +281,7 @@ def read_case(
     values |= _timings(ctx, shapes, lambda: triton_multi_query_read(srcs, q, EPS), [q, *srcs],
                        up, fwd_bytes, bwd_bytes, gbps)  # fmt: skip
     if traffic is not None:
-        values["traffic_model"] = traffic(d, S, m)
+        values["traffic_model"] = traffic(d, S, m, N)
     if d in GOAL_DIMS or ctx.dry_run:  # the dry run judges its tiny case, to run the logic
         goal(values, "fwd_of_copy", values.get("fwd_of_copy"), ">=", GOAL_FWD)
         goal(values, "bwd_of_copy", values.get("bwd_of_copy"), ">=", GOAL_BWD)

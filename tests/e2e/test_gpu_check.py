@@ -72,6 +72,8 @@ def test_dry_run_writes_an_ok_line_for_every_stage(tmp_path):
     assert by_name[("unit_tests", "pytest")]["counts"]["passed"] > 0
     reads = [v for (stage, name), v in by_name.items() if name.startswith("read d=")]
     assert reads and all(v["rel_err"]["out"] < 1e-2 and v["fwd_ms"] > 0 for v in reads)
+    if (ROOT / "benchmarks" / "attnres_traffic.py").exists():  # the model's expectation beside
+        assert all(0 < v["traffic_model"]["fwd_of_copy"] <= 1 for v in reads), reads
     assert by_name[("kernels", "graph_read")]["replay_equals_eager"] is True
     assert set(by_name[("trainer", "step_time_ratios")]) == {"block_over_standard",
                                                             "full_over_standard"}  # fmt: skip
