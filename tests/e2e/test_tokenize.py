@@ -4,8 +4,10 @@ does (the same stream); bad input is one line, exit 2, with nothing written and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +113,97 @@ def test_a_killed_run_is_finished_without_redoing_its_finished_shards(tmp_path):
     )
 
 
+def _workers_of(pid: int) -> list[int]:
+    """The spawned worker processes whose parent is `pid` (read from /proc: not the resource
+    tracker that spawn also starts)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _shard_being_written(pid: int) -> int | None:
+    """The shard a stopped worker is writing: the index in its open `.shard-NNNNN.npy.*.tmp`."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            name = os.readlink(fd)
+        except OSError:
+            continue
+        if m := re.search(r"/\.shard-(\d+)\.npy\.\d+\.tmp$", name):
+            return int(m[1])
+    return None
+
+
+@pytest.mark.slow  # a drill with real signals (CI runs it after the default suite)
+def test_a_killed_worker_is_named_with_its_file_at_once_and_the_finished_shards_kept(tmp_path):
+    """SIGKILL (what the out-of-memory killer sends) of a real worker while it writes a shard:
+    the run ends within seconds (multiprocessing.Pool waited forever, silent at 0 % CPU) with one
+    line naming the worker and its file, no process left, the finished shards kept by the
+    rerun, which completes."""
+    corpus = _corpus(tmp_path, [3, 1500, 1500, 1500])
+    files = sorted(corpus.iterdir())
+    bpe = train_bpe((" ".join(WORDS),) * 50, 300)
+    bpe.tok.save(str(tmp_path / "tokenizer.json"))
+    args = [str(corpus), "--tokenizer", str(tmp_path / "tokenizer.json"), "--out", "out"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "depthscale.cli", "tokenize", *args, "--workers", "2",
+         "--progress", "false"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    out, deadline, victim = tmp_path / "out", time.monotonic() + 120, None
+    try:
+        while victim is None and time.monotonic() < deadline:
+            for pid in _workers_of(proc.pid) if (out / "shard-00000.json").exists() else []:
+                os.kill(pid, signal.SIGSTOP)  # still, so that what it holds open stays so
+                index = _shard_being_written(pid)
+                if index is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    victim, killed_at = (pid, index), time.monotonic()
+                    break
+                os.kill(pid, signal.SIGCONT)
+            time.sleep(0.002)
+        assert victim is not None, "no worker was seen writing a shard"
+        _, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a hang must not outlive the test
+    took = time.monotonic() - killed_at
+    pid, index = victim
+    assert proc.returncode == 2 and took < 10, (proc.returncode, took, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(
+        f"depthscale: error: worker pid {pid} was killed by SIGKILL (what the out-of-memory killer "
+        f"sends) while tokenizing {files[index]}; the "
+    ), err
+    assert "the finished shards (1) in out are kept: the same command finishes the rest" in err
+    deadline = time.monotonic() + 10  # the group empties (spawn's resource tracker last)
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("a process of the failed tokenize is still running")
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*")}
+    assert "shard-00000.json" in finished and f"shard-{index:05d}.json" not in finished
+    assert not list(out.glob(".*.tmp")) and not (out / "manifest.json").exists()
+    rerun = _tokenize(*args, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*") if p.name in finished} == (
+        finished
+    )
+    assert len(json.loads((out / "manifest.json").read_text())["shards"]) == 4
+
+
 def test_bad_input_is_one_line_and_writes_or_loses_nothing(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -147,6 +240,56 @@ def test_bad_input_is_one_line_and_writes_or_loses_nothing(tmp_path, capsys):
                             str(tmp_path / "other.json"), "--train.steps", "2",
                             "--optim.warmup_steps", "1", "--train.run_dir", str(run))  # fmt: skip
     assert_one_line_error(code, err, "was tokenized with another tokenizer")
+
+
+def test_empty_damaged_and_dropped_inputs(tmp_path, capsys):
+    """An input with no text is refused naming it (it once made 0 tokens and exit 0); a damaged
+    compressed file late in the list is named before any shard is written (it was once named
+    after the shards before it); a rerun with fewer inputs removes the shards past them, which
+    tokenize provably wrote, and leaves any other file named like a shard."""
+    import gzip
+
+    corpus = _corpus(tmp_path, [4, 4])
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    for bad in ("empty.jsonl", "blank"):
+        out = tmp_path / f"out-{bad}"
+        code, _, err = run_main(capsys, "tokenize", str(corpus), str(tmp_path / bad), "--out",
+                                str(out), "--tokenizer", "byte")  # fmt: skip
+        assert_one_line_error(code, err, f"input '{tmp_path / bad}' ", "no text to tokenize")
+        assert not out.exists()
+    (corpus / "part02.jsonl").write_text("")  # in a folder with text: a note, an empty shard
+    damaged = tmp_path / "late.jsonl.gz"
+    damaged.write_bytes(gzip.compress(b'{"text": "x y z"}\n' * 2000)[:-20])
+    out = tmp_path / "shards"
+    code, _, err = run_main(capsys, "tokenize", str(corpus), str(damaged), "--out", str(out),
+                            "--tokenizer", "byte")  # fmt: skip
+    assert_one_line_error(code, err, f"{damaged}: the compressed stream is damaged")
+    assert "1 input file(s) hold no text (first: " in err and not out.exists()
+    damaged.write_bytes(gzip.compress(b'{"text": "x y z"}\n' * 2000))
+    inputs = [str(corpus), str(damaged)]
+    assert run_main(capsys, "tokenize", *inputs, "--out", str(out), "--tokenizer", "byte")[0] == 0
+    assert sorted(p.name for p in out.glob("shard-*.json")) == [
+        f"shard-0000{i}.json" for i in range(4)
+    ]
+    (out / "shard-00007.npy").write_bytes(b"the user's")  # no sidecar shows it is tokenize's
+    kept = tree_digest(out)
+    code, _, err = run_main(capsys, "tokenize", str(corpus), "--out", str(out), "--tokenizer",
+                            "byte")  # fmt: skip
+    assert code == 0, err
+    assert "removed 1 shard(s) of an earlier run's inputs beyond these 3 (shard-00003)" in err
+    assert "left as they are: shard-00007.npy" in err
+    manifest = json.loads((out / "manifest.json").read_text())
+    listed = {s["file"] for s in manifest["shards"]}
+    assert listed == {f"shard-0000{i}.npy" for i in range(3)}
+    now = tree_digest(out)
+    assert {k for k in kept if k.startswith("shard-00003")} and not any(
+        k.startswith("shard-00003") for k in now
+    )
+    assert {k: v for k, v in kept.items() if k != "manifest.json" and k in now} == {
+        k: v for k, v in now.items() if k != "manifest.json"
+    }  # the rest untouched, the user's file included
 
 
 @pytest.mark.parametrize(

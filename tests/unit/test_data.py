@@ -194,6 +194,38 @@ def test_tiny_toml_trains_on_every_window_of_shards_and_says_what_max_bytes_leav
     assert capsys.readouterr().err == ""  # nothing left out: nothing said
 
 
+def test_a_worker_that_dies_is_named_with_its_job_at_once(tmp_path):
+    """`depthscale tokenize`'s workers (`data/worker_pool.py`): results and errors come back as
+    from multiprocessing.Pool, but a worker killed by a real SIGKILL (the out-of-memory killer's
+    signal: Pool waits for its job forever) or exiting is named with its job within seconds,
+    and the pool's other workers are stopped."""
+    import gzip
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from depthscale.data.sources import check_stream
+    from depthscale.data.worker_pool import WorkerDied, WorkerPool
+
+    damaged = tmp_path / "d.jsonl.gz"
+    damaged.write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:-9])
+    spawn = multiprocessing.get_context("spawn")
+    for job, fn, how in [
+        (signal.SIGKILL, signal.raise_signal, r"was killed by SIGKILL \(what the out-of-memory"),
+        (3, os._exit, "exited with code 3"),
+    ]:
+        with WorkerPool(spawn, 2) as pool:
+            assert sorted(pool.map_unordered(abs, [-1, -2, 3, -4], str)) == [1, 2, 3, 4]
+            with pytest.raises(DataError, match=f"{damaged}: the compressed stream is damaged"):
+                list(pool.map_unordered(check_stream, [damaged], str))
+            started = time.monotonic()
+            with pytest.raises(WorkerDied, match=rf"worker pid \d+ {how}.* while doing {job}$"):
+                list(pool.map_unordered(fn, [job], lambda j: f"doing {j}"))
+            assert time.monotonic() - started < 10
+        assert not any(process.is_alive() for process, _ in pool.workers)
+
+
 def test_bpe_stream_matches_encode(tmp_path):
     write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCS])
     tok = train_bpe(DOCS * 5, 300)

@@ -33,21 +33,26 @@ def run(args: argparse.Namespace) -> int:
         refuse_other_tokenizer(out, tokenizer)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are processes
     total = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not args.progress)
-    started, tokens = time.perf_counter(), [0, 0]  # all, and those tokenized by this run
+    bars: list = []  # shown from the first shard on, once every input is checked
+    started, tokens = [0.0], [0, 0]  # when shards began; all tokens, and those tokenized now
 
     def progress(record: dict, done: int, count: int) -> None:
+        if not bars:
+            started[0] = time.perf_counter()
+            off = not args.progress
+            bars.append(tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=off))
         tokens[0] += record["tokens"]
         if not record.get("kept"):
             tokens[1] += record["tokens"]
-        rate = tokens[1] / max(time.perf_counter() - started, 1e-9)
-        bar.set_postfix(shards=f"{done}/{count}", tok_s=f"{rate:,.0f}")
-        bar.update(record["source_bytes"])
+        rate = tokens[1] / max(time.perf_counter() - started[0], 1e-9)
+        bars[0].set_postfix(shards=f"{done}/{count}", tok_s=f"{rate:,.0f}")
+        bars[0].update(record["source_bytes"])
 
     try:
         manifest = tokenize_to_shards(files, tokenizer, out, args.workers, args.field, progress)
     except KeyboardInterrupt:
-        bar.close()
+        for bar in bars:
+            bar.close()
         print(
             f"depthscale: note: the finished shards in {out} are kept; the same command "
             "finishes the rest",
@@ -55,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         )
         raise
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
     print(
         f"depthscale: {len(manifest['shards'])} shards, {manifest['tokens']:,} tokens, "
         f"{manifest['documents']:,} documents in {out} ({tokens[1]:,} tokens tokenized now); "

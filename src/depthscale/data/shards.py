@@ -12,7 +12,12 @@ any number of workers writes the same bytes, and a rerun keeps every finished sh
 and `manifest.json` (written once every shard is done) lists them in input order with the
 tokenizer. A rerun (after a kill, or with more inputs) keeps a shard whose sidecar matches its
 files, its source and the tokenizer, and redoes any other; a directory of another tokenizer's
-shards is refused, untouched.
+shards is refused, untouched. A rerun with fewer inputs removes the shards past them once its
+manifest is written, each only if its sidecar's SHA-256s show tokenize wrote it.
+
+Nothing is written before every input is checked: its format, its field, that it holds text,
+and a compressed one's whole stream. The workers are `data/worker_pool.py`'s, so one killed
+(the out-of-memory killer) is named with its file at once, the finished shards kept.
 
 Training on the directory (`data.path = DIR`) reads the shards in manifest order as one stream
 (`data/concat.py`), the stream `data.path = <the inputs>` would tokenize to: the same batches.
@@ -25,7 +30,10 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-from collections.abc import Callable
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +46,14 @@ from depthscale.data.encode import encode_documents, token_dtype, write_npy_stre
 from depthscale.data.sources import (
     SHARD_MANIFEST,
     TEXT_SUFFIXES,
+    check_stream,
     corpus_files,
     iter_documents,
     parquet_file,
     text_suffix,
 )
 from depthscale.data.tokenizer import Tokenizer, tokenizer_label
+from depthscale.data.worker_pool import WorkerDied, WorkerPool
 from depthscale.errors import DataError
 
 MANIFEST = SHARD_MANIFEST
@@ -65,11 +75,13 @@ def _names(out: Path, index: int) -> tuple[Path, Path, Path]:
 
 def input_files(inputs: list[str], field: str) -> list[Path]:
     """Every text file the inputs name (files or folders, in order; folders in name order),
-    each checked to have `field` before any work (parquet schemas, a .jsonl's first line)."""
+    each checked before any work: a text format, `field` present (parquet schemas, a .jsonl's
+    first line), and text in it. An input with none is refused, naming it; an empty file
+    inside a folder with text is only noted (its shard is empty)."""
     files: list[Path] = []
+    empty: list[Path] = []
     for text in inputs:
-        cfg = DataConfig(path=text, jsonl_field=field)
-        found = corpus_files(cfg)
+        found = corpus_files(DataConfig(path=text, jsonl_field=field))
         for f in found:
             if not text_suffix(f.name):
                 raise DataError(
@@ -77,17 +89,33 @@ def input_files(inputs: list[str], field: str) -> list[Path]:
                     + ", ".join(TEXT_SUFFIXES)
                     + " files or folders of them (token files train as they are)"
                 )
-        files += found
-    for f in files:
-        _check_field(f, field)
+        blank = [f for f in found if _is_empty(f, field)]
+        if len(blank) == len(found):
+            what = "is empty" if Path(text).is_file() else f"holds only empty files ({len(found)})"
+            raise DataError(
+                f"input {text!r} {what}: no text to tokenize; allowed: files or folders holding "
+                "documents (remove it from the inputs)"
+            )
+        files, empty = files + found, empty + blank
+    if empty:
+        print(
+            f"depthscale: note: {len(empty)} input file(s) hold no text (first: {empty[0]}); "
+            "their shards are empty",
+            file=sys.stderr,
+            flush=True,
+        )
     return files
 
 
-def _check_field(path: Path, field: str) -> None:
+def _is_empty(path: Path, field: str) -> bool:
+    """Whether the file holds no text, read no further than its first document (checking on
+    the way that `field` is there)."""
     if path.name.endswith(".parquet"):
-        parquet_file(path, field, "--field")
-    elif ".jsonl" in path.name:  # reads the first record
-        next(iter(iter_documents(DataConfig(path=str(path), jsonl_field=field, max_bytes=1))), None)
+        return parquet_file(path, field, "--field").metadata.num_rows == 0
+    if ".jsonl" in path.name:
+        first = DataConfig(path=str(path), jsonl_field=field, max_bytes=1)
+        return next(iter(iter_documents(first)), None) is None
+    return path.stat().st_size == 0
 
 
 def _encode_file(job: tuple[int, str, str, Tokenizer, str]) -> dict[str, Any]:
@@ -152,22 +180,6 @@ def _finished(out: Path, index: int, source: Path, tokenizer: Tokenizer) -> dict
     return {"index": index, **record} if ok else None
 
 
-def _started_ignoring_sigint(ctx, processes: int):
-    """A pool whose workers ignore SIGINT from their first instruction: started while this
-    process ignores it (an ignored signal stays ignored across exec, and Python then installs no
-    handler), so a Ctrl-C during their start-up is not a traceback in each."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return ctx.Pool(processes)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        return ctx.Pool(processes)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def _remove_partial(out: Path) -> None:
     for tmp in out.glob(".shard-*.tmp"):
         tmp.unlink(missing_ok=True)
@@ -196,9 +208,16 @@ def tokenize_to_shards(
     progress: Callable[[dict[str, Any], int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Tokenize `files` into `out` (one shard each), keeping the finished shards; returns the
-    manifest. `progress(record, done, total)` is called as each shard finishes."""
-    out.mkdir(parents=True, exist_ok=True)
-    refuse_other_tokenizer(out, tokenizer)
+    manifest. `progress(record, done, total)` is called for each kept shard once the inputs
+    are checked, then as each shard finishes.
+
+    Before anything is written, every compressed input to tokenize is read to its end (a damaged
+    one is named then, not after the files before it). An old manifest is removed before the
+    first shard changes; shards of an earlier run's further inputs are removed once the new
+    manifest is written (`_remove_stale`). A worker that dies is named with its file
+    (`data/worker_pool.py`), at once."""
+    if out.is_dir():
+        refuse_other_tokenizer(out, tokenizer)
     records: dict[int, dict] = {}
     jobs = []
     for i, f in enumerate(files):
@@ -207,28 +226,36 @@ def tokenize_to_shards(
             records[i] = kept | {"kept": True}
         else:
             jobs.append((i, str(f), str(out), tokenizer, field))
-    if progress is not None:
-        for done, record in enumerate(records.values(), 1):
-            progress(record, done, len(files))
-    _remove_partial(out)  # what a killed run was writing
+    parallel = workers > 1 and len(jobs) > 1
     try:
-        if workers > 1 and len(jobs) > 1:
-            # spawn: tokenizers' thread pools do not survive fork; the workers leave Ctrl-C to
-            # this process, which stops them
-            ctx = multiprocessing.get_context("spawn")
-            with _started_ignoring_sigint(ctx, min(workers, len(jobs))) as pool:
-                for record in pool.imap_unordered(_encode_file, jobs):
-                    records[record["index"]] = record
-                    if progress is not None:
-                        progress(record, len(records), len(files))
-        else:
-            for job in jobs:
-                record = _encode_file(job)
+        # spawn: tokenizers' thread pools do not survive fork; the workers leave Ctrl-C to
+        # this process, which stops them
+        spawn = multiprocessing.get_context("spawn")
+        with WorkerPool(spawn, min(workers, len(jobs))) if parallel else nullcontext() as pool:
+            run = pool.map_unordered if pool is not None else _one_by_one
+            compressed = [Path(job[1]) for job in jobs if job[1].endswith((".gz", ".zst"))]
+            for _ in run(check_stream, compressed, lambda path: f"checking {path}"):
+                pass
+            out.mkdir(parents=True, exist_ok=True)
+            if jobs:
+                (out / MANIFEST).unlink(missing_ok=True)  # it no longer describes the shards
+            _remove_partial(out)  # what a killed run was writing
+            if progress is not None:
+                for done, record in enumerate(records.values(), 1):
+                    progress(record, done, len(files))
+            for record in run(_encode_file, jobs, lambda job: f"tokenizing {job[1]}"):
                 records[record["index"]] = record
                 if progress is not None:
                     progress(record, len(records), len(files))
-    except BaseException:  # Ctrl-C, a bad file: finished shards stay, half-written ones go
+    except WorkerDied as err:
         _remove_partial(out)
+        raise WorkerDied(
+            f"{err}; the finished shards ({len(records)}) in {out} are kept: the same command "
+            "finishes the rest (with fewer --workers if memory ran out)"
+        ) from None
+    except BaseException:  # Ctrl-C, a bad file: finished shards stay, half-written ones go
+        if out.is_dir():
+            _remove_partial(out)
         raise
     manifest = {
         "format": FORMAT,
@@ -246,7 +273,61 @@ def tokenize_to_shards(
     }
     with atomic_path(out / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    _remove_stale(out, len(files))
     return manifest
+
+
+def _one_by_one(fn: Callable[[Any], Any], jobs: list, describe) -> Iterator[Any]:
+    """`WorkerPool.map_unordered` in this process."""
+    return (fn(job) for job in jobs)
+
+
+_SHARD_FILE = re.compile(r"shard-(\d{5,})\.(npy|docs\.npy|json)")
+
+
+def _remove_stale(out: Path, count: int) -> None:
+    """Shards numbered past this manifest's `count` (an earlier run had more inputs): removed
+    when their sidecar shows that tokenize wrote them (its SHA-256s are their files'); any
+    other file named like one was not proven ours, so it is left where it is, and named."""
+    stale: dict[int, list[Path]] = {}
+    for path in out.iterdir():
+        match = _SHARD_FILE.fullmatch(path.name)
+        if match and int(match[1]) >= count:
+            stale.setdefault(int(match[1]), []).append(path)
+    removed, left = [], []
+    for index, paths in sorted(stale.items()):
+        tokens_path, docs_path, sidecar = _names(out, index)
+        if _written_by_tokenize(tokens_path, docs_path, sidecar):
+            for path in (tokens_path, docs_path, sidecar):  # the sidecar last
+                path.unlink()
+            removed.append(sidecar.stem)
+        else:
+            left += sorted(p.name for p in paths)
+    if removed:
+        print(
+            f"depthscale: note: removed {len(removed)} shard(s) of an earlier run's inputs "
+            f"beyond these {count} ({', '.join(removed[:3])}{', ...' if len(removed) > 3 else ''}"
+            f"), which {out / MANIFEST} no longer lists",
+            file=sys.stderr,
+            flush=True,
+        )
+    if left:
+        print(
+            f"depthscale: warning: {out} holds {len(left)} file(s) named like shards that its "
+            f"manifest does not list and no sidecar shows tokenize wrote, left as they are: "
+            f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _written_by_tokenize(tokens_path: Path, docs_path: Path, sidecar: Path) -> bool:
+    try:
+        record = json.loads(sidecar.read_text())
+        hashes = record["sha256"], record["docs_sha256"]
+        return hashes == (_sha256(tokens_path), _sha256(docs_path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def is_shard_dir(path: Path) -> bool:
