@@ -67,6 +67,11 @@ def ring_vs_sdpa(
     (`tiles`: kernel path of each) and the tile policy. `time_ms(fn)`: the caller's timer (the
     GPU check's), else the median of `reps` runs after `warmup`."""
     device = torch.device(device)
+    if dist.is_initialized() and dist.get_world_size() != 1:
+        raise ValueError(
+            f"ring_vs_sdpa measures the ring at cp = 1: run it in a single process (world size "
+            f"{dist.get_world_size()} here)"
+        )
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
