@@ -8,6 +8,8 @@ depth), 16 and 64 graphs at 16 and 64 layers."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -125,7 +127,9 @@ def test_every_residual_compiles_the_same_graphs_at_every_depth(residual, kw, gr
 
 
 def test_an_attnres_block_compiles_its_sublayer_parts_and_a_standard_one_compiles_whole():
-    """What `compile` compiled, by name (the trainer's `compile_blocks` calls it on every block)."""
+    """What `compile` compiled, by name (the trainer's `compile_blocks` calls it on every block).
+    A copy is not compiled, as for `nn.Module.compile`: the compiled parts are bound to the
+    original block and would run its parameters, not the copy's."""
     block, standard = _model(2, "block"), _model(2, "standard")
     for model in (block, standard):
         for layer in model.layers.values():
@@ -133,3 +137,4 @@ def test_an_attnres_block_compiles_its_sublayer_parts_and_a_standard_one_compile
             layer.compile(backend="eager")
     assert block.layers["0"].compiled_parts == ["normed_attention", "normed_mlp"]
     assert standard.layers["0"].compiled_parts == ["layer"]
+    assert copy.deepcopy(block).layers["0"].compiled_parts == []
