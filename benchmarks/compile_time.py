@@ -25,6 +25,7 @@ Prints one JSON object; `--out` also writes it.
 from __future__ import annotations
 
 import argparse
+import datetime
 import statistics
 import sys
 import time
@@ -124,7 +125,8 @@ def main() -> None:
     ]
     config = {k: getattr(args, k) for k in ("backend", "dim", "seq", "batch", "vocab")}
     config["attnres_n_blocks"] = f"min({N_BLOCKS}, 2 * layers)"
-    print_result({**device_info(), "config": config, "rows": rows}, args.out)
+    date = datetime.date.today().isoformat()
+    print_result({**device_info(), "date": date, "config": config, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":
