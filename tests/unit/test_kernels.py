@@ -187,8 +187,41 @@ def test_triton_read_and_merge_at_a_production_width(monkeypatch, dtype, m, S, d
                     [h_want, *grads_of([h_want], up, merge_inputs)]):  # fmt: skip
         assert_close(g, w, f"merge d={d}", merge_terms(1, 2, d))
     kernels_run = {v.kernel for v in launched}  # all but the address-table writer
-    assert len(kernels_run) == 7 and all(dict(v.constexprs).get("ALIGNED", True) for v in launched)
+    assert len(kernels_run) == 6 and all(dict(v.constexprs).get("ALIGNED", True) for v in launched)
     assert set(launched) <= set(grid_variants())
+
+
+@needs_triton
+def test_triton_forward_runs_every_work_item_once(monkeypatch):
+    """The one-launch read (`_read_forward_kernel`): every program took one ticket, every token
+    block's m × n_parts logits items arrived and its ready flag was set (its weighted-sum items
+    ran after it), and the result is the PyTorch read's — at a width of two logits parts, so the
+    last arriver's sum over parts is exercised."""
+    from depthscale.kernels import attnres_triton_config as config
+    from depthscale.kernels import attnres_triton_launch as launch
+    from depthscale.kernels.attnres_triton import triton_multi_query_read
+
+    seen, real = [], launch._launch
+
+    def spy(variant, grid, *args):
+        real(variant, grid, *args)
+        seen.append((variant, grid, args))
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    m, S, N, d = 3, 2, 20, 2 * config.LOGIT_PART
+    sources = [leaf(1, N, d, scale=1 + 0.5 * i) for i in range(m)]
+    queries = leaf(S, d, scale=0.5)
+    with torch.no_grad():
+        got = triton_multi_query_read(sources, queries, EPS)
+        want = pytorch(multi_query_read, sources, queries, EPS)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, "forward", read_terms(m, S, 1, N, d))
+    ((variant, grid, args),) = [x for x in seen if x[0].kernel == "_read_forward_kernel"]
+    plan = config.read_forward_launch(N, d, m, S, "fp32")
+    sync, blocks = args[7].tolist(), plan.n_blocks
+    assert plan.n_parts == 2 and blocks == 2 and grid == plan.grid == sync[0]
+    assert sync[1 : 1 + blocks] == [m * plan.n_parts] * blocks
+    assert sync[1 + blocks :] == [1] * blocks
 
 
 @needs_triton

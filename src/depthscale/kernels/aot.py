@@ -60,6 +60,15 @@ class Usage:
     num_warps: int
     compile_s: float
     ptx_bytes: int
+    global_loads: dict[str, int]
+    global_stores: dict[str, int]
+
+    def data_access_bits(self) -> tuple[int, int, int]:
+        """(narrowest plain load, narrowest plain store, widest plain load) in bits: plain accesses
+        (`plain`) move tensor data; 0 where there is none."""
+        loads = [_access_bits(k) for k in self.global_loads if plain(k)]
+        stores = [_access_bits(k) for k in self.global_stores if plain(k)]
+        return min(loads, default=0), min(stores, default=0), max(loads, default=0)
 
     def problems(self) -> list[str]:
         """What breaks a limit: spills or stack, registers past 255 or past the SM's register file
@@ -97,6 +106,41 @@ def compilable_kernels() -> ModuleType:
         knobs.runtime.interpret = False
         spec.loader.exec_module(module)
     return module
+
+
+_ACCESS = re.compile(r"\b(ld|st)\.global\.([A-Za-z0-9_:.]+)")
+_WIDTH = re.compile(r"(?:^|\.)(?:v([248])\.)?[bfsu](8|16|32|64)$")
+
+
+def _access_bits(form: str) -> int:
+    """Bits moved by one PTX access form: "v4.b32" 128, "b16" 16, "cg.b32" 32."""
+    vec, scalar = _WIDTH.search(form).groups()
+    return int(vec or 1) * int(scalar)
+
+
+def plain(form: str) -> bool:
+    """An access with no cache qualifier: tensor data. The kernels mark everything else —
+    fp32 scratch `.cg`, queries `evict_last`, the ticket and flags atomic — so a plain access
+    is a source, output or gradient element (or an address-table entry, b64)."""
+    return _WIDTH.fullmatch(form) is not None
+
+
+def global_accesses(ptx: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(loads, stores): how many `ld.global` / `st.global` instructions of each form
+    ("v4.b32", "b16", "cg.b32", "L1::evict_last.L2::cache_hint.b32", ...) the PTX holds."""
+    found: dict[str, dict[str, int]] = {"ld": {}, "st": {}}
+    for op, form in _ACCESS.findall(ptx):
+        found[op][form] = found[op].get(form, 0) + 1
+    return found["ld"], found["st"]
+
+
+def attributes(variant: Variant) -> dict[tuple[int], list[list]]:
+    """What Triton's JIT adds to a launch's signature: tt.divisibility = 16 on every pointer
+    argument, because the launcher passes only 16-byte aligned tensors (scalars are in each
+    kernel's `do_not_specialize`, so nothing else)."""
+    fn = getattr(compilable_kernels(), variant.kernel)
+    pointers = dict(variant.pointers)
+    return {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params) if p.name in pointers}
 
 
 def signature(variant: Variant) -> tuple[dict[str, str], dict[str, object]]:
@@ -156,7 +200,7 @@ def compile_variant(variant: Variant, arch: int = 90) -> Usage:
 
     fn = getattr(compilable_kernels(), variant.kernel)
     sig, consts = signature(variant)
-    source = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    source = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attributes(variant))
     options = variant.compile_options()
     log = io.StringIO()
     with (
@@ -174,6 +218,7 @@ def compile_variant(variant: Variant, arch: int = 90) -> Usage:
         seconds = time.perf_counter() - start
     regs, spill_stores, spill_loads = _spills(log.getvalue())
     res = _resources(compiled.asm["cubin"])
+    loads, stores = global_accesses(compiled.asm["ptx"])
     return Usage(
         arch=arch,
         regs=max(regs, res["REG"]),
@@ -185,6 +230,8 @@ def compile_variant(variant: Variant, arch: int = 90) -> Usage:
         num_warps=variant.num_warps,
         compile_s=seconds,
         ptx_bytes=len(compiled.asm["ptx"]),
+        global_loads=loads,
+        global_stores=stores,
     )
 
 

@@ -25,17 +25,20 @@ Design, and why:
   BLOCK_D, dtype, ALIGNED, warps) only, never on d: a few dozen variants cover every production
   shape, each compiles in about a second, and tests/unit/test_triton_aot.py compiles all of them
   for sm_90a and sm_80 and asserts zero spills.
-- A read is two passes, because no weight is known before the whole-d dot products are: pass 1
-  (`_read_logits_kernel`, grid tokens × sources) writes the logits z [m, S_PAD, N] (fp32 scratch,
-  4·m·S bytes per token against 2·m·d for the sources); pass 2 (`_read_sum_kernel`, grid tokens ×
-  d-chunks) forms lse from them and streams the weighted sum chunk by chunk, so every source row is
-  read twice and every output written once, with no tile past ~32 fp32 per thread. Work spreads
-  over tokens × sources or tokens × chunks, so BLOCK_N can stay large (logits: 16–32 tokens, whose
-  reuse of each query chunk keeps query reloads below the row bytes) or shrink where S_PAD grows
-  (weighted sum: the accumulator is S_PAD × BLOCK_N × BLOCK_D) without starving the GPU.
+- A read needs every whole-d dot product before any weight is known, so each source row is used
+  twice — and read from HBM once: one launch (`_read_forward_kernel`) whose programs take tickets
+  (an atomic counter: the order they start in) naming work items, a token block's logits items
+  (source × 512-column part: partial dots into fp32 scratch; the last to arrive sums the parts in
+  order and writes the logits z and lse) followed by its weighted-sum items (d-chunks, waiting on
+  the block's flag), so the sum re-reads source bytes read moments before: L2 hits. A program
+  waits only on smaller tickets, which have started and wait on nothing: no deadlock. The first
+  design had a logits launch then a sum launch over all tokens: every source read twice from HBM,
+  a ceiling of (m+1)/(2m+1) of bandwidth. `benchmarks/attnres_traffic.py` models the bytes.
 - The backward is three kernels: per-token dots (z, P = do·v, r; grid tokens × sources), the
   softmax weights and g in place over that scratch (grid tokens), then the source gradients (grid
-  programs × d-chunks, each program striding over token blocks). The queries' gradient dw is
+  programs × d-chunks, each program striding over 16-token blocks). Upstream gradients are walked
+  one query at a time ([16, BLOCK_D] tiles, vector loads), so no tile grows with S; the query
+  contractions (z = w·vᵀ, dw += gᵀ v) are fp32 `tl.dot`s from 16 query rows on. The queries' gradient dw is
   reduced in two levels: each program keeps its [S_PAD, BLOCK_D] share in registers over all its
   token blocks and writes it once to a [n_programs, S_PAD, d] partial whose rows a torch sum
   finishes — deterministic, no atomics, and bounded: n_programs × n_chunks ≈ 4 programs per SM,
@@ -57,10 +60,12 @@ Design, and why:
   arguments by value — under replay the graph's tensors keep their addresses — so the read is
   CUDA-graph safe with no host sync. The first design built the table on the host and copied it
   from pinned memory: a graph replays that copy from a host buffer long since freed or reused.
-- Alignment is explicit: every runtime argument is annotated and excluded from Triton's
-  specialisation (so a value of 1 or a multiple of 16 never makes a new variant), and ALIGNED (every
-  address 16-byte aligned — a misaligned view is copied first — and d a multiple of BLOCK_D) drops
-  the column masks and asserts alignment so loads vectorise.
+- Alignment is proved: every scalar argument is annotated and excluded from Triton's
+  specialisation (so a value of 1 or a multiple of 16 never makes a new variant); every pointer is
+  16-byte aligned (a misaligned view is copied first, `_launch` refuses one) and compiled so, as the
+  JIT marks it; the kernels rewrite d as `d // 16 * 16` under ALIGNED (d a multiple of every
+  BLOCK_D: no column masks) and mark the address table's entries `tl.multiple_of`, so every source,
+  output and gradient access is a 64- or 128-bit vector (the AOT test reads the PTX).
 - Arithmetic is fp32 throughout; results are stored in their tensors' dtypes: phase-1 outputs in
   the sources' dtype (lse in fp32), so a bf16 model saves bf16, not fp32, [B, T, d] tensors; the
   merge reads a phase-1 output of the partial sum's dtype or fp32.

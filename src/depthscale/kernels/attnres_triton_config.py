@@ -6,12 +6,13 @@ A variant is (kernel, data dtype, S_PAD, BLOCK_N, BLOCK_D, ALIGNED, warps, stage
 m, which are runtime arguments: over d ∈ {1024 … 16384}, S ∈ 1…32 and two dtypes there are a few
 dozen variants, each a small kernel that compiles in about a second.
 
-Tile sizes (`_READ_TILES`, `_MERGE_FWD`, `_MERGE_BWD`) were chosen from ptxas's register counts
-for sm_90a, and the AOT test holds every variant to them on sm_90a and sm_80: no local memory,
-registers within the SM's budget. Every kernel loops over d in BLOCK_D columns; where S_PAD grows,
-BLOCK_N (then BLOCK_D) shrinks so that the [S_PAD, BLOCK_N, BLOCK_D] tiles stay near 4–8 K fp32
-elements per program. Parallelism comes from tokens × sources (logits) or tokens × d-chunks
-(weighted sum, source gradients), not from BLOCK_N alone, so a read at S = 32 still fills the GPU.
+Tile sizes (`_FORWARD_TILES`, `_BACKWARD_TILES`, `_MERGE_FWD`, `_MERGE_BWD`) were chosen from
+ptxas's register counts and the PTX's access widths, and the AOT test holds every variant to them
+on sm_90a and sm_80: no local memory, registers below the cap, 64-bit or wider vector accesses for
+tensor data. Every kernel loops over d in BLOCK_D columns with source tiles of ≥ 4 elements per
+thread; tiles that would grow with S are split (query groups, one upstream gradient at a time, fp32
+`tl.dot` for the query contractions). The launch plans (`read_forward_launch`,
+`read_backward_launch`) are the launcher's and the traffic model's (`benchmarks/attnres_traffic.py`).
 Pure Python: no torch, no triton.
 """
 
@@ -71,7 +72,7 @@ class Variant:
         return {**dict(self.constexprs), **self.compile_options()}
 
     def describe(self) -> str:
-        """e.g. "_read_sum_kernel[ref=*bf16 S_PAD=4 BLOCK_N=16 BLOCK_D=128 ALIGNED=True w8 s2]"."""
+        """e.g. "_read_grad_logits_kernel[ref=*bf16 S_PAD=4 BLOCK_N=16 BLOCK_D=64 ALIGNED=True w8 s1]"."""
         data = " ".join(f"{k}={v}" for k, v in self.pointers if not v.startswith(("*fp32", "*i64")))
         consts = " ".join(f"{k}={v}" for k, v in self.constexprs)
         return f"{self.kernel}[{data} {consts} w{self.num_warps} s{self.num_stages}]".replace(
@@ -95,41 +96,99 @@ def table_variant() -> Variant:
     return Variant("_write_table_kernel", (("table", "*i64"),), (), num_warps=1, num_stages=1)
 
 
-_READ_TILES = {
-    1: ((32, 64), (16, 128), (16, 64), (16, 64)),
-    2: ((32, 64), (16, 128), (16, 32), (8, 64)),
-    4: ((32, 32), (8, 128), (16, 32), (4, 64)),
-    8: ((16, 64), (16, 64), (16, 16), (4, 64)),
-    16: ((16, 32), (8, 64), (8, 16), (2, 64)),
-    32: ((16, 16), (4, 64), (8, 8), (1, 64)),
+_FORWARD_TILES = {
+    1: (16, 128, 1, 16, 128),
+    2: (16, 128, 2, 16, 128),
+    4: (16, 64, 2, 8, 128),
+    8: (16, 64, 2, 8, 128),
+    16: (16, 64, 2, 8, 128),
+    32: (16, 64, 2, 8, 128),
 }
-"""S_PAD -> (BLOCK_N, BLOCK_D) of the read's logits, weighted sum, backward logits and source
-gradients, at 8 warps. Chosen from ptxas's numbers (`python -m depthscale.kernels.aot`) with
-Triton 3.6 and 3.9: tiles that keep every variant at or near 128 registers (two programs of 8
-warps per SM) with no spills on sm_90a and sm_80 — ptxas picks 128 registers and a few bytes of
-spill rather than 129+ when a tile is just too large (Triton 3.6, source gradients at S_PAD = 4
-with BLOCK_N = 8, sm_80: 8 B), and larger tiles go to 255 (source gradients at S_PAD = 1 with
-BLOCK_N = 64). Logits keep BLOCK_N ≥ 16 (each query chunk serves 16+ tokens, so query reloads stay
-below the row bytes); the weighted sum keeps BLOCK_D ≥ 2·S_PAD (reloaded softmax weights stay
-≤ ¼ of the row bytes)."""
+"""S_PAD -> (BLOCK_N, LOGIT_D, SUM_Q, SUM_N, SUM_D) of `_read_forward_kernel` at 8 warps: token
+blocks of 16 (each query chunk loaded by a logits item serves 16 tokens, so query reloads — from
+L1/L2 — stay within a few times the row bytes at S = 32); logits tiles [16, LOGIT_D] of sources
+(from S_PAD = 16 on an fp32 `tl.dot` with the [S_PAD, LOGIT_D] queries); weighted-sum tiles
+[SUM_N, SUM_D] of ≥ 1024 source elements (≥ 4 per thread: 64- or 128-bit loads) with a
+[SUM_Q, SUM_N, SUM_D] accumulator of ≤ 8 K fp32 (≤ 32 registers), query groups of SUM_Q re-reading
+the chunk from L1/L2. Registers and load widths are read from ptxas and the PTX by the AOT test."""
+
+LOGIT_PART = 512
+"""Columns of one logits item: small items keep the reuse distance — the bytes the GPU reads
+between a logits item's read of a source chunk and the weighted-sum item's re-read of it — to
+about (resident programs) × 16 tokens × 2·LOGIT_PART bytes + two token blocks' rows, within half
+of an H100's L2 at every modelled shape (`benchmarks/attnres_traffic.py`); each part costs
+4·(S_PAD + 1) bytes of scratch per token and source (≤ 13 % of the row bytes at S = 32)."""
+
+_BACKWARD_TILES = {
+    1: ((16, 128), (16, 128)),
+    2: ((16, 128), (16, 128)),
+    4: ((16, 64), (16, 64)),
+    8: ((16, 64), (16, 64)),
+    16: ((16, 64), (16, 64)),
+    32: ((16, 64), (16, 64)),
+}
+"""S_PAD -> (BLOCK_N, BLOCK_D) of the backward logits and source gradients, at 8 warps: 16 tokens
+per program at every S (the upstream gradients are walked one query at a time, so no tile grows
+with S; the query dots and dw are fp32 `tl.dot`s from S_PAD = 16), source tiles of ≥ 1024
+elements (≥ 4 per thread: vector loads), registers below the cap on sm_90a and sm_80 (the AOT
+test)."""
 
 
-def read_forward_variants(d: int, S: int, dtype: str) -> tuple[Variant, Variant]:
-    """(logits, weighted sum) for S queries over sources of `dtype` and width d: grids tokens ×
-    sources and tokens × d-chunks (`attnres_triton.py`)."""
+@dataclass(frozen=True)
+class ReadForwardLaunch:
+    """The launch of `_read_forward_kernel` for N tokens: the one place its grid and work items
+    are computed (the launcher and `benchmarks/attnres_traffic.py` both call
+    `read_forward_launch`)."""
+
+    variant: Variant
+    N: int
+    d: int
+    m: int
+    S: int
+    n_blocks: int
+    part: int
+    n_parts: int
+    n_chunks: int
+
+    @property
+    def items_per_block(self) -> int:
+        return self.m * self.n_parts + self.n_chunks
+
+    @property
+    def grid(self) -> int:
+        return self.n_blocks * self.items_per_block
+
+
+def read_forward_variant(d: int, S: int, dtype: str) -> Variant:
+    """The one-launch read (`_read_forward_kernel`) for S queries over sources of `dtype`, width d."""
     s_pad = _check(S, dtype)
-    logits, weighted, _, _ = _READ_TILES[s_pad]
-    return (
-        _variant("_read_logits_kernel", dtype, s_pad, *logits, d),
-        _variant("_read_sum_kernel", dtype, s_pad, *weighted, d),
-    )
+    block_n, logit_d, sum_q, sum_n, sum_d = _FORWARD_TILES[s_pad]
+    aligned = d % max(logit_d, sum_d) == 0
+    consts = (("S_PAD", s_pad), ("BLOCK_N", block_n), ("LOGIT_D", logit_d), ("SUM_Q", sum_q),
+              ("SUM_N", sum_n), ("SUM_D", sum_d), ("ALIGNED", aligned))  # fmt: skip
+    pointers = (("table", "*i64"), ("ref", f"*{dtype}"), ("w_ptr", "*fp32"), ("dot_ptr", "*fp32"),
+                ("sq_ptr", "*fp32"), ("z_ptr", "*fp32"), ("lse_ptr", "*fp32"),
+                ("sync_ptr", "*i32"))  # fmt: skip
+    return Variant("_read_forward_kernel", pointers, consts, num_warps=_WARPS, meta=dict(consts))
+
+
+def read_forward_launch(N: int, d: int, m: int, S: int, dtype: str) -> ReadForwardLaunch:
+    variant = read_forward_variant(d, S, dtype)
+    meta = variant.meta
+    return ReadForwardLaunch(
+        variant=variant, N=N, d=d, m=m, S=S,
+        n_blocks=-(-N // meta["BLOCK_N"]),
+        part=LOGIT_PART,
+        n_parts=-(-d // LOGIT_PART),
+        n_chunks=-(-d // meta["SUM_D"]),
+    )  # fmt: skip
 
 
 def read_backward_variants(d: int, S: int, dtype: str) -> tuple[Variant, Variant, Variant]:
     """(logits and upstream dots, softmax weights and g, source gradients): grids tokens × sources,
     tokens, and programs × d-chunks (`attnres_triton.py`)."""
     s_pad = _check(S, dtype)
-    _, _, logits, grads = _READ_TILES[s_pad]
+    logits, grads = _BACKWARD_TILES[s_pad]
     weights_n = 512 // s_pad  # [S_PAD, BLOCK_N] tiles of 512: ≤ 64 registers at 4 warps
     weights = Variant(
         "_read_grad_weights_kernel",
@@ -144,6 +203,42 @@ def read_backward_variants(d: int, S: int, dtype: str) -> tuple[Variant, Variant
         weights,
         _variant("_read_grad_sources_kernel", dtype, s_pad, *grads, d),
     )
+
+
+@dataclass(frozen=True)
+class ReadBackwardLaunch:
+    """The three launches of a read's backward for N tokens (`read_backward_launch`, called by the
+    launcher and `benchmarks/attnres_traffic.py`): logits (grid n_blocks_logits × m), weights (grid
+    n_blocks_weights), source gradients (n_progs × n_chunks programs striding over n_blocks
+    token blocks; n_progs rows of dw partials)."""
+
+    logits: Variant
+    weights: Variant
+    grads: Variant
+    N: int
+    d: int
+    m: int
+    S: int
+    n_blocks_logits: int
+    n_blocks_weights: int
+    n_blocks: int
+    n_chunks: int
+    n_progs: int
+
+
+def read_backward_launch(
+    N: int, d: int, m: int, S: int, dtype: str, sms: int
+) -> ReadBackwardLaunch:
+    logits, weights, grads = read_backward_variants(d, S, dtype)
+    n_chunks = -(-d // grads.meta["BLOCK_D"])
+    n_blocks = -(-N // grads.meta["BLOCK_N"])
+    n_progs = min(-(-programs(n_blocks * n_chunks, sms) // n_chunks), n_blocks)
+    return ReadBackwardLaunch(
+        logits=logits, weights=weights, grads=grads, N=N, d=d, m=m, S=S,
+        n_blocks_logits=-(-N // logits.meta["BLOCK_N"]),
+        n_blocks_weights=-(-N // weights.meta["BLOCK_N"]),
+        n_blocks=n_blocks, n_chunks=n_chunks, n_progs=n_progs,
+    )  # fmt: skip
 
 
 _MERGE_FWD = (8, 128, 4)
@@ -179,8 +274,6 @@ def _merge_variant(kernel, pointers, block_n: int, block_d: int, warps: int, d: 
 
 
 _POINTERS = {
-    "_read_logits_kernel": ("w_ptr", "z_ptr"),
-    "_read_sum_kernel": ("z_ptr", "lse_ptr"),
     "_read_grad_logits_kernel": ("w_ptr", "z_ptr", "p_ptr", "r_ptr"),
     "_read_grad_sources_kernel": ("w_ptr", "a_ptr", "g_ptr", "c_ptr", "dw_ptr"),
 }
@@ -190,10 +283,10 @@ _POINTERS = {
 def _variant(kernel: str, dtype: str, s_pad: int, block_n: int, block_d: int, d: int) -> Variant:
     pointers = (("table", "*i64"), ("ref", f"*{dtype}"), *((p, "*fp32") for p in _POINTERS[kernel]))
     aligned = d % block_d == 0
-    consts = (("S_PAD", s_pad), ("BLOCK_N", block_n), ("BLOCK_D", block_d), ("ALIGNED", aligned))
-    return Variant(
-        kernel, pointers, consts, num_warps=_WARPS, meta=dict(consts[:3]) | {"ALIGNED": aligned}
-    )
+    rows = (("DW_ROWS", max(s_pad, 16) if s_pad >= 4 else s_pad),)
+    consts = (("S_PAD", s_pad), *(rows if kernel == "_read_grad_sources_kernel" else ()),
+              ("BLOCK_N", block_n), ("BLOCK_D", block_d), ("ALIGNED", aligned))  # fmt: skip
+    return Variant(kernel, pointers, consts, num_warps=_WARPS, meta=dict(consts))
 
 
 def programs(work_items: int, sms: int, per_sm: int = 4) -> int:
@@ -214,10 +307,7 @@ def grid_variants(
     for dtype in dtypes:
         for d in ds:
             for S in queries:
-                for v in (
-                    *read_forward_variants(d, S, dtype),
-                    *read_backward_variants(d, S, dtype),
-                ):
+                for v in (read_forward_variant(d, S, dtype), *read_backward_variants(d, S, dtype)):
                     found.setdefault(v, (d, S, dtype))
             for o_dtype in dict.fromkeys((dtype, "fp32")):
                 for v in (merge_forward_variant(d, dtype, o_dtype),

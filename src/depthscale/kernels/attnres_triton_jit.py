@@ -6,17 +6,21 @@ of time). The design, the math and the launch rules are in `attnres_triton.py` a
 Conventions shared by every kernel:
 - d is chunked: a program loops over d in BLOCK_D columns, so no tile holds a whole row and d is a
   runtime argument (one compiled variant serves every d).
-- Every runtime argument is typed by annotation and listed in `do_not_specialize`: Triton's JIT
-  then neither turns a 1 into a constant nor adds alignment attributes, so the signature a launch
-  compiles is exactly the one `aot.py` compiles (the first design's 3-minute, 43 KB/thread forward
-  at d = 8192, S = 1 was Triton 3.6 compiling S = 1 into the kernel: the same kernel with S a
-  runtime argument used 109 registers and no stack). Alignment is asserted explicitly
-  instead, by the ALIGNED constexpr: every address 16-byte aligned and d a multiple of BLOCK_D
-  (so no column masks, and loads vectorise).
+- Every scalar argument is typed by annotation and listed in `do_not_specialize`: Triton's JIT
+  then neither turns a 1 into a constant nor marks a multiple of 16 (the first design's 3-minute,
+  43 KB/thread forward at d = 8192, S = 1 was Triton 3.6 compiling S = 1 into the kernel). Pointer
+  arguments are specialised, as the JIT does by default: the launcher passes only 16-byte aligned
+  tensors (`attnres_triton_launch.aligned`, checked at every launch), so every launch compiles the
+  one signature `aot.py` compiles (`aot.signature`: pointers with tt.divisibility = 16).
+- Alignment is proved, not hinted: the address table's entries get `tl.multiple_of` on the loaded
+  value, and d is rewritten as `d // 16 * 16` under ALIGNED (`_aligned`), so row offsets are
+  provably multiples of 16 bytes and every aligned load and store is a vector access (the AOT test
+  reads the PTX). ALIGNED itself means d is a multiple of every BLOCK_D of the variant (no column
+  masks).
 - Sources, outputs and gradients are reached through an int64 address table on the device (see
   `_write_table_kernel`); `ref` is a pointer argument of their dtype, used only for its type.
 - Arithmetic is fp32; results are stored in their tensors' dtypes.
-- Scratch tensors hold per-token scalars (logits, softmax weights, ...) between kernels, padded
+- Scratch tensors hold per-token scalars (logits, softmax weights, ...) between programs, padded
   to S_PAD queries (no load needs a query mask) and to rows of zn = N rounded up to 16 (aligned);
   their offsets are int32 (the launcher refuses scratch past 2^31 elements), row offsets int64.
 """
@@ -29,7 +33,7 @@ import triton.language as tl
 TABLE_SLOTS = 16
 """Addresses `_write_table_kernel` writes per launch."""
 
-_TABLE_RUNTIME = ["table", "start", "n", *(f"a{j}" for j in range(TABLE_SLOTS))]
+_TABLE_RUNTIME = ["start", "n", *(f"a{j}" for j in range(TABLE_SLOTS))]
 
 
 @triton.jit(do_not_specialize=_TABLE_RUNTIME)
@@ -62,23 +66,31 @@ def _write_table_kernel(table, start: tl.int32, n: tl.int32,
 
 
 @triton.jit
-def _address(table, j, ref, ALIGNED: tl.constexpr):
-    """Entry j of the address table as a pointer of ref's type."""
-    base = tl.load(table + j).to(ref.dtype)
+def _aligned(x, MULTIPLE: tl.constexpr, ALIGNED: tl.constexpr):
+    """x, which under ALIGNED the launcher guarantees is a multiple of MULTIPLE, rewritten so that
+    Triton's alignment analysis proves it: `x // M * M` is divisible by M, while `tl.multiple_of`
+    on a scalar argument carries nothing (it annotates an op, and an argument has none). Row
+    offsets `rows * d` then are multiples of 16 bytes and loads and stores vectorise."""
     if ALIGNED:
-        base = tl.multiple_of(base, 16)
-    return base
+        x = x // MULTIPLE * MULTIPLE
+    return x
 
 
 @triton.jit
-def _addresses(table, j0, qs, count, ref, ALIGNED: tl.constexpr):
-    """Entries j0 + qs (qs < count; 0 beyond) as a vector of pointers of ref's type, and which
-    are not 0 (an absent tensor)."""
+def _address(table, j, ref):
+    """Entry j of the address table as a pointer of ref's type. Every address the launcher puts
+    in a table is 16-byte aligned (`attnres_triton_launch.aligned`), and `tl.multiple_of` on the
+    loaded value (an op, unlike an argument) says so to the alignment analysis."""
+    return tl.multiple_of(tl.load(table + j).to(ref.dtype), 16)
+
+
+@triton.jit
+def _addresses(table, j0, qs, count, ref):
+    """Entries j0 + qs (qs < count; 0 beyond) as a vector of pointers of ref's type (16-byte
+    aligned, as `_address`), and which are not 0 (an absent tensor)."""
     base = tl.load(table + j0 + qs, mask=qs < count, other=0)
     present = base != 0
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)
-    return base.to(ref.dtype), present
+    return tl.multiple_of(base.to(ref.dtype), 16), present
 
 
 @triton.jit
@@ -102,100 +114,191 @@ def _queries_tile(bases, base_ok, row_off, row_ok, cols, d, ALIGNED: tl.constexp
     return tl.load(bases[:, None, None] + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _scratch(ptr, at, ok):
+    """fp32 scratch written by another program of the same launch: `.cg` reads through L2 only (an
+    SM's L1 may hold a stale copy of the line from a neighbouring token block's read)."""
+    return tl.load(ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+
+
 # ---------------------------------------------------------------------------------------------
-# Phase-1 read (S queries over m sources). Forward: logits, then the weighted sum.
+# Phase-1 read, forward: one launch whose programs take work items in ticket order (see
+# `_read_forward_kernel`).
 
-_READ_LOGITS_RUNTIME = ["table", "ref", "w_ptr", "z_ptr", "N", "zn", "d", "m", "eps"]
+_READ_FORWARD_RUNTIME = ["N", "zn", "d", "m", "S", "part", "n_parts", "n_chunks", "n_blocks",
+                         "eps"]  # fmt: skip
 
 
-@triton.jit(do_not_specialize=_READ_LOGITS_RUNTIME)
-def _read_logits_kernel(table, ref, w_ptr, z_ptr, N: tl.int32, zn: tl.int32, d: tl.int32,
-                        m: tl.int32, eps: tl.float32, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
-    """z[i, s, n] = r_i (v_i · w_s) for source i = pid % m over BLOCK_N tokens (the m programs of
-    one token block are neighbours: they share w in cache). w: [S_PAD, d] fp32, zero-padded."""
-    pid = tl.program_id(0)
-    i = pid % m
-    rows = (pid // m) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit(do_not_specialize=_READ_FORWARD_RUNTIME)
+def _read_forward_kernel(table, ref, w_ptr, dot_ptr, sq_ptr, z_ptr, lse_ptr, sync_ptr,
+                         N: tl.int32, zn: tl.int32, d: tl.int32, m: tl.int32, S: tl.int32,
+                         part: tl.int32, n_parts: tl.int32, n_chunks: tl.int32,
+                         n_blocks: tl.int32, eps: tl.float32, S_PAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, LOGIT_D: tl.constexpr, SUM_Q: tl.constexpr,
+                         SUM_N: tl.constexpr, SUM_D: tl.constexpr,
+                         ALIGNED: tl.constexpr):  # fmt: skip
+    """out_s = Σ_i softmax_i(z_si) v_i and lse_s for BLOCK_N-token blocks, each source row read
+    from HBM once. A program takes a ticket (an atomic counter: the order programs start in) and
+    the ticket names its work item; token block b's items are, in ticket order:
+    - m · n_parts logits items (source i, columns [k·part, (k+1)·part)): partial dots with the
+      queries and partial sums of squares into the [n_parts, m, S_PAD | 1, zn] scratch; the last
+      to arrive (an acq_rel counter per block) sums the parts in order k = 0, 1, … (deterministic,
+      whatever the arrival order), writes z and lse, and sets the block's ready flag (release);
+    - n_chunks weighted-sum items (SUM_D columns each): wait for the flag (acquire), then stream
+      Σ_i exp(z_si − lse_s) v_i over the chunk — the source bytes the logits items read moments
+      before, still in L2 (a block's items are adjacent tickets; `benchmarks/attnres_traffic.py`
+      models the reuse distance).
+    A program waits only on items of smaller tickets, which have started (they took their tickets)
+    and wait on nothing, so the launch cannot deadlock however many programs are resident.
+    Table: m sources, then S outputs. w: [S_PAD, d] fp32, zero-padded. sync: int32 zeros
+    [1 + 2·n_blocks] (ticket counter, arrivals, ready flags)."""
+    ticket = tl.atomic_add(sync_ptr, 1)
+    n_logits = m * n_parts
+    items = n_logits + n_chunks
+    block = ticket // items
+    j = ticket % items
+    d = _aligned(d, 16, ALIGNED)
+    zn = _aligned(zn, 16, True)
+    if j < n_logits:
+        _logits_part(table, ref, w_ptr, dot_ptr, sq_ptr, block, j // n_parts, j % n_parts, N, zn,
+                     d, m, _aligned(part, LOGIT_D, True), S_PAD, BLOCK_N, LOGIT_D, ALIGNED)  # fmt: skip
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        if tl.atomic_add(sync_ptr + 1 + block, 1, sem="acq_rel") == n_logits - 1:
+            _logits_finish(dot_ptr, sq_ptr, z_ptr, lse_ptr, block, N, zn, d, m, S, n_parts, eps,
+                           S_PAD, BLOCK_N)  # fmt: skip
+            tl.debug_barrier()
+            tl.atomic_xchg(sync_ptr + 1 + n_blocks + block, 1, sem="release")
+    else:
+        while tl.atomic_add(sync_ptr + 1 + n_blocks + block, 0, sem="acquire") == 0:
+            pass
+        _weighted_sum(table, ref, z_ptr, lse_ptr, block, j - n_logits, N, zn, d, m, S, S_PAD,
+                      BLOCK_N, SUM_Q, SUM_N, SUM_D, ALIGNED)  # fmt: skip
+
+
+@triton.jit
+def _logits_part(table, ref, w_ptr, dot_ptr, sq_ptr, block, i, k, N, zn, d, m, part,
+                 S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_D: tl.constexpr,
+                 ALIGNED: tl.constexpr):  # fmt: skip
+    """Partial v_i · w_s and Σ v_i² of BLOCK_N tokens over columns [k·part, (k+1)·part)."""
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    if ALIGNED:
-        d = tl.multiple_of(d, 16)
     row_off = rows.to(tl.int64) * d
     qs = tl.arange(0, S_PAD)
-    base = _address(table, i, ref, ALIGNED)
-    if ALIGNED:
-        w_ptr = tl.multiple_of(w_ptr, 16)
+    base = _address(table, i, ref)
     dot = tl.zeros((S_PAD, BLOCK_N), tl.float32)
     sq = tl.zeros((BLOCK_N,), tl.float32)
-    for k in range(0, d, BLOCK_D):
-        cols = k + tl.arange(0, BLOCK_D)
+    start = k * part
+    for c in range(start, tl.minimum(start + part, d), LOGIT_D):
+        cols = c + tl.arange(0, LOGIT_D)
         v = _rows_tile(base, row_off, row_ok, cols, d, ALIGNED)
         if ALIGNED:
-            w = tl.load(w_ptr + qs[:, None] * d + cols[None, :])
+            w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], eviction_policy="evict_last")
         else:
-            w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], mask=cols[None, :] < d, other=0.0)
-        dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
+            w = tl.load(
+                w_ptr + qs[:, None] * d + cols[None, :],
+                mask=cols[None, :] < d,
+                other=0.0,
+                eviction_policy="evict_last",
+            )
+        if S_PAD >= 16:  # an fp32 FMA dot: no [S_PAD, BLOCK_N, LOGIT_D] product in registers
+            dot = tl.dot(w, tl.trans(v), dot, input_precision="ieee")
+        else:
+            dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
         sq += tl.sum(v * v, axis=1)
-    r = tl.rsqrt(sq / d + eps)
-    z_rows = (i * S_PAD + qs[:, None]) * tl.multiple_of(zn, 16)
-    tl.store(z_ptr + z_rows + rows[None, :], dot * r[None, :], mask=row_ok[None, :])
+    slot = k * m + i
+    tl.store(
+        dot_ptr + (slot * S_PAD + qs[:, None]) * zn + rows[None, :],
+        dot,
+        mask=row_ok[None, :],
+        cache_modifier=".cg",
+    )
+    tl.store(sq_ptr + slot * zn + rows, sq, mask=row_ok, cache_modifier=".cg")
 
 
-_READ_SUM_RUNTIME = ["table", "ref", "z_ptr", "lse_ptr", "N", "zn", "d", "m", "S", "n_chunks"]
-
-
-@triton.jit(do_not_specialize=_READ_SUM_RUNTIME)
-def _read_sum_kernel(table, ref, z_ptr, lse_ptr, N: tl.int32, zn: tl.int32, d: tl.int32,
-                     m: tl.int32, S: tl.int32, n_chunks: tl.int32, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
-    """out_s[n, chunk] = Σ_i softmax_i(z_si) v_i[n, chunk] for BLOCK_N tokens and one d-chunk
-    (pid % n_chunks; the chunks of a token block are neighbours: they share z in cache); lse_s
-    written by chunk 0. Table: m sources, then S outputs."""
-    pid = tl.program_id(0)
-    chunk = pid % n_chunks
-    rows = (pid // n_chunks) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _logits_finish(dot_ptr, sq_ptr, z_ptr, lse_ptr, block, N, zn, d, m, S, n_parts, eps,
+                   S_PAD: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """z_si = r_i (v_i · w_s) from the parts (summed in part order) and lse_s = logsumexp_i z_si
+    (an online maximum over sources) for one token block."""
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    if ALIGNED:
-        d = tl.multiple_of(d, 16)
-    row_off = rows.to(tl.int64) * d
-    cols = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     qs = tl.arange(0, S_PAD)
-    zn = tl.multiple_of(zn, 16)
-    z_at = qs[:, None] * zn + rows[None, :]
-    zs = zn * S_PAD
+    at = qs[:, None] * zn + rows[None, :]
     top = tl.full((S_PAD, BLOCK_N), float("-inf"), tl.float32)
     total = tl.zeros((S_PAD, BLOCK_N), tl.float32)
     for i in range(m):
-        z = tl.load(z_ptr + i * zs + z_at, mask=row_ok[None, :], other=0.0)
+        dot = tl.zeros((S_PAD, BLOCK_N), tl.float32)
+        sq = tl.zeros((BLOCK_N,), tl.float32)
+        for k in range(n_parts):
+            slot = k * m + i
+            dot += _scratch(dot_ptr + slot * S_PAD * zn, at, row_ok[None, :])
+            sq += _scratch(sq_ptr + slot * zn, rows, row_ok)
+        z = dot * tl.rsqrt(sq / d + eps)[None, :]
+        tl.store(z_ptr + i * S_PAD * zn + at, z, mask=row_ok[None, :], cache_modifier=".cg")
         new_top = tl.maximum(top, z)
         total = total * tl.exp(top - new_top) + tl.exp(z - new_top)
         top = new_top
     lse = top + tl.log(total)
-    if chunk == 0:
-        tl.store(
-            lse_ptr + qs[:, None].to(tl.int64) * N + rows[None, :],
-            lse,
-            mask=(qs[:, None] < S) & row_ok[None, :],
-        )
-    acc = tl.zeros((S_PAD, BLOCK_N, BLOCK_D), tl.float32)
-    for i in range(m):
-        a = tl.exp(tl.load(z_ptr + i * zs + z_at, mask=row_ok[None, :], other=0.0) - lse)
-        v = _rows_tile(_address(table, i, ref, ALIGNED), row_off, row_ok, cols, d, ALIGNED)
-        acc += a[:, :, None] * v[None, :, :]
-    outs, _ = _addresses(table, m, qs, S, ref, ALIGNED)
-    mask = (qs[:, None, None] < S) & row_ok[None, :, None]
-    if not ALIGNED:
-        mask = mask & (cols[None, None, :] < d)
-    offsets = row_off[None, :, None] + cols[None, None, :]
-    tl.store(outs[:, None, None] + offsets, acc.to(ref.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + qs[:, None].to(tl.int64) * N + rows[None, :], lse,
+             mask=(qs[:, None] < S) & row_ok[None, :], cache_modifier=".cg")  # fmt: skip
+
+
+@triton.jit
+def _weighted_sum(table, ref, z_ptr, lse_ptr, block, chunk, N, zn, d, m, S, S_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, SUM_Q: tl.constexpr, SUM_N: tl.constexpr,
+                  SUM_D: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    """out_s[rows, chunk] = Σ_i exp(z_si − lse_s) v_i[rows, chunk] for the block's tokens, SUM_N
+    tokens and SUM_Q queries at a time: the [SUM_Q, SUM_N, SUM_D] accumulator bounds the registers
+    while the [SUM_N, SUM_D] source tile stays ≥ 4 elements per thread (vector loads); query
+    groups after the first re-read the chunk from L1/L2, not HBM."""
+    cols = chunk * SUM_D + tl.arange(0, SUM_D)
+    for q0 in range(0, S_PAD, SUM_Q):
+        qs = q0 + tl.arange(0, SUM_Q)
+        outs, _ = _addresses(table, m, qs, S, ref)
+        for sub in range(0, BLOCK_N, SUM_N):
+            rows = block * BLOCK_N + sub + tl.arange(0, SUM_N)
+            row_ok = rows < N
+            row_off = rows.to(tl.int64) * d
+            at = qs[:, None] * zn + rows[None, :]
+            lse = _scratch(lse_ptr + qs[:, None].to(tl.int64) * N, rows[None, :],
+                           (qs[:, None] < S) & row_ok[None, :])  # fmt: skip
+            acc = tl.zeros((SUM_Q, SUM_N, SUM_D), tl.float32)
+            for i in range(m):
+                a = tl.exp(_scratch(z_ptr + i * S_PAD * zn, at, row_ok[None, :]) - lse)
+                v = _rows_tile(_address(table, i, ref), row_off, row_ok, cols, d, ALIGNED)
+                acc += a[:, :, None] * v[None, :, :]
+            mask = (qs[:, None, None] < S) & row_ok[None, :, None]
+            if not ALIGNED:
+                mask = mask & (cols[None, None, :] < d)
+            offsets = row_off[None, :, None] + cols[None, None, :]
+            tl.store(outs[:, None, None] + offsets, acc.to(ref.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
 # Phase-1 read, backward: per-token scalars (z, P = do·v, r), then softmax weights and g, then the
 # source gradients and the queries' gradient partials.
 
-_READ_GRAD_LOGITS_RUNTIME = ["table", "ref", "w_ptr", "z_ptr", "p_ptr", "r_ptr", "N", "zn", "d",
-                             "m", "S", "eps"]  # fmt: skip
+_READ_GRAD_LOGITS_RUNTIME = ["N", "zn", "d", "m", "S", "eps"]
+
+
+@triton.jit
+def _query_dots(w_ptr, v, qs, cols, d, dot, S_PAD: tl.constexpr, ALIGNED: tl.constexpr):
+    """dot + w·vᵀ: [S_PAD, BLOCK_N] query dots of a [BLOCK_N, BLOCK_D] source tile, from S_PAD = 16
+    on an fp32 `tl.dot` (no [S_PAD, BLOCK_N, BLOCK_D] product in registers)."""
+    if ALIGNED:
+        w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], eviction_policy="evict_last")
+    else:
+        w = tl.load(
+            w_ptr + qs[:, None] * d + cols[None, :],
+            mask=cols[None, :] < d,
+            other=0.0,
+            eviction_policy="evict_last",
+        )
+    if S_PAD >= 16:
+        dot = tl.dot(w, tl.trans(v), dot, input_precision="ieee")
+    else:
+        dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
+    return dot
 
 
 @triton.jit(do_not_specialize=_READ_GRAD_LOGITS_RUNTIME)
@@ -205,43 +308,38 @@ def _read_grad_logits_kernel(table, ref, w_ptr, z_ptr, p_ptr, r_ptr, N: tl.int32
                              ALIGNED: tl.constexpr):  # fmt: skip
     """For source i = pid % m over BLOCK_N tokens: z_si = r_i (v_i · w_s), P_si = do_s · v_i and
     r_i. Table: m sources, m gradients, m chained gradients, then S upstream gradients do_s (0 for
-    none: zero)."""
+    none: zero). The upstream tiles are read one query at a time ([BLOCK_N, BLOCK_D], vector
+    loads; the m programs of a token block are neighbours and share them in L2), each query's dot
+    added to its row of P."""
     pid = tl.program_id(0)
     i = pid % m
     rows = (pid // m) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    if ALIGNED:
-        d = tl.multiple_of(d, 16)
+    d = _aligned(d, 16, ALIGNED)
     row_off = rows.to(tl.int64) * d
     qs = tl.arange(0, S_PAD)
-    base = _address(table, i, ref, ALIGNED)
-    if ALIGNED:
-        w_ptr = tl.multiple_of(w_ptr, 16)
-    d_outs, d_out_ok = _addresses(table, 3 * m, qs, S, ref, ALIGNED)
+    base = _address(table, i, ref)
     dot = tl.zeros((S_PAD, BLOCK_N), tl.float32)
     p = tl.zeros((S_PAD, BLOCK_N), tl.float32)
     sq = tl.zeros((BLOCK_N,), tl.float32)
     for k in range(0, d, BLOCK_D):
         cols = k + tl.arange(0, BLOCK_D)
         v = _rows_tile(base, row_off, row_ok, cols, d, ALIGNED)
-        if ALIGNED:
-            w = tl.load(w_ptr + qs[:, None] * d + cols[None, :])
-        else:
-            w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], mask=cols[None, :] < d, other=0.0)
-        do = _queries_tile(d_outs, d_out_ok, row_off, row_ok, cols, d, ALIGNED)
-        dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
-        p += tl.sum(do * v[None, :, :], axis=2)
+        dot = _query_dots(w_ptr, v, qs, cols, d, dot, S_PAD, ALIGNED)
         sq += tl.sum(v * v, axis=1)
+        for s in range(S):
+            if tl.load(table + 3 * m + s) != 0:  # an absent upstream gradient is zero
+                do = _rows_tile(_address(table, 3 * m + s, ref), row_off, row_ok, cols, d, ALIGNED)
+                p += tl.where(qs[:, None] == s, tl.sum(do * v, axis=1)[None, :], 0.0)
     r = tl.rsqrt(sq / d + eps)
-    zn = tl.multiple_of(zn, 16)
+    zn = _aligned(zn, 16, True)
     at = (i * S_PAD + qs[:, None]) * zn + rows[None, :]
-    tl.store(z_ptr + at, dot * r[None, :], mask=row_ok[None, :])
-    tl.store(p_ptr + at, p, mask=row_ok[None, :])
-    tl.store(r_ptr + i * zn + rows, r, mask=row_ok)
+    tl.store(z_ptr + at, dot * r[None, :], mask=row_ok[None, :], cache_modifier=".cg")
+    tl.store(p_ptr + at, p, mask=row_ok[None, :], cache_modifier=".cg")
+    tl.store(r_ptr + i * zn + rows, r, mask=row_ok, cache_modifier=".cg")
 
 
-_READ_GRAD_WEIGHTS_RUNTIME = ["z_ptr", "p_ptr", "r_ptr", "lse_ptr", "dlse_ptr", "N", "zn", "d",
-                              "m", "S"]  # fmt: skip
+_READ_GRAD_WEIGHTS_RUNTIME = ["N", "zn", "d", "m", "S"]
 
 
 @triton.jit(do_not_specialize=_READ_GRAD_WEIGHTS_RUNTIME)
@@ -256,88 +354,97 @@ def _read_grad_weights_kernel(z_ptr, p_ptr, r_ptr, lse_ptr, dlse_ptr, N: tl.int3
     qs = tl.arange(0, S_PAD)
     sq_at = qs[:, None].to(tl.int64) * N + rows[None, :]
     sq_ok = (qs[:, None] < S) & row_ok[None, :]
-    lse = tl.load(lse_ptr + sq_at, mask=sq_ok, other=float("inf"))  # padded queries: a = 0
-    dlse = tl.load(dlse_ptr + sq_at, mask=sq_ok, other=0.0)
-    zn = tl.multiple_of(zn, 16)
+    lse = tl.load(lse_ptr + sq_at, mask=sq_ok, other=float("inf"), cache_modifier=".cg")  # a = 0
+    dlse = _scratch(dlse_ptr, sq_at, sq_ok)
+    zn = _aligned(zn, 16, True)
     at = qs[:, None] * zn + rows[None, :]
     zs = zn * S_PAD
     D = tl.zeros((S_PAD, BLOCK_N), tl.float32)
     for i in range(m):
-        z = tl.load(z_ptr + i * zs + at, mask=row_ok[None, :], other=0.0)
-        p = tl.load(p_ptr + i * zs + at, mask=row_ok[None, :], other=0.0)
+        z = _scratch(z_ptr + i * zs, at, row_ok[None, :])
+        p = _scratch(p_ptr + i * zs, at, row_ok[None, :])
         D += tl.exp(z - lse) * p
     for i in range(m):
-        z = tl.load(z_ptr + i * zs + at, mask=row_ok[None, :], other=0.0)
-        p = tl.load(p_ptr + i * zs + at, mask=row_ok[None, :], other=0.0)
-        r = tl.load(r_ptr + i * zn + rows, mask=row_ok, other=0.0)
+        z = _scratch(z_ptr + i * zs, at, row_ok[None, :])
+        p = _scratch(p_ptr + i * zs, at, row_ok[None, :])
+        r = _scratch(r_ptr + i * zn, rows, row_ok)
         a = tl.exp(z - lse)
         g = a * (p - D + dlse) * r[None, :]
-        tl.store(z_ptr + i * zs + at, a, mask=row_ok[None, :])
-        tl.store(p_ptr + i * zs + at, g, mask=row_ok[None, :])
+        tl.store(z_ptr + i * zs + at, a, mask=row_ok[None, :], cache_modifier=".cg")
+        tl.store(p_ptr + i * zs + at, g, mask=row_ok[None, :], cache_modifier=".cg")
         c = tl.sum(g * z, axis=0) * r / d
-        tl.store(r_ptr + i * zn + rows, c, mask=row_ok)
+        tl.store(r_ptr + i * zn + rows, c, mask=row_ok, cache_modifier=".cg")
 
 
-_READ_GRAD_SOURCES_RUNTIME = ["table", "ref", "w_ptr", "a_ptr", "g_ptr", "c_ptr", "dw_ptr", "N",
-                              "zn", "d", "m", "S", "n_chunks", "n_blocks", "n_progs"]  # fmt: skip
+_READ_GRAD_SOURCES_RUNTIME = ["N", "zn", "d", "m", "S", "n_chunks", "n_blocks", "n_progs"]
 
 
 @triton.jit(do_not_specialize=_READ_GRAD_SOURCES_RUNTIME)
 def _read_grad_sources_kernel(table, ref, w_ptr, a_ptr, g_ptr, c_ptr, dw_ptr, N: tl.int32,
                               zn: tl.int32, d: tl.int32, m: tl.int32, S: tl.int32, n_chunks: tl.int32,
                               n_blocks: tl.int32, n_progs: tl.int32, S_PAD: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                              DW_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                               ALIGNED: tl.constexpr):  # fmt: skip
     """dv_i = Σ_s a_si do_s + Σ_s g_si w_s − c_i v_i (+ the chained gradient) for one d-chunk
-    (pid % n_chunks) over the token blocks pid // n_chunks + k·n_progs; the program's share of
-    dw_s = Σ_tokens Σ_i g_si v_i stays in registers and is written once, to its row of the
-    [n_progs, S_PAD, d] partials (a torch sum over rows finishes it: deterministic, bounded)."""
+    (pid % n_chunks) over the token blocks pid // n_chunks + k·n_progs, one query at a time (the
+    block's [BLOCK_N, BLOCK_D] upstream tiles, re-read per source from L1/L2, and the query rows);
+    the program's share of dw_s = Σ_tokens Σ_i g_si v_i — a [S_PAD, BLOCK_N] × [BLOCK_N, BLOCK_D]
+    product per source, on an fp32 `tl.dot` over DW_ROWS ≥ 16 query rows (zero rows past S_PAD)
+    where DW_ROWS ≥ 16 — stays in registers and is written
+    once, to its row of the [n_progs, S_PAD, d] partials (a torch sum over rows finishes it:
+    deterministic, bounded)."""
     pid = tl.program_id(0)
     chunk = pid % n_chunks
     prog = pid // n_chunks
-    if ALIGNED:
-        d = tl.multiple_of(d, 16)
+    d = _aligned(d, 16, ALIGNED)
     cols = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-    qs = tl.arange(0, S_PAD)
-    if ALIGNED:
-        w = tl.load(tl.multiple_of(w_ptr, 16) + qs[:, None] * d + cols[None, :])
-    else:
-        w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], mask=cols[None, :] < d, other=0.0)
-    d_outs, d_out_ok = _addresses(table, 3 * m, qs, S, ref, ALIGNED)
-    zn = tl.multiple_of(zn, 16)
+    col_ok = cols < d
+    qs = tl.arange(0, DW_ROWS)
+    zn = _aligned(zn, 16, True)
     zs = zn * S_PAD
-    dw = tl.zeros((S_PAD, BLOCK_D), tl.float32)
+    dw = tl.zeros((DW_ROWS, BLOCK_D), tl.float32)
     for block in range(prog, n_blocks, n_progs):
         rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         row_off = rows.to(tl.int64) * d
-        at = qs[:, None] * zn + rows[None, :]
         if ALIGNED:
             tile_ok = row_ok[:, None]
         else:
-            tile_ok = row_ok[:, None] & (cols[None, :] < d)
+            tile_ok = row_ok[:, None] & col_ok[None, :]
         tile = row_off[:, None] + cols[None, :]
-        do = _queries_tile(d_outs, d_out_ok, row_off, row_ok, cols, d, ALIGNED)
         for i in range(m):
-            a = tl.load(a_ptr + i * zs + at, mask=row_ok[None, :], other=0.0)
-            g = tl.load(g_ptr + i * zs + at, mask=row_ok[None, :], other=0.0)
-            c = tl.load(c_ptr + i * zn + rows, mask=row_ok, other=0.0)
-            v = _rows_tile(_address(table, i, ref, ALIGNED), row_off, row_ok, cols, d, ALIGNED)
-            dv = tl.sum(a[:, :, None] * do + g[:, :, None] * w[:, None, :], axis=0)
-            dv -= c[:, None] * v
-            dw += tl.sum(g[:, :, None] * v[None, :, :], axis=1)
+            c = _scratch(c_ptr + i * zn, rows, row_ok)
+            v = _rows_tile(_address(table, i, ref), row_off, row_ok, cols, d, ALIGNED)
+            dv = -c[:, None] * v
+            for s in range(S):
+                a_s = _scratch(a_ptr + i * zs + s * zn, rows, row_ok)
+                g_s = _scratch(g_ptr + i * zs + s * zn, rows, row_ok)
+                w_s = tl.load(w_ptr + s * d + cols, mask=col_ok, other=0.0,
+                              eviction_policy="evict_last")  # fmt: skip
+                dv += g_s[:, None] * w_s[None, :]
+                if tl.load(table + 3 * m + s) != 0:  # an absent upstream gradient is zero
+                    do = _rows_tile(_address(table, 3 * m + s, ref), row_off, row_ok, cols, d,
+                                    ALIGNED)  # fmt: skip
+                    dv += a_s[:, None] * do
+            g = _scratch(g_ptr + i * zs, qs[:, None] * zn + rows[None, :],
+                         (qs[:, None] < S_PAD) & row_ok[None, :])  # fmt: skip
+            if DW_ROWS >= 16:
+                dw = tl.dot(g, v, dw, input_precision="ieee")
+            else:
+                dw += tl.sum(g[:, :, None] * v[None, :, :], axis=1)
             dv = dv.to(ref.dtype.element_ty)
             up = tl.load(table + 2 * m + i)
             if up != 0:  # chained: up + this read's gradient, rounded as autograd adds them
-                up_rows = _rows_tile(_address(table, 2 * m + i, ref, ALIGNED), row_off, row_ok,
+                up_rows = _rows_tile(_address(table, 2 * m + i, ref), row_off, row_ok,
                                      cols, d, ALIGNED)  # fmt: skip
                 dv = (up_rows + dv.to(tl.float32)).to(ref.dtype.element_ty)
-            tl.store(_address(table, m + i, ref, ALIGNED) + tile, dv, mask=tile_ok)
+            tl.store(_address(table, m + i, ref) + tile, dv, mask=tile_ok)
     at_dw = (prog * S_PAD + qs[:, None]).to(tl.int64) * d + cols[None, :]
     if ALIGNED:
-        tl.store(dw_ptr + at_dw, dw)
+        dw_ok = qs[:, None] < S_PAD
     else:
-        tl.store(dw_ptr + at_dw, dw, mask=cols[None, :] < d)
+        dw_ok = (qs[:, None] < S_PAD) & col_ok[None, :]
+    tl.store(dw_ptr + at_dw, dw, mask=dw_ok, cache_modifier=".cg")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,16 +462,16 @@ def _merge_logit(p_ptr, w_ptr, row_off, row_ok, d, eps, BLOCK_N: tl.constexpr,
         cols = k + tl.arange(0, BLOCK_D)
         p = _rows_tile(p_ptr, row_off, row_ok, cols, d, ALIGNED)
         if ALIGNED:
-            w = tl.load(w_ptr + cols)
+            w = tl.load(w_ptr + cols, eviction_policy="evict_last")
         else:
-            w = tl.load(w_ptr + cols, mask=cols < d, other=0.0)
+            w = tl.load(w_ptr + cols, mask=cols < d, other=0.0, eviction_policy="evict_last")
         dot += tl.sum(p * w[None, :], axis=1)
         sq += tl.sum(p * p, axis=1)
     r = tl.rsqrt(sq / d + eps)
     return dot * r, r
 
 
-_MERGE_FWD_RUNTIME = ["o_ptr", "lse_ptr", "p_ptr", "w_ptr", "h_ptr", "N", "d", "eps"]
+_MERGE_FWD_RUNTIME = ["N", "d", "eps"]
 
 
 @triton.jit(do_not_specialize=_MERGE_FWD_RUNTIME)
@@ -373,15 +480,10 @@ def _merge_fwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, h_ptr, N: tl.int32, d: tl.in
                       ALIGNED: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    if ALIGNED:
-        d = tl.multiple_of(d, 16)
-        o_ptr = tl.multiple_of(o_ptr, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        h_ptr = tl.multiple_of(h_ptr, 16)
+    d = _aligned(d, 16, ALIGNED)
     row_off = rows.to(tl.int64) * d
     z, r = _merge_logit(p_ptr, w_ptr, row_off, row_ok, d, eps, BLOCK_N, BLOCK_D, ALIGNED)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    lse = _scratch(lse_ptr, rows, row_ok)
     top = tl.maximum(lse, z)
     a_o = tl.exp(lse - top)
     a_p = tl.exp(z - top)
@@ -399,9 +501,7 @@ def _merge_fwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, h_ptr, N: tl.int32, d: tl.in
         tl.store(h_ptr + row_off[:, None] + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-_MERGE_BWD_RUNTIME = ["o_ptr", "lse_ptr", "p_ptr", "w_ptr", "dh_ptr", "up_ptr", "do_ptr",
-                      "dlse_ptr", "dp_ptr", "dw_ptr", "N", "d", "eps", "has_up", "n_blocks",
-                      "n_progs"]  # fmt: skip
+_MERGE_BWD_RUNTIME = ["N", "d", "eps", "has_up", "n_blocks", "n_progs"]
 
 
 @triton.jit(do_not_specialize=_MERGE_BWD_RUNTIME)
@@ -413,23 +513,16 @@ def _merge_bwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, dh_ptr, up_ptr, do_ptr, dlse
     (+ the chained gradient up when has_up) and the program's row of the [n_progs, d] dw partials
     (accumulated in place by this program alone: deterministic, bounded)."""
     prog = tl.program_id(0)
-    if ALIGNED:
-        d = tl.multiple_of(d, 16)
-        o_ptr = tl.multiple_of(o_ptr, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        w_ptr = tl.multiple_of(w_ptr, 16)
-        dh_ptr = tl.multiple_of(dh_ptr, 16)
-        up_ptr = tl.multiple_of(up_ptr, 16)
-        do_ptr = tl.multiple_of(do_ptr, 16)
-        dp_ptr = tl.multiple_of(dp_ptr, 16)
-        dw_ptr = tl.multiple_of(dw_ptr, 16)
+    d = _aligned(d, 16, ALIGNED)
     dw_row = dw_ptr + prog * d
     for k in range(0, d, BLOCK_D):
         cols = k + tl.arange(0, BLOCK_D)
         if ALIGNED:
-            tl.store(dw_row + cols, tl.zeros((BLOCK_D,), tl.float32))
+            tl.store(dw_row + cols, tl.zeros((BLOCK_D,), tl.float32), cache_modifier=".cg")
         else:
-            tl.store(dw_row + cols, tl.zeros((BLOCK_D,), tl.float32), mask=cols < d)
+            tl.store(
+                dw_row + cols, tl.zeros((BLOCK_D,), tl.float32), mask=cols < d, cache_modifier=".cg"
+            )
     for block in range(prog, n_blocks, n_progs):
         rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -444,16 +537,16 @@ def _merge_bwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, dh_ptr, up_ptr, do_ptr, dlse
             o = _rows_tile(o_ptr, row_off, row_ok, cols, d, ALIGNED)
             dh = _rows_tile(dh_ptr, row_off, row_ok, cols, d, ALIGNED)
             if ALIGNED:
-                w = tl.load(w_ptr + cols)
+                w = tl.load(w_ptr + cols, eviction_policy="evict_last")
             else:
-                w = tl.load(w_ptr + cols, mask=cols < d, other=0.0)
+                w = tl.load(w_ptr + cols, mask=cols < d, other=0.0, eviction_policy="evict_last")
             dot += tl.sum(p * w[None, :], axis=1)
             sq += tl.sum(p * p, axis=1)
             dh_o += tl.sum(dh * o, axis=1)
             dh_p += tl.sum(dh * p, axis=1)
         r = tl.rsqrt(sq / d + eps)
         z = dot * r
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        lse = _scratch(lse_ptr, rows, row_ok)
         top = tl.maximum(lse, z)
         a_o = tl.exp(lse - top)
         a_p = tl.exp(z - top)
@@ -462,15 +555,15 @@ def _merge_bwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, dh_ptr, up_ptr, do_ptr, dlse
         dh_h = alpha * dh_o + beta * dh_p
         g = beta * (dh_p - dh_h) * r  # dz r
         rms = g * z * r / d
-        tl.store(dlse_ptr + rows, alpha * (dh_o - dh_h), mask=row_ok)
+        tl.store(dlse_ptr + rows, alpha * (dh_o - dh_h), mask=row_ok, cache_modifier=".cg")
         for k in range(0, d, BLOCK_D):
             cols = k + tl.arange(0, BLOCK_D)
             if ALIGNED:
                 mask = row_ok[:, None]
-                w = tl.load(w_ptr + cols)
+                w = tl.load(w_ptr + cols, eviction_policy="evict_last")
             else:
                 mask = row_ok[:, None] & (cols[None, :] < d)
-                w = tl.load(w_ptr + cols, mask=cols < d, other=0.0)
+                w = tl.load(w_ptr + cols, mask=cols < d, other=0.0, eviction_policy="evict_last")
             tile = row_off[:, None] + cols[None, :]
             p = _rows_tile(p_ptr, row_off, row_ok, cols, d, ALIGNED)
             dh = _rows_tile(dh_ptr, row_off, row_ok, cols, d, ALIGNED)
@@ -482,7 +575,15 @@ def _merge_bwd_kernel(o_ptr, lse_ptr, p_ptr, w_ptr, dh_ptr, up_ptr, do_ptr, dlse
                 dp = (up + dp.to(tl.float32)).to(dp_ptr.dtype.element_ty)
             tl.store(dp_ptr + tile, dp, mask=mask)
             if ALIGNED:
-                tl.store(dw_row + cols, tl.load(dw_row + cols) + tl.sum(g[:, None] * p, axis=0))
+                dw_old = tl.load(dw_row + cols, cache_modifier=".cg")
+                tl.store(
+                    dw_row + cols, dw_old + tl.sum(g[:, None] * p, axis=0), cache_modifier=".cg"
+                )
             else:
-                dw_old = tl.load(dw_row + cols, mask=cols < d, other=0.0)
-                tl.store(dw_row + cols, dw_old + tl.sum(g[:, None] * p, axis=0), mask=cols < d)
+                dw_old = _scratch(dw_row, cols, cols < d)
+                tl.store(
+                    dw_row + cols,
+                    dw_old + tl.sum(g[:, None] * p, axis=0),
+                    mask=cols < d,
+                    cache_modifier=".cg",
+                )

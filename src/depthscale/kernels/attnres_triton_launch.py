@@ -49,6 +49,15 @@ def address_table(tensors: list[Tensor | None], device: torch.device) -> Tensor:
 
 
 def _launch(variant: config.Variant, grid: int, *args) -> None:
+    """Launch `variant` over `grid` programs. Every tensor argument must be 16-byte aligned: the
+    kernels are compiled with their pointers marked so (`aot.attributes`), as the JIT marks aligned
+    pointers, and a misaligned one would make Triton compile a variant the AOT test never saw."""
+    for a in args:
+        if isinstance(a, Tensor) and a.data_ptr() % config.ALIGN:
+            raise ValueError(
+                f"{variant.kernel}: a tensor argument at {a.data_ptr():#x} is not "
+                f"{config.ALIGN}-byte aligned; pass it through attnres_triton_launch.aligned"
+            )
     getattr(jit, variant.kernel)[(grid,)](*args, **variant.launch_options())
 
 
@@ -74,24 +83,25 @@ def _rows(n: int, m: int, s_pad: int) -> int:
 def read_forward(w: Tensor, sources: list[Tensor], eps: float, outs: list[Tensor]) -> Tensor:
     """Writes out_s = Σ_i softmax_i(z_si) v_i into `outs` (S tensors shaped like the sources) and
     returns the log-sum-exps [S, *tokens] fp32. w: [S, d] fp32; sources: m [*tokens, d] tensors of
-    one dtype, contiguous and aligned (`aligned`)."""
+    one dtype, contiguous and aligned (`aligned`). One launch (`_read_forward_kernel`): each source
+    row is read from HBM once, its re-read served by L2."""
     S, d = w.shape
     src0, m = sources[0], len(sources)
     N, device = src0.numel() // d, src0.device
-    logits, weighted = config.read_forward_variants(d, S, dtype_name(src0.dtype))
-    s_pad = logits.meta["S_PAD"]
     lse = torch.empty(S, *src0.shape[:-1], dtype=torch.float32, device=device)
     if N == 0:
         return lse
-    zn = _rows(N, m, s_pad)
+    plan = config.read_forward_launch(N, d, m, S, dtype_name(src0.dtype))
+    s_pad = plan.variant.meta["S_PAD"]
+    zn = _rows(N, m * plan.n_parts, s_pad)
     w_pad = torch.nn.functional.pad(w, (0, 0, 0, s_pad - S))  # zero queries: no query masks
+    dots = torch.empty(plan.n_parts, m, s_pad, zn, dtype=torch.float32, device=device)
+    sqs = torch.empty(plan.n_parts, m, zn, dtype=torch.float32, device=device)
     z = torch.empty(m, s_pad, zn, dtype=torch.float32, device=device)
+    sync = torch.zeros(1 + 2 * plan.n_blocks, dtype=torch.int32, device=device)
     table = address_table([*sources, *outs], device)
-    blocks = triton.cdiv(N, logits.meta["BLOCK_N"])
-    _launch(logits, blocks * m, table, src0, w_pad, z, N, zn, d, m, eps)
-    n_chunks = triton.cdiv(d, weighted.meta["BLOCK_D"])
-    blocks = triton.cdiv(N, weighted.meta["BLOCK_N"])
-    _launch(weighted, blocks * n_chunks, table, src0, z, lse, N, zn, d, m, S, n_chunks)
+    _launch(plan.variant, plan.grid, table, src0, w_pad, dots, sqs, z, lse, sync, N, zn, d, m, S,
+            plan.part, plan.n_parts, plan.n_chunks, plan.n_blocks, eps)  # fmt: skip
     return lse
 
 
@@ -115,26 +125,23 @@ def read_backward(
     d_srcs = [torch.empty_like(s) for s in sources]
     if N == 0:
         return torch.zeros_like(w), d_srcs
-    logits, weights, grads = config.read_backward_variants(d, S, dtype_name(src0.dtype))
+    plan = config.read_backward_launch(N, d, m, S, dtype_name(src0.dtype), _sms(device))
+    logits, weights, grads = plan.logits, plan.weights, plan.grads
     s_pad = logits.meta["S_PAD"]
     zn = _rows(N, m, s_pad)
     w_pad = torch.nn.functional.pad(w, (0, 0, 0, s_pad - S))
     if d_lse is None:
         d_lse = torch.zeros(S, N, dtype=torch.float32, device=device)
+    lse, d_lse = aligned(lse), aligned(d_lse)
     z = torch.empty(m, s_pad, zn, dtype=torch.float32, device=device)
     p = torch.empty_like(z)
     r = torch.empty(m, zn, dtype=torch.float32, device=device)
     table = address_table([*sources, *d_srcs, *d_ups, *d_outs], device)
-    blocks = triton.cdiv(N, logits.meta["BLOCK_N"])
-    _launch(logits, blocks * m, table, src0, w_pad, z, p, r, N, zn, d, m, S, eps)
-    _launch(weights, triton.cdiv(N, weights.meta["BLOCK_N"]), z, p, r, lse, d_lse, N, zn, d, m, S)
-    n_chunks = triton.cdiv(d, grads.meta["BLOCK_D"])
-    n_blocks = triton.cdiv(N, grads.meta["BLOCK_N"])
-    n_progs = triton.cdiv(config.programs(n_blocks * n_chunks, _sms(device)), n_chunks)
-    n_progs = min(n_progs, n_blocks)
-    dw = torch.empty(n_progs, s_pad, d, dtype=torch.float32, device=device)
-    _launch(grads, n_progs * n_chunks, table, src0, w_pad, z, p, r, dw, N, zn, d, m, S, n_chunks,
-            n_blocks, n_progs)  # fmt: skip
+    _launch(logits, plan.n_blocks_logits * m, table, src0, w_pad, z, p, r, N, zn, d, m, S, eps)
+    _launch(weights, plan.n_blocks_weights, z, p, r, lse, d_lse, N, zn, d, m, S)
+    dw = torch.empty(plan.n_progs, s_pad, d, dtype=torch.float32, device=device)
+    _launch(grads, plan.n_progs * plan.n_chunks, table, src0, w_pad, z, p, r, dw, N, zn, d, m, S,
+            plan.n_chunks, plan.n_blocks, plan.n_progs)  # fmt: skip
     return dw.sum(0)[:S], d_srcs
 
 
@@ -147,6 +154,7 @@ def merge_forward(o: Tensor, lse: Tensor, p: Tensor, w: Tensor, eps: float) -> T
     if N == 0:
         return h
     variant = config.merge_forward_variant(d, dtype_name(p.dtype), dtype_name(o.dtype))
+    lse, w = aligned(lse), aligned(w)
     blocks = triton.cdiv(N, variant.meta["BLOCK_N"])
     _launch(variant, blocks, o, lse, p, w, h, N, d, eps)
     return h
@@ -163,6 +171,7 @@ def merge_backward(
     if N == 0:
         return d_o, d_lse, d_p, torch.zeros_like(w)
     variant = config.merge_backward_variant(d, dtype_name(p.dtype), dtype_name(o.dtype))
+    lse, w = aligned(lse), aligned(w)
     n_blocks = triton.cdiv(N, variant.meta["BLOCK_N"])
     n_progs = config.programs(n_blocks, _sms(p.device))
     dw = torch.empty(n_progs, d, dtype=torch.float32, device=p.device)
