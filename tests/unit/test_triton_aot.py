@@ -105,7 +105,8 @@ def test_the_grid_holds_every_kernel_and_the_shapes_that_broke_the_first_design(
             assert all(dict(v.constexprs).get("ALIGNED", True) for v in chosen)
 
 
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "i64": torch.int64}
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "i64": torch.int64,
+          "i32": torch.int32}  # fmt: skip
 
 
 @pytest.mark.parametrize("scalar", [1, 16])
