@@ -125,16 +125,16 @@ class TransformerBlock(nn.Module):
         return sublayer(*args)
 
     def compile(self, *args, **kwargs) -> None:
-        """Compile this block in place (`nn.Module.compile`, what `train.compile` calls on every
-        block; arguments as `torch.compile`'s) as one graph that every block at every depth shares
+        """Compile this layer in place (`nn.Module.compile`, what `train.compile` calls on every
+        layer; arguments as `torch.compile`'s) into graphs that every layer at every depth shares
         (dynamo keys its cache by code and lifts parameters as graph inputs).
 
-        A standard residual's state is one tensor of one shape: the whole block compiles, and
+        A standard residual's state is one tensor of one shape: the whole layer compiles, and
         Inductor fuses each write into the next norm. An AttnRes depth state grows with depth
-        (b_0 and every completed block), and a block's place in its AttnRes block decides what its
-        reads do (phase 1 at the first sublayer, a commit at the last): compiled whole, each block
-        would be a graph of its own — one per layer, minutes of Inductor before the first step of
-        a deep model. So the depth reads and writes run eagerly — the fused kernels (Triton,
+        (b_0 and every completed block), and a layer's place in its AttnRes block decides what its
+        reads do (phase 1 at the first sublayer, a commit at the last): compiled whole, each layer
+        would be a graph of its own — minutes of Inductor before the first step of a deep
+        model. So the depth reads and writes run eagerly — the fused kernels (Triton,
         C++) they call are what a compiled read calls too on CUDA, exact and with their gradients
         chained, which custom ops under the compiler cannot — and each sublayer's norm and body
         compile: one graph for attention and one for the MLP (one for a parallel block), whatever
