@@ -108,6 +108,23 @@ def test_documents_ending_in_another_special_token_are_named(tmp_path):
         _read(_cfg(tmp_path / "o.npy", tmp_path, plain, bin_dtype="uint16"))
 
 
+def test_start_up_names_the_eos_and_where_it_came_from(tmp_path, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from depthscale.config import Config
+    from depthscale.train.setup import build_data_once_per_node
+
+    monkeypatch.delenv("RANK", raising=False)
+    chat = chat_tokenizer(tmp_path / "chat")
+    write_megatron(tmp_path / "m", [[[A, B, A, B, IM_END]] for _ in range(40)], np.uint16)
+    cfg = Config()
+    cfg.data = _cfg(tmp_path / "m.bin", tmp_path, chat, seq_len=8, val_fraction=0)
+    cfg.train.batch_size = 2
+    build_data_once_per_node(cfg, SimpleNamespace(rank=0, local_rank=0), 1)
+    out = capsys.readouterr().out
+    assert f"EOS '<|im_end|>' (id 2, {chat / 'tokenizer_config.json'})" in out
+
+
 # --------------------------------------------------------------------- datatrove
 
 
