@@ -72,6 +72,9 @@ def test_data_eos_token_with_the_byte_tokenizer_is_a_config_error(tmp_path):
     (tmp_path / "c.toml").write_text("")
     with pytest.raises(ConfigError, match=r"^data.eos_token='<\|im_end\|>' needs a tokenizer with"):
         load_config(tmp_path / "c.toml", ["--data.eos_token", "<|im_end|>"])
+    ByteTokenizer().save(tmp_path / "run")  # a run's saved byte tokenizer, named as a directory
+    with pytest.raises(DataError, match=r"^data.eos_token='<\|im_end\|>' needs a tokenizer with"):
+        build_tokenizer(DataConfig(tokenizer=str(tmp_path / "run"), eos_token="<|im_end|>"), list)
 
 
 def test_a_text_cache_made_with_another_eos_is_not_reused(tmp_path):

@@ -117,9 +117,6 @@ class ByteTokenizer(Tokenizer):
     eos_token = "<eos>"
     eos_source = "the byte tokenizer's"
 
-    def special_ids(self) -> dict[int, str]:
-        return {self.bos_id: "<bos>", self.eos_id: self.eos_token}
-
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
 
@@ -347,6 +344,11 @@ def load_tokenizer(directory: str | Path, eos: tuple[str, str] | None = None) ->
     else:
         raise DataError(f"{directory} holds no saved tokenizer ({META_FILE} or tokenizer.json)")
     if meta["kind"] == "byte":
+        if eos:
+            raise DataError(
+                f"{eos[1]}={eos[0]!r} needs a tokenizer with named tokens; {directory} holds the "
+                "byte tokenizer, whose EOS is id 257 (allowed: data.eos_token empty)"
+            )
         return ByteTokenizer()
     if meta["kind"] == "hf":
         saved = meta.get("eos_token")
