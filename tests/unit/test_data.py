@@ -184,11 +184,15 @@ def test_tiny_toml_trains_on_every_window_of_shards_and_says_what_max_bytes_leav
         tokens = tokenize_corpus(text, ByteTokenizer())
         err = capsys.readouterr().err
         assert len(tokens) == cap + 21 and err.count("\n") == 1, err  # 21 EOS: 2 files in
-        assert (
-            f"data.max_bytes={cap:,} (raw text) stopped reading '{tmp_path / 'corpus'}' in" in err
-        )
-        assert f" its file 2 of 3: it uses 21 documents, {cap + 21:,} tokens ({cap:,} bytes" in err
-        assert "from files holding 67% of its" in err and "the rest is left out" in err
+        corpus = tmp_path / "corpus"
+        assert f"data.max_bytes={cap:,} (raw text) leaves part of '{corpus}' out: it uses" in err
+        assert f" 21 documents, {cap + 21:,} tokens, {cap:,} bytes of text: its first 1 of" in err
+        disk = sum(f.stat().st_size for f in files)
+        assert f" 3 files whole (33% of its {disk:,} bytes on disk) and part of file 2 (" in err
+    (usage,) = (tmp_path / "cache" / "tokens").glob("*.usage.json")
+    usage.write_text('{"files_opened": 2}')  # another version's record: the entry is redone
+    assert len(tokenize_corpus(text, ByteTokenizer())) == cap + 21
+    assert "leaves part of" in capsys.readouterr().err
     text.max_bytes = 0
     assert len(tokenize_corpus(text, ByteTokenizer())) == manifest["tokens"]
     assert capsys.readouterr().err == ""  # nothing left out: nothing said

@@ -176,3 +176,33 @@ def test_the_mixture_config_loads_and_round_trips(tmp_path):
 def test_a_bad_mixture_is_one_line_naming_the_entry(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_write(tmp_path, MIXTURE.replace(*change)))
+
+
+def test_max_bytes_caps_each_text_source_and_start_up_says_what_it_leaves_out(tmp_path, capsys):
+    """data.max_bytes caps each text source by itself and never a token source; start-up says,
+    source by source, what is used where the cap leaves anything out, and nothing otherwise."""
+    import json
+
+    from depthscale.config import DataConfig, DataSource
+    from depthscale.data.loader import build_data
+    from depthscale.data.sources import write_bin
+
+    (tmp_path / "web.jsonl").write_text(json.dumps({"text": "w" * 3000}) + "\n")
+    (tmp_path / "small.jsonl").write_text(json.dumps({"text": "s" * 500}) + "\n")
+    write_bin(tmp_path / "code.bin", np.arange(2000) % 250, 258)
+    paths = {n: str(tmp_path / f) for n, f in [("web", "web.jsonl"), ("small", "small.jsonl"),
+                                               ("code", "code.bin")]}  # fmt: skip
+    sources = [DataSource(name=n, path=p, weight=1.0) for n, p in paths.items()]
+    cfg = DataConfig(sources=sources, seq_len=SEQ, max_bytes=1000, val_fraction=0,
+                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    capsys.readouterr()
+    data = build_data(cfg, seed=0, batch_size=4)
+    windows = {s.name: s.n_windows for s in data.train.sources}
+    assert windows == {"web": 1000 // SEQ, "small": 501 // SEQ, "code": 1999 // SEQ}
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 2, notes
+    assert (
+        f"data.max_bytes=1,000 (raw text) leaves part of '{paths['web']}' out: it uses 1"
+        in (notes[0])
+    )
+    assert f"caps raw text only: '{paths['code']}' is tokens, all 2,000 of them used" in notes[1]

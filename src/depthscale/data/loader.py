@@ -143,9 +143,10 @@ def tokenize_corpus(
     key = cache_key("tokens", corpus_identity(cfg), tokenizer.fingerprint)
     path = cache_root(cfg) / "tokens" / f"{key}.npy"
     usage_path = path.with_suffix(".usage.json")  # written first: an entry without one is redone
+    usage = None
     if path.is_file() and usage_path.is_file():
         usage = TextUsage.from_json(json.loads(usage_path.read_text()))
-    else:
+    if usage is None:
         usage, dtype = TextUsage(), token_dtype(tokenizer.vocab_size)
         with cache_writes(path, "the tokenized corpus"), atomic_path(path) as tmp:
             with tmp.open("wb") as f:

@@ -10,7 +10,7 @@ trains on every window of the shards it is pointed at.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ class TextUsage:
     """Files opened, the one the cap stopped in included."""
     disk_bytes: int = 0
     """The corpus's files' sizes on disk."""
-    disk_bytes_read: int = 0
-    """The sizes on disk of the files opened: an upper bound of the share used."""
+    disk_bytes_whole: int = 0
+    """The sizes on disk of the files opened before the last one (read whole if it was cut)."""
     documents: int = 0
     """Documents read, the one the cap cut included."""
     text_bytes: int = 0
@@ -39,9 +39,10 @@ class TextUsage:
         """`files`, counted as each is opened."""
         sizes = [f.stat().st_size for f in files]
         self.files, self.disk_bytes = len(files), sum(sizes)
+        opened = 0
         for f, size in zip(files, sizes):
             self.files_read += 1
-            self.disk_bytes_read += size
+            self.disk_bytes_whole, opened = opened, opened + size
             yield f
 
     def limited(self, docs: Iterable[str], max_bytes: int) -> Iterator[str]:
@@ -66,7 +67,10 @@ class TextUsage:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, record: dict[str, Any]) -> TextUsage:
+    def from_json(cls, record: Any) -> TextUsage | None:
+        """The usage `to_json` wrote, or None for a record of other fields (another version)."""
+        if not isinstance(record, dict) or set(record) != {f.name for f in fields(cls)}:
+            return None
         return cls(**record)
 
     def report(self, corpus: str, tokens: int) -> str | None:
@@ -74,13 +78,18 @@ class TextUsage:
         when nothing was."""
         if not self.capped:
             return None
-        share = self.disk_bytes_read / self.disk_bytes if self.disk_bytes else 1.0
+        whole = self.files_read - 1
+        share = self.disk_bytes_whole / self.disk_bytes if self.disk_bytes else 0.0
+        read = (
+            f"its first {whole:,} of {self.files:,} files whole ({share:.0%} of its "
+            f"{self.disk_bytes:,} bytes on disk) and part of file {whole + 1:,}"
+            if whole
+            else f"part of its first file ({self.files:,} in all, {self.disk_bytes:,} bytes on disk)"
+        )
         return (
-            f"data.max_bytes={self.max_bytes:,} (raw text) stopped reading {corpus!r} in its file "
-            f"{self.files_read:,} of {self.files:,}: it uses {self.documents:,} documents, "
-            f"{tokens:,} tokens ({self.text_bytes:,} bytes of text, from files holding "
-            f"{share:.0%} of its {self.disk_bytes:,} bytes on disk); the rest is left out "
-            "(data.max_bytes = 0 reads all of it)"
+            f"data.max_bytes={self.max_bytes:,} (raw text) leaves part of {corpus!r} out: it "
+            f"uses {self.documents:,} documents, {tokens:,} tokens, {self.text_bytes:,} bytes of "
+            f"text: {read} (data.max_bytes = 0 reads all of it)"
         )
 
 
