@@ -11,7 +11,8 @@ three steps (forward + backward):
 - `graphs`: graphs dynamo produced (its `unique_graphs` counter: recompiles included), each one
   Inductor compile of a forward and one of a backward graph — what a cold GPU start pays for;
 - `first_step_s`: the first step's seconds, compile included; `compile_s`: that minus a compiled
-  step's (the later two's median), with Inductor's caches off so each depth compiles cold;
+  step's (the later two's median); each row in a fresh process with empty Inductor and Triton
+  caches, so each compiles cold, as a first start does;
 - `graphs_per_layer`: graphs over layers — constant graphs mean it falls as 1/depth.
 
 `--whole-layer` adds `block (whole layers)` rows: Block AttnRes blocks compiled whole
@@ -26,8 +27,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,6 +106,18 @@ def _measure(args, residual: str, n_layers: int) -> dict:
     }
 
 
+def _cold(args, residual: str, n_layers: int) -> dict:
+    """One measurement in a fresh process with empty Inductor and Triton caches: what a first
+    start compiles (in one process, later depths would reuse the kernels the first compiled)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": cache}
+        argv = [sys.executable, __file__, "--row", f"{residual}:{n_layers}"]
+        for key in ("backend", "dim", "seq", "batch", "vocab", "device"):
+            argv += [f"--{key}", str(getattr(args, key))]
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--depths", default="4,16,64")
@@ -111,15 +128,16 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--whole-layer", action="store_true", help="add Block AttnRes compiled whole")
+    p.add_argument("--row", help=argparse.SUPPRESS)  # RESIDUAL:LAYERS, one cold measurement
     p.add_argument("--out")
     args = p.parse_args()
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = False  # each depth compiles cold, as a first start does
-    inductor_config.autotune_local_cache = False
+    if args.row:
+        residual, n_layers = args.row.rsplit(":", 1)
+        print(json.dumps(_measure(args, residual, int(n_layers))))
+        return
     residuals = ["standard", "block"] + (["block (whole layers)"] if args.whole_layer else [])
     rows = [
-        _measure(args, residual, int(depth))
+        _cold(args, residual, int(depth))
         for depth in args.depths.split(",")
         for residual in residuals
     ]
