@@ -387,10 +387,10 @@ def _read_grad_sources_kernel(table, ref, w_ptr, a_ptr, g_ptr, c_ptr, dw_ptr, N:
                               ALIGNED: tl.constexpr):  # fmt: skip
     """dv_i = Σ_s a_si do_s + Σ_s g_si w_s − c_i v_i (+ the chained gradient) for one d-chunk
     (pid % n_chunks) over the token blocks pid // n_chunks + k·n_progs, one query at a time (the
-    block's [BLOCK_N, BLOCK_D] upstream tiles, re-read per source from L1/L2, and the query rows);
-    the program's share of dw_s = Σ_tokens Σ_i g_si v_i — a [S_PAD, BLOCK_N] × [BLOCK_N, BLOCK_D]
-    product per source, on an fp32 `tl.dot` over DW_ROWS ≥ 16 query rows (zero rows past S_PAD)
-    where DW_ROWS ≥ 16 — stays in registers and is written
+    block's [BLOCK_N, BLOCK_D] upstream tiles, re-read per source from L1/L2). Where DW_ROWS ≥ 16
+    (S_PAD ≥ 4, padded with zero query rows) the query contractions are fp32 `tl.dot`s: Σ_s g_si w_s
+    as [BLOCK_N, Q] × [Q, BLOCK_D], and the program's share of dw_s = Σ_tokens Σ_i g_si v_i as
+    [Q, BLOCK_N] × [BLOCK_N, BLOCK_D] per source; that share stays in registers and is written
     once, to its row of the [n_progs, S_PAD, d] partials (a torch sum over rows finishes it:
     deterministic, bounded)."""
     pid = tl.program_id(0)
@@ -403,6 +403,10 @@ def _read_grad_sources_kernel(table, ref, w_ptr, a_ptr, g_ptr, c_ptr, dw_ptr, N:
     zn = _aligned(zn, 16, True)
     zs = zn * S_PAD
     dw = tl.zeros((DW_ROWS, BLOCK_D), tl.float32)
+    q_ok = qs < S_PAD
+    if DW_ROWS >= 16:  # the queries, zero rows past S_PAD: Σ_s g_si w_s as one [N, Q] × [Q, D] dot
+        w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], mask=q_ok[:, None] & col_ok[None, :],
+                    other=0.0, eviction_policy="evict_last")  # fmt: skip
     for block in range(prog, n_blocks, n_progs):
         rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
@@ -415,23 +419,25 @@ def _read_grad_sources_kernel(table, ref, w_ptr, a_ptr, g_ptr, c_ptr, dw_ptr, N:
         for i in range(m):
             c = _scratch(c_ptr + i * zn, rows, row_ok)
             v = _rows_tile(_address(table, i, ref), row_off, row_ok, cols, d, ALIGNED)
-            dv = -c[:, None] * v
-            for s in range(S):
-                a_s = _scratch(a_ptr + i * zs + s * zn, rows, row_ok)
-                g_s = _scratch(g_ptr + i * zs + s * zn, rows, row_ok)
-                w_s = tl.load(w_ptr + s * d + cols, mask=col_ok, other=0.0,
-                              eviction_policy="evict_last")  # fmt: skip
-                dv += g_s[:, None] * w_s[None, :]
-                if tl.load(table + 3 * m + s) != 0:  # an absent upstream gradient is zero
-                    do = _rows_tile(_address(table, 3 * m + s, ref), row_off, row_ok, cols, d,
-                                    ALIGNED)  # fmt: skip
-                    dv += a_s[:, None] * do
             g = _scratch(g_ptr + i * zs, qs[:, None] * zn + rows[None, :],
-                         (qs[:, None] < S_PAD) & row_ok[None, :])  # fmt: skip
+                         q_ok[:, None] & row_ok[None, :])  # fmt: skip
+            dv = -c[:, None] * v
             if DW_ROWS >= 16:
+                dv = tl.dot(tl.trans(g), w, dv, input_precision="ieee")
                 dw = tl.dot(g, v, dw, input_precision="ieee")
             else:
                 dw += tl.sum(g[:, :, None] * v[None, :, :], axis=1)
+            for s in range(S):
+                if DW_ROWS < 16:
+                    g_s = _scratch(g_ptr + i * zs + s * zn, rows, row_ok)
+                    w_s = tl.load(w_ptr + s * d + cols, mask=col_ok, other=0.0,
+                                  eviction_policy="evict_last")  # fmt: skip
+                    dv += g_s[:, None] * w_s[None, :]
+                if tl.load(table + 3 * m + s) != 0:  # an absent upstream gradient is zero
+                    a_s = _scratch(a_ptr + i * zs + s * zn, rows, row_ok)
+                    do = _rows_tile(_address(table, 3 * m + s, ref), row_off, row_ok, cols, d,
+                                    ALIGNED)  # fmt: skip
+                    dv += a_s[:, None] * do
             dv = dv.to(ref.dtype.element_ty)
             up = tl.load(table + 2 * m + i)
             if up != 0:  # chained: up + this read's gradient, rounded as autograd adds them
