@@ -9,7 +9,6 @@ never above 100 %: a rate above the peak proves the peak too low, and `Throughpu
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import time
 from collections import deque
@@ -18,8 +17,6 @@ from collections.abc import Callable
 import torch
 
 from depthscale.config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "Throughput",
@@ -108,11 +105,11 @@ def detect_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
 
     Known CUDA GPUs (H200, H100 SXM/PCIe, A100) use the spec sheet: bf16/fp16 tensor-core peak, and
     for fp32 the TF32 tensor-core peak only when TF32 matmuls are enabled, else the plain fp32
-    peak. Anything else (CPU, unknown GPUs, other dtypes) is measured (`_measure_matmul_flops`),
-    so MFU there means "fraction of the best matmul rate this machine has shown": the measurement
-    is a lower bound (other processes only ever slow it), so `Throughput` raises it to any rate the
-    training steps achieve, rather than omit MFU on CPU, where it still shows how far a step is
-    from a large matmul.
+    peak. Anything else is measured, so MFU there means "fraction of the best matmul rate this
+    machine has shown": on a CPU, `_cpu_peak` (one core's best rate times the threads, the
+    number a spec sheet would give, and one that other processes on the machine barely move); on
+    an unknown GPU, `_measure_matmul_flops`. A measurement is a lower bound, so `Throughput`
+    raises it to any rate the training steps achieve, and says so.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -125,30 +122,79 @@ def detect_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
                     if _tf32_enabled():
                         return tf32, f"{name} spec sheet, dense tf32"
                     return fp32, f"{name} spec sheet, fp32 (non-tensor-core)"
+    if device.type == "cpu":
+        return _cpu_peak(dtype, torch.get_num_threads())
     return _measure_matmul_flops(str(device), dtype)
 
 
 MEASURED = "measured matmul peak"
-"""How a measured peak's source begins: a lower bound, raised without a warning."""
+"""How a measured peak's source begins: a lower bound, which `Throughput` raises with a note."""
+
+
+def _cpu_peak(dtype: torch.dtype, threads: int) -> tuple[float, str]:
+    """The CPU's peak for a run in `dtype` on `threads` intra-op threads: one core's best matmul
+    rate (`_core_rate`) times the threads.
+
+    One core, not all of them at once: a multi-threaded matmul on a shared machine waits at every
+    barrier for its slowest thread, so its timing swung 50x with the load of other processes (two
+    runs of the same throughput read 33 % and 51 % MFU), while one core's best trial is that
+    core's rate whenever the core was free for a few milliseconds. Perfect scaling over the
+    threads is what a peak means.
+
+    Below fp32 (bf16, fp16), the peak is the better of the dtype's own rate and fp32's: a CPU
+    without bf16 matmul units runs bf16 matmuls an order of magnitude slower than fp32 ones, while
+    the kernels training uses convert and accumulate in fp32 at nearly fp32's rate, so the bf16
+    rate alone was far below what a step achieved and every bf16 run printed a capped 100 %.
+    """
+    rate, n = _core_rate(dtype)
+    text = f"{n}x{n} on one core x {threads} threads"
+    if dtype != torch.float32:
+        fp32, n32 = _core_rate(torch.float32)
+        if fp32 > rate:
+            return fp32 * threads, (
+                f"{MEASURED} (cpu, {dtype} matmuls at {_rate_text(rate * threads)} here, slower "
+                f"than float32's: float32's {n32}x{n32} on one core x {threads} threads)"
+            )
+    return rate * threads, f"{MEASURED} (cpu, {dtype}, {text})"
+
+
+@functools.cache
+def _core_rate(dtype: torch.dtype, budget_s: float = 0.4, trials: int = 5) -> tuple[float, int]:
+    """One CPU core's best rate of n×n matmuls in `dtype` (`_best_rate`), and n: the first of
+    128, 256, 512, 1024 whose matmul takes at least 5 ms (long enough that timer noise does not
+    count; a slow dtype stays small, so its measurement stays within the budget). Cached per
+    process: the number is a property of the machine, and measuring again costs every Trainer
+    time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = 128
+        while True:
+            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+            t0 = time.perf_counter()
+            a @ b
+            if time.perf_counter() - t0 >= 5e-3 or n >= 1024:
+                break
+            n *= 2
+        return _best_rate(lambda: a @ b, 2 * n**3, trials, budget_s), n
+    finally:
+        torch.set_num_threads(threads)
 
 
 @functools.cache
 def _measure_matmul_flops(
     device: str, dtype: torch.dtype, budget_s: float = 0.5, trials: int = 5
 ) -> tuple[float, str]:
-    """The best rate of n×n matmuls (`_best_rate`), n = 4096 on a GPU and 1024 on CPU (~20 ms a
-    trial on two cores: long enough that thread wake-up and timer noise do not count). Cached per
-    device/dtype: the number is a property of the machine, and measuring again costs every Trainer
-    time."""
+    """The best rate of 4096×4096 matmuls on a GPU no spec sheet here knows (`_best_rate`).
+    Cached per device/dtype."""
     dev = torch.device(device)
-    n = 4096 if dev.type == "cuda" else 1024
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    n = 4096
     a = torch.randn(n, n, device=dev).to(dtype)
     b = torch.randn(n, n, device=dev).to(dtype)
 
     def matmul() -> None:
         a @ b
-        sync()
+        torch.cuda.synchronize(dev)
 
     rate = _best_rate(matmul, 2 * n**3, trials, budget_s)
     return rate, f"{MEASURED} ({dev.type}, {dtype}, {n}x{n})"
@@ -160,17 +206,27 @@ def _best_rate(
     trials: int,
     budget_s: float,
     clock: Callable[[], float] = time.perf_counter,
+    warmup_s: float = 0.1,
 ) -> float:
     """flops / the fastest of at least `trials` timed calls of `run` (more while within
-    `budget_s`), after one untimed warm-up (allocation, kernel selection, thread pool start). The
-    fastest, not the mean: load from other processes only slows a trial, never speeds it up."""
+    `budget_s`), after untimed warm-up calls for `warmup_s` (at least one: allocation, kernel
+    selection, thread wake-up, the clock speed ramping up). The fastest, not the mean: load from
+    other processes only slows a trial, never speeds it up."""
+    start = clock()
     run()
+    while clock() - start < warmup_s:
+        run()
     best, count, start = math.inf, 0, clock()
     while count < trials or clock() - start < budget_s:
         t0 = clock()
         run()
         best, count = min(best, clock() - t0), count + 1
     return flops / best if best > 0 else math.inf
+
+
+def _rate_text(flops: float) -> str:
+    """A FLOP/s figure in the unit that reads best: a CPU's GFLOP/s, a GPU's TFLOP/s."""
+    return f"{flops / 1e12:.3g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,8 +242,9 @@ class Throughput:
 
     A window that achieves more than `peak_flops` raises the peak to its rate, so MFU never reads
     above 100 % (a CPU peak measured while the machine was busy read 2098 %): the achieved rate is
-    itself a lower bound on the peak. Logged once: at INFO for a measured peak (a busy start-up),
-    as a WARNING for a spec-sheet or configured one (that peak, or the FLOP count, is wrong).
+    itself a lower bound on the peak. Never silently: the first raise leaves a note for the
+    console (`take_note`), a warning for a spec-sheet or configured peak (that peak, or the FLOP
+    count, is wrong), so a capped 100 % is never read as a measurement.
     """
 
     def __init__(
@@ -207,6 +264,7 @@ class Throughput:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._last = time.perf_counter()
         self._raised = False
+        self._note: str | None = None
 
     def reset(self) -> None:
         """Forget the window and restart the clock (e.g. after evaluation or checkpointing)."""
@@ -240,14 +298,16 @@ class Throughput:
 
     def _raise_peak(self, flops: float) -> None:
         if not self._raised:
-            measured = self.peak_source.startswith(MEASURED)
-            log.log(
-                logging.INFO if measured else logging.WARNING,
-                "achieved %.3g TFLOP/s per device, above the peak %.3g (%s): MFU is reported "
-                "against the best rate achieved from here on",
-                flops / 1e12,
-                self.peak_flops / 1e12,
-                self.peak_source or "given",
+            kind = "note" if self.peak_source.startswith(MEASURED) else "warning"
+            self._note = (
+                f"{kind}: achieved {_rate_text(flops)} per device, above the peak "
+                f"{_rate_text(self.peak_flops)} ({self.peak_source or 'given'}): MFU is reported "
+                "against the best rate achieved from here on"
             )
             self._raised = True
         self.peak_flops = flops
+
+    def take_note(self) -> str | None:
+        """The note of the first raise of the peak, once (then None)."""
+        note, self._note = self._note, None
+        return note

@@ -448,6 +448,8 @@ class Trainer:
                 self.pending.add(metrics)
                 self.throughput.update(self.tokens_per_step, seconds)
                 metrics |= self.throughput.rate()
+                if (note := self.throughput.take_note()) is not None:  # a raised MFU peak
+                    console.write(bar, f"depthscale: {note}")
                 if self.heartbeat is not None:
                     self.heartbeat.update(
                         seconds,
