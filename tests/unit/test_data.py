@@ -174,28 +174,28 @@ def test_tiny_toml_trains_on_every_window_of_shards_and_says_what_max_bytes_leav
     data = build_data(cfg.data, seed=0, batch_size=4)
     assert len(data.train.tokens) + len(data.val.tokens) == manifest["tokens"]
     assert data.train.n_windows == (len(data.train.tokens) - 1) // 32
-    err = capsys.readouterr().err
-    assert err == (
-        f"depthscale: note: data.max_bytes caps raw text only: '{tmp_path / 'shards'}' is "
+    said = capsys.readouterr().out
+    assert said == (
+        f"depthscale: data.max_bytes caps raw text only: '{tmp_path / 'shards'}' is "
         f"tokens, all {manifest['tokens']:,} of them used\n"
     )
     text = load_config(tiny, ["--data.path", str(tmp_path / "corpus"), *overrides]).data
     for _ in ("tokenized", "cached"):  # every start says it
         tokens = tokenize_corpus(text, ByteTokenizer())
-        err = capsys.readouterr().err
-        assert len(tokens) == cap + 21 and err.count("\n") == 1, err  # 21 EOS: 2 files in
+        said = capsys.readouterr().out
+        assert len(tokens) == cap + 21 and said.count("\n") == 1, said  # 21 EOS: 2 files in
         corpus = tmp_path / "corpus"
-        assert f"data.max_bytes={cap:,} (raw text) leaves part of '{corpus}' out: it uses" in err
-        assert f" 21 documents, {cap + 21:,} tokens, {cap:,} bytes of text: its first 1 of" in err
+        assert f"data.max_bytes={cap:,} (raw text) leaves part of '{corpus}' out: it uses" in said
+        assert f" 21 documents, {cap + 21:,} tokens, {cap:,} bytes of text: its first 1 of" in said
         disk = sum(f.stat().st_size for f in files)
-        assert f" 3 files whole (33% of its {disk:,} bytes on disk) and part of file 2 (" in err
+        assert f" 3 files whole (33% of its {disk:,} bytes on disk) and part of file 2 (" in said
     (usage,) = (tmp_path / "cache" / "tokens").glob("*.usage.json")
     usage.write_text('{"files_opened": 2}')  # another version's record: the entry is redone
     assert len(tokenize_corpus(text, ByteTokenizer())) == cap + 21
-    assert "leaves part of" in capsys.readouterr().err
+    assert "leaves part of" in capsys.readouterr().out
     text.max_bytes = 0
     assert len(tokenize_corpus(text, ByteTokenizer())) == manifest["tokens"]
-    assert capsys.readouterr().err == ""  # nothing left out: nothing said
+    assert capsys.readouterr().out == ""  # nothing left out: nothing said
 
 
 def test_a_worker_that_dies_is_named_with_its_job_at_once(tmp_path):

@@ -199,7 +199,7 @@ def test_max_bytes_caps_each_text_source_and_start_up_says_what_it_leaves_out(tm
     data = build_data(cfg, seed=0, batch_size=4)
     windows = {s.name: s.n_windows for s in data.train.sources}
     assert windows == {"web": 1000 // SEQ, "small": 501 // SEQ, "code": 1999 // SEQ}
-    notes = capsys.readouterr().err.splitlines()
+    notes = capsys.readouterr().out.splitlines()
     assert len(notes) == 2, notes
     assert (
         f"data.max_bytes=1,000 (raw text) leaves part of '{paths['web']}' out: it uses 1"

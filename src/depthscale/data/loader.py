@@ -10,14 +10,13 @@ cursor) alone, and no rank holds a permutation of the corpus.
 from __future__ import annotations
 
 import json
-import sys
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
@@ -135,7 +134,7 @@ def tokenize_corpus(
                 "and data.bin_dtype"
             )
         if cfg.max_bytes:
-            _note(
+            _say(
                 f"data.max_bytes caps raw text only: {cfg.path!r} is tokens, all "
                 f"{len(tokens):,} of them used"
             )
@@ -157,14 +156,15 @@ def tokenize_corpus(
     tokens = np.load(path, mmap_mode="r")
     left_out = usage.report(cfg.path, len(tokens))
     if left_out is not None:
-        _note(left_out)
+        _say(left_out)
     return tokens
 
 
-def _note(message: str) -> None:
-    """One line on stderr, from the first rank only (every rank builds the same data)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"depthscale: note: {message}", file=sys.stderr, flush=True)
+def _say(message: str) -> None:
+    """A start-up fact, on stdout beside the others (the tokenizer, the model), from the first
+    rank only: every rank builds the same data."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"depthscale: {message}", flush=True)
 
 
 def split_stream(
