@@ -196,3 +196,24 @@ def test_metrics_logger_writes_json_lines_and_tensorboard(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
     with pytest.raises(ValueError, match="reserved"), MetricsLogger(tmp_path, False) as logger:
         logger.log(4, {"step": 1.0})
+
+
+def test_the_mixture_metrics_docs_name_are_the_tensorboard_tags(tmp_path):
+    """docs/data.md names each source's metrics as TensorBoard and W&B show them: it said
+    `tokens/<name>` where they show `train/tokens/<name>`."""
+    import re
+    from pathlib import Path
+
+    from depthscale.data.mixture import ORDER, mixture_metrics
+
+    state = {"order": ORDER, "sources": {"web": {"served": 3, "epoch": 1}}}
+    with MetricsLogger(tmp_path, tensorboard=True) as logger:  # as the trainer logs a step
+        logger.log(1, {"loss": 2.0, **mixture_metrics(state, seq_len=8)})
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    paragraph = text[text.index("A source smaller than its share") :].split("\n\n")[0]
+    named = re.findall(r"metrics log `([\w/<>]+)`[^`]*`([\w/<>]+)`", paragraph)
+    assert named, paragraph
+    tags = {name.replace("<name>", "web") for name in named[0]}
+    assert tags == {"train/tokens/web", "train/epoch/web"}
+    assert dict(_tb_scalars(tmp_path, "train/tokens/web")) == {1: 24.0}
+    assert dict(_tb_scalars(tmp_path, "train/epoch/web")) == {1: 1.0}

@@ -164,7 +164,8 @@ class DataSource:
     """One source of a mixture (`[[data.sources]]`): its corpus and its share of the tokens."""
 
     name: str = field(default="", metadata=REQUIRED)
-    """What it is logged as (`tokens/<name>`, `epoch/<name>`) and what stages call it."""
+    """What it is logged as (`train/tokens/<name>`, `train/epoch/<name>`) and what stages call
+    it."""
     path: str = field(default="", metadata=REQUIRED)
     """A corpus as `data.path` names one (any format of docs/data.md)."""
     weight: float = field(default=0.0, metadata=REQUIRED)
