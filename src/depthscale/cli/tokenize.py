@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from depthscale.cli.output_paths import check_output
 from depthscale.errors import ConfigError
 
 
@@ -16,7 +17,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from depthscale.config import DataConfig
-    from depthscale.config.validation import check_dir_creatable
     from depthscale.data.shards import input_files, refuse_other_tokenizer, tokenize_to_shards
     from depthscale.data.tokenizer import build_tokenizer
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
             "or a run's tokenizer/ directory"
         )
     out = Path(args.out)
-    check_dir_creatable("--out", out)
+    check_output("--out", out, directory=True)
     files = input_files(args.inputs, args.field)  # every input checked before any work
     tokenizer = build_tokenizer(DataConfig(tokenizer=args.tokenizer), lambda: ())
     if out.is_dir():
