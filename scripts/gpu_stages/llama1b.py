@@ -1,5 +1,6 @@
 """Stage llama1b: the whole configs/llama-1b.toml — 16 layers, d 2048, GQA 32/8, FFN 8192, sequence
-2048 — compiled as the trainer compiles it (`train.compile`: each block its own graph), bf16, with
+2048 — compiled as the trainer compiles it (`train.compile`: one graph shared by every standard block; for
+AttnRes the sublayers' two graphs, the depth reads eager on the fused kernels), bf16, with
 a 32768-token vocabulary over the byte tokenizer; the standard residual first, then block.
 
 Per residual: `first_step_s` (host seconds of step 1: Inductor compiling every distinct block, Triton
