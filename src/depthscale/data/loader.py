@@ -9,6 +9,7 @@ cursor) alone, and no rank holds a permutation of the corpus.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -143,8 +144,9 @@ def tokenize_corpus(
     path = cache_root(cfg) / "tokens" / f"{key}.npy"
     usage_path = path.with_suffix(".usage.json")  # written first: an entry without one is redone
     usage = None
-    if path.is_file() and usage_path.is_file():
-        usage = TextUsage.from_json(json.loads(usage_path.read_text()))
+    if path.is_file():
+        with contextlib.suppress(OSError, ValueError):  # none, or unreadable: redone
+            usage = TextUsage.from_json(json.loads(usage_path.read_text()))
     if usage is None:
         usage, dtype = TextUsage(), token_dtype(tokenizer.vocab_size)
         with cache_writes(path, "the tokenized corpus"), atomic_path(path) as tmp:
