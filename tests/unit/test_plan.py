@@ -157,8 +157,8 @@ def test_cli_plans_a_config(tmp_path, capsys):
 def test_cli_bad_input_is_one_line(args, words, capsys):
     code = main(["plan", "--gpus", "8", "--model.vocab_size", "256", *args])
     out = capsys.readouterr()
-    if code == 0:  # a valid but impossible layout is reported, not refused
-        assert "rejected" in out.out
+    if code == 1:  # a valid but impossible layout is reported, with exit 1 and the reason
+        assert "rejected" in out.out and "rejected (" in out.err
         return
     assert code == 2 and "Traceback" not in out.err
     import re
