@@ -105,6 +105,7 @@ def test_device_mesh_concatenate():
 
     assert list(inspect.signature(DeviceMesh._concatenate).parameters) == ["device_mesh_list"]
 
+
 def test_group_creation_internals_the_sync_counter_patches():
     """parallel/startup.count_synchronizations counts by wrapping `distributed_c10d.barrier`,
     `_store_based_barrier(rank, store, group_name, rendezvous_count, timeout)` (torch's barrier
