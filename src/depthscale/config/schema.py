@@ -9,6 +9,7 @@ from typing import Literal
 
 from depthscale.config.validation import validate
 from depthscale.errors import ConfigError
+from depthscale.shape import is_moe_layer
 
 ResidualMode = Literal["standard", "full", "block"]
 RopeScalingKind = Literal["none", "linear", "llama3"]
@@ -122,8 +123,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether layer `layer_id` has a Mixture-of-Experts FFN."""
-        k = layer_id - self.moe_first_dense
-        return self.moe_experts > 0 and k >= 0 and k % self.moe_every == 0
+        return is_moe_layer(layer_id, self.moe_experts, self.moe_first_dense, self.moe_every)
 
     @property
     def n_sublayers(self) -> int:
@@ -316,6 +316,21 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
+    cp_ulysses: int = 1
+    """Context parallelism's Ulysses degree, a factor of cp: the cp ranks form groups of this many
+    consecutive ranks that trade the sequence shard for a head shard by all-to-all around
+    attention, and a ring (the rest of cp) runs across the groups (`parallel/ulysses.py`). 1: a
+    pure ring; cp: pure Ulysses. Divides the heads per tp rank, and the KV heads per tp rank
+    divide it or are a multiple of it."""
+    cp_balance: Literal["zigzag", "documents"] = "documents"
+    """How the ring cuts each row over the cp ranks. 'zigzag': 2·cp chunks, rank r takes chunks
+    r and 2·cp−1−r (balances one causal sequence). 'documents': with data.document_mask, finer
+    chunks assigned per micro-batch by their attention work under the rows' documents and the
+    window, computed on the host (`parallel/cp_balance.py`; never worse than zigzag, and zigzag
+    itself for rows without boundaries or without document masks)."""
+    cp_balance_chunk: int = 64
+    """cp_balance='documents': the shortest chunk (tokens) a row is cut into; the chunks are as
+    many as this allows (a multiple of 2·cp dividing the row)."""
     tp: int = 1
     pp: int = 1
     pp_virtual: int = 1

@@ -84,12 +84,14 @@ def validate(cfg: Config) -> Config:
         "dp_replicate",
         "dp_shard",
         "cp",
+        "cp_ulysses",
         "tp",
         "pp",
         "pp_virtual",
         "ep",
         "nproc",
         "tp_overlap_chunks",
+        "cp_balance_chunk",
     ):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
@@ -104,6 +106,7 @@ def validate(cfg: Config) -> Config:
     m.check_rope()
     if m.n_heads % m.kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    _check_ulysses_layout(m, p)
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if (
@@ -333,6 +336,33 @@ def _check_expert_layout(m, p) -> None:
         raise ConfigError(
             f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each rank holds "
             "an equal share of the experts)"
+        )
+
+
+def _check_ulysses_layout(m, p) -> None:
+    """parallel.cp_ulysses: a factor of cp that splits each tp rank's heads (`parallel/ulysses.py`);
+    KV heads fewer than the Ulysses degree are repeated, so they must divide it."""
+    u = p.cp_ulysses
+    if u == 1:
+        return
+    if p.cp % u:
+        raise ConfigError(
+            f"parallel.cp_ulysses={u} must divide parallel.cp={p.cp}; allowed: a divisor of {p.cp}"
+        )
+    if m.n_heads % p.tp or m.kv_heads % p.tp:
+        return  # tensor parallelism's own rule reports it (`check_layout`)
+    heads, kv = m.n_heads // p.tp, m.kv_heads // p.tp
+    if heads % u:
+        raise ConfigError(
+            f"parallel.cp_ulysses={u} must divide the query heads per tp rank (model.n_heads="
+            f"{m.n_heads} / parallel.tp={p.tp} = {heads}); allowed: a common divisor of {heads} "
+            f"and parallel.cp={p.cp}"
+        )
+    if kv % u and u % kv:
+        raise ConfigError(
+            f"parallel.cp_ulysses={u} and the KV heads per tp rank (model.n_kv_heads={m.kv_heads} "
+            f"/ parallel.tp={p.tp} = {kv}) must divide one another (fewer KV heads are repeated "
+            f"over the Ulysses group); allowed: cp_ulysses a multiple or a divisor of {kv}"
         )
 
 

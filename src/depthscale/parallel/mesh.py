@@ -150,6 +150,38 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[("dp_replicate", name)]
 
 
+_CP_ATTR = "_depthscale_cp_groups"
+"""The attribute of a mesh holding its Ulysses/ring split of cp, per Ulysses degree."""
+
+
+def cp_groups(
+    mesh: DeviceMesh, ulysses: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(Ulysses group, ring group) of this rank for `parallel.cp_ulysses` = `ulysses`: each cp
+    group cut into Ulysses groups of `ulysses` consecutive cp ranks, and rings across them (the
+    members at the same place in every Ulysses group). A split of size 1 is None (nothing travels
+    on it); one of the cp group's own size is the cp group, so only the hybrid (1 < ulysses < cp)
+    makes groups, two per rank, once per mesh (every rank calls this, as for the dimensions)."""
+    cp_group = mesh["cp"].get_group()
+    cp = mesh["cp"].size()
+    if ulysses == 1:
+        return None, cp_group
+    if ulysses == cp:
+        return cp_group, None
+    made = getattr(mesh, _CP_ATTR, {})
+    if ulysses not in made:
+        dim = DIM_NAMES.index("cp")
+        rows = mesh.mesh.movedim(dim, -1).reshape(-1, cp).tolist()
+        inner = [row[i : i + ulysses] for row in rows for i in range(0, cp, ulysses)]
+        across = [row[i::ulysses] for row in rows for i in range(ulysses)]
+        made[ulysses] = (
+            startup.own_group(inner, "mesh_cp_ulysses"),
+            startup.own_group(across, "mesh_cp_ring"),
+        )
+        setattr(mesh, _CP_ATTR, made)
+    return made[ulysses]
+
+
 def _dim_group(ranks: torch.Tensor, dim: int, name: str) -> dist.ProcessGroup:
     """This rank's group along mesh dimension `dim` of `ranks`. A dimension spanning every rank
     gets a group of its own, not the world group (which torch's DeviceMesh would reuse): the world

@@ -187,7 +187,11 @@ def parallelize(
         from depthscale.parallel.expert_parallel import apply_balance_scope
 
         apply_balance_scope(model, mesh, dims, cfg.model.moe_balance_scope)
-    if dims.cp > 1:
+    if dims.cp > 1 and cfg.parallel.cp_ulysses > 1:
+        from depthscale.parallel.ulysses import apply_ulysses
+
+        apply_ulysses(model, mesh, cfg.parallel.cp_ulysses)  # Ulysses groups, ring across
+    elif dims.cp > 1:
         from depthscale.parallel.context_parallel import apply_context_parallel
 
         apply_context_parallel(model, mesh["cp"], layout="zigzag")  # as `SequenceShard` cuts
