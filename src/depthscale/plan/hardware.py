@@ -57,6 +57,26 @@ class Cluster:
     measured: tuple[str, ...] = ()
     """The efficiencies a calibration measured (a GPU run's `scripts/gpu_check.py` writes
     them); a measured GEMM curve or collectives count as measured anyway."""
+    host_bw: float = 25e9
+    """Device↔host bytes/s per GPU (PCIe 4/5 x16, the spec sheet's 32/64 GB/s at ~75 %):
+    offloaded states, a snapshot's copy to host memory and a restore from it."""
+    snapshot_bw: float = 25e9
+    """Bytes of a rank's state per second of step time a snapshot costs (its copy into the
+    writer's staging buffer, which the step waits for); the planner uses min(this, host_bw).
+    Default: assumed equal to the copy's bandwidth; `benchmarks/recovery.py` measures it."""
+    memory_read_bw: float = 25e9
+    """Bytes/s per rank a restore reads a snapshot back from host memory at (DCP from /dev/shm,
+    then the copy to the device at host_bw). Default assumed; `benchmarks/recovery.py` measures."""
+    storage_bw: float = 2e12 / 16384
+    """Shared file system bytes/s per GPU for checkpoints: Llama 3's (arXiv 2407.21783 §3.3.1)
+    Tectonic sustains 2 TB/s (7 TB/s peak) for its 16,384 GPUs, ~122 MB/s each."""
+    verify_bw: float = 1e9
+    """SHA-256 bytes/s of one process: a restore verifies each file of its checkpoint before any
+    load (rank 0 alone, the whole checkpoint). ~1.0-1.1 GB/s measured on the 2-core x86 box."""
+    restart_s: float = 5.0
+    """Fault → restarted workers ready to read their state (detection, stop, relaunch, imports,
+    process groups): what a restart costs besides the state's bytes. Default: the 2-core CPU
+    box's restart breakdown (docs/fault-tolerance.md); GPU jobs add CUDA and NCCL start-up."""
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
