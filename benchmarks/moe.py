@@ -31,6 +31,7 @@ from _common import device_info, interleaved_times, print_result, run_ranks  # n
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model import moe  # noqa: E402
 from depthscale.model.transformer import Transformer  # noqa: E402
+from depthscale.shape import ModelShape  # noqa: E402
 
 DIM, LAYERS, EXPERTS, TOP_K, EXPERT_FFN, SEQ, BATCH, VOCAB = 256, 4, 8, 2, 384, 256, 4, 512
 
@@ -62,7 +63,7 @@ def step_times(rounds: int) -> dict:
         "step_s": {k: round(v, 4) for k, v in times.items()},
         "moe_over_dense": round(times["moe"] / times["dense_equal_active"], 3),
         "moe_params": total,
-        "moe_active_params": total - moe.idle_params(models["moe"].cfg),
+        "moe_active_params": total - ModelShape.from_config(models["moe"].cfg).idle_params(),
         "dense_params": models["dense_equal_active"].num_params(),
     }
 
@@ -133,9 +134,8 @@ def _a2a_rank(rank: int, port: int, queue) -> None:
     layer(x.requires_grad_()).sum().backward()
     from depthscale.plan.comm import moe_payload
     from depthscale.plan.layout import Layout
-    from depthscale.plan.spec import ModelSpec
 
-    spec = ModelSpec.from_config(cfg)
+    spec = ModelShape.from_config(cfg)
     planned = moe_payload(spec, Layout(dp_shard=2, ep=2), [], 1, BATCH * SEQ, 4)
     queue.put({"rank": rank, "counted": sent[0], "planned": planned["all_to_all", "dp_shard"]})
     dist.destroy_process_group()

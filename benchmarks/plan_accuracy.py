@@ -37,7 +37,7 @@ from depthscale.plan.estimate import Workload, estimate  # noqa: E402
 from depthscale.plan.frameworks import DEPTHSCALE  # noqa: E402
 from depthscale.plan.hardware import Cluster  # noqa: E402
 from depthscale.plan.layout import Layout  # noqa: E402
-from depthscale.plan.spec import ModelSpec  # noqa: E402
+from depthscale.shape import ModelShape  # noqa: E402
 
 LAYOUTS: list[dict[str, int | str]] = [
     {},
@@ -185,7 +185,7 @@ def main() -> None:
                 for k in range(args.rounds)
             )
             r0 = runs[i][0][0]
-            spec = ModelSpec.from_config(
+            spec = ModelShape.from_config(
                 ModelConfig(
                     vocab_size=r0["vocab"], dim=args.dim, n_layers=args.layers,
                     n_heads=args.heads, residual=args.residual, attnres_n_blocks=2,

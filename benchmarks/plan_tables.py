@@ -25,7 +25,7 @@ from depthscale.plan.frameworks import DEPTHSCALE, MEGASCALE, MEGATRON_2022
 from depthscale.plan.hardware import PRESETS, Cluster
 from depthscale.plan.layout import Layout
 from depthscale.plan.search import search
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 KORTHIKANTI = {
     "22B": (64, 6144, 48, 8, 1, 1, 8, 4, 4, 1.42, 1.10),
@@ -40,7 +40,7 @@ MEGASCALE_T2 = [  # batch, GPUs, Megatron-LM MFU %, MegaScale MFU %
 ]  # fmt: skip
 
 
-GPT_175B_T1 = ModelSpec.gpt(96, 12288, 128, 64000, 2048)
+GPT_175B_T1 = ModelShape.gpt(96, 12288, 128, 64000, 2048)
 """MegaScale's Table 1 model: 96 layers, hidden 12,288, 128 heads, vocabulary 64,000."""
 
 
@@ -79,7 +79,7 @@ def ablation(a100: Cluster) -> list[dict]:
 def tables(a100: Cluster) -> dict:
     rows = []
     for name, (heads, h, layers, t, p, v, gpus, batch, mb, full, sel) in KORTHIKANTI.items():
-        spec = ModelSpec.gpt(layers, h, heads, 51200, 2048)
+        spec = ModelShape.gpt(layers, h, heads, 51200, 2048)
         for rc, measured in (("full", full), ("selective", sel)):
             lay = Layout(tp=t, pp=p, v=v if rc == "selective" else 1, micro_batch=mb, recompute=rc)
             est = estimate(Workload(spec, 2048, batch), a100, lay, MEGATRON_2022, gpus)
@@ -124,7 +124,7 @@ def main() -> None:
         out["sensitivity"][f"gemm_efficiency={eff}"] = {
             k: v for k, v in other.items() if not isinstance(v, list)
         }
-    gpt175 = ModelSpec.gpt(96, 12288, 96, 51200, 2048)
+    gpt175 = ModelShape.gpt(96, 12288, 96, 51200, 2048)
     timings = {}
     for fw in (MEGATRON_2022, DEPTHSCALE):
         start = time.perf_counter()

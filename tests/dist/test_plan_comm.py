@@ -22,7 +22,7 @@ from depthscale.parallel.mesh import ParallelDims
 from depthscale.parallel.parallelize import dp_rank_and_size, parallelize
 from depthscale.plan.comm import DIMS, rank_payload
 from depthscale.plan.layout import Layout
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 BATCH, SEQ, VOCAB = 8, 16, 70
 COLLECTIVES = {
@@ -159,7 +159,7 @@ CASES = [
 @pytest.mark.parametrize("dims_kw,world,residual,recompute", CASES, ids=str)
 def test_bytes_per_group_are_predicted_exactly(dist_pool, dims_kw, world, residual, recompute):
     cfg = _config(residual, dims_kw, recompute)
-    spec = ModelSpec.from_config(cfg.model)
+    spec = ModelShape.from_config(cfg.model)
     p = cfg.parallel
     routed = Counter()  # all-to-all bytes depend on the routing per rank, not per ep group
     for r in dist_pool(world).run(_measure, residual, dims_kw, recompute):

@@ -16,7 +16,7 @@ from depthscale.parallel.mesh import ParallelDims
 from depthscale.parallel.parallelize import dp_rank_and_size, parallelize
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import peak_in_flight
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 from depthscale.plan.states import rank_state_bytes
 from depthscale.train.optim import build_optimizer
 
@@ -96,7 +96,7 @@ CASES = [
 @pytest.mark.parametrize("residual,tie", [("block", True), ("standard", False)])
 def test_state_bytes_and_in_flight_are_predicted_exactly(dist_pool, dims_kw, world, residual, tie):
     cfg = _config(residual, dims_kw, tie)
-    spec = ModelSpec.from_config(cfg.model)
+    spec = ModelShape.from_config(cfg.model)
     p = cfg.parallel
     lay = Layout(tp=p.tp, pp=p.pp, v=p.pp_virtual, cp=p.cp, dp_shard=p.dp_shard,
                  dp_replicate=p.dp_replicate, ep=p.ep)  # fmt: skip

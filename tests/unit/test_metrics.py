@@ -12,7 +12,6 @@ from depthscale.observe.metrics import (
     MEASURED,
     Throughput,
     _best_rate,
-    attended_keys,
     detect_peak_flops,
     flops_per_token,
 )
@@ -28,20 +27,26 @@ def test_flops_per_token_matches_hand_count():
     # -> 43008; two layers 86016; LM head 64·256 = 16384; N = 102400 (embedding lookup not counted).
     n = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 64 * 160) + 64 * 256
     assert n == 102400
-    # Causal attention over T = 16: a query sees (16+1)/2 = 8.5 keys on average. Forward per layer:
-    # QKᵀ 2·64·8.5 + AV 2·64·8.5 = 2176; two layers 4352. Training = 3 × forward.
-    expected = 3 * (2 * n + 2 * 4 * 64 * 8.5)
-    assert expected == 627456.0
+    # Attention over T = 16, the whole causal score matrix (shape/model.py's convention): a query
+    # counts 16 keys. Forward per layer per token: QKᵀ 2·64·16 + AV 2·64·16 = 4096; two layers
+    # 8192. Training = 3 × forward.
+    expected = 3 * (2 * n + 2 * 4 * 64 * 16)
+    assert expected == 638976.0
     assert flops_per_token(small(), 16) == pytest.approx(expected)
+    # HFU's numerator: full recompute runs every layer's forward matmuls and attention again
+    recomputed = 2 * (2 * (4096 + 2048 + 2048 + 4096 + 3 * 64 * 160) + 4 * 64 * 16)
+    assert flops_per_token(small(), 16, "full") == pytest.approx(expected + recomputed)
+    assert flops_per_token(small(), 16, "selective") == flops_per_token(small(), 16)
 
 
 def test_sliding_window_lowers_attention_flops():
-    # Window 4 over T = 16: keys seen are 1, 2, 3, 4, then 4 for the other 12 positions: 58/16.
-    assert attended_keys(16, 4) == pytest.approx(58 / 16)
-    assert attended_keys(16, 0) == attended_keys(16, 16) == attended_keys(16, 99) == 8.5
+    # Window 4 over T = 16: a query counts 4 keys; a window at least T counts them all.
     windowed = ModelConfig(**{**small().__dict__, "sliding_window": 4})
-    assert flops_per_token(windowed, 16) == pytest.approx(6 * 102400 + 12 * 2 * 64 * 58 / 16)
+    assert flops_per_token(windowed, 16) == pytest.approx(6 * 102400 + 12 * 2 * 64 * 4)
     assert flops_per_token(windowed, 16) < flops_per_token(small(), 16)
+    for w in (16, 99):
+        wide = ModelConfig(**{**small().__dict__, "sliding_window": w})
+        assert flops_per_token(wide, 16) == flops_per_token(small(), 16)
 
 
 def test_flops_per_token_needs_a_vocab_size():

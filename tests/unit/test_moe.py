@@ -259,14 +259,21 @@ def test_an_unknown_balance_scope_is_a_one_line_error_naming_the_allowed():
 
 def test_the_planner_counts_moe_parameters():
     """The planner's model of an MoE model: every parameter (router, all experts, shared) and the
-    active ones (what MFU counts: `idle_params`), exactly (its layouts: tests/unit/test_plan_moe.py)."""
-    from depthscale.plan.spec import ModelSpec
+    active ones (what MFU counts), exactly (its layouts: tests/unit/test_plan_moe.py)."""
+    from depthscale.shape import ModelShape
 
     cfg = _cfg(n_layers=3, moe_first_dense=1, moe_shared_experts=1)
-    spec = ModelSpec.from_config(cfg)
+    spec = ModelShape.from_config(cfg)
     model = Transformer(cfg)
     assert spec.params() == sum(p.numel() for p in model.parameters())
-    assert spec.active_params() == spec.params() - moe.idle_params(cfg)
+    # a token skips E - k of each MoE layer's routed experts: their share of the experts' weights
+    routed = [m.experts for m in model.modules() if isinstance(m, moe.MoE)]
+    idle = sum(
+        sum(p.numel() for p in e.parameters()) * (cfg.moe_experts - cfg.moe_top_k) // cfg.moe_experts
+        for e in routed
+    )
+    assert len(routed) == 2 and spec.idle_params() == idle
+    assert spec.active_params() == spec.params() - idle
 
 
 def test_the_planners_moe_flops_are_what_the_model_computes(monkeypatch):
@@ -276,7 +283,7 @@ def test_the_planners_moe_flops_are_what_the_model_computes(monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from depthscale.plan.spec import ModelSpec
+    from depthscale.shape import ModelShape
 
     monkeypatch.setattr(moe, "grouped_mm_works", lambda device, dtype: False)
     cfg = _cfg(n_layers=2, moe_first_dense=1, moe_shared_experts=1, max_seq_len=16)
@@ -285,7 +292,7 @@ def test_the_planners_moe_flops_are_what_the_model_computes(monkeypatch):
     tokens = torch.randint(0, 32, (2, 16))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
-    assert counter.get_total_flops() == 2 * ModelSpec.from_config(cfg).model_flops(16)
+    assert counter.get_total_flops() == 2 * ModelShape.from_config(cfg).model_flops(16)
 
 
 def test_a_compiled_model_runs_its_moe_eagerly_and_compiles_once():

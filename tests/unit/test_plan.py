@@ -18,7 +18,7 @@ from depthscale.plan.hardware import PRESETS
 from depthscale.plan.layout import Layout, parse_layout
 from depthscale.plan.pipeline import _simulated, hop_tensors, peak_in_flight, pipeline_time
 from depthscale.plan.search import SIMULATED, search
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 # Korthikanti et al. 2022, Tables 3 and 5: (heads, hidden, layers, t, p, v, GPUs, batch,
 # micro-batch, iteration s with full recompute, with sequence parallelism + selective recompute)
@@ -35,7 +35,7 @@ def test_korthikanti_table5_iteration_times():
     530B over 3 chunks (Table 3's footnote) in both columns; the 1T run is not interleaved."""
     errors = {}
     for name, (heads, h, layers, t, p, v, gpus, batch, mb, full, sel) in KORTHIKANTI.items():
-        spec = ModelSpec.gpt(layers, h, heads, 51200, 2048)
+        spec = ModelShape.gpt(layers, h, heads, 51200, 2048)
         for recompute, measured in (("full", full), ("selective", sel)):
             lay = Layout(tp=t, pp=p, v=v if recompute == "selective" else 1, micro_batch=mb,
                          recompute=recompute)  # fmt: skip
@@ -50,7 +50,7 @@ def test_korthikanti_mfu_convention():
     """Eq. 7 at 312 TFLOP/s reproduces the paper's MFU cells from its iteration times."""
     for name, mfu in (("175B", 0.514), ("530B", 0.560), ("1T", 0.563)):
         heads, h, layers, t, p, v, gpus, batch, mb, _, sel = KORTHIKANTI[name]
-        spec = ModelSpec.gpt(layers, h, heads, 51200, 2048)
+        spec = ModelShape.gpt(layers, h, heads, 51200, 2048)
         achieved = spec.model_flops(2048) * batch / sel / (gpus * 312e12)
         assert abs(achieved - mfu) < 0.002, name
 
@@ -87,13 +87,13 @@ def test_hops_carry_what_the_depth_cache_sends(p, v, layers, block_size, cache):
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, residual="block",
                       attnres_block_size=block_size)  # fmt: skip
     runtime = DepthCache(cfg, split_layers(layers, p * v), p, enabled=cache)
-    plan = hop_tensors(ModelSpec.from_config(cfg), Layout(pp=p, v=v, cache=cache))
+    plan = hop_tensors(ModelShape.from_config(cfg), Layout(pp=p, v=v, cache=cache))
     sizes = [runtime.hop_size(u) for u in range(p * v - 1)]
     assert plan == sizes
 
 
 def test_the_cache_cuts_pipeline_bytes_and_memory():
-    spec = ModelSpec(
+    spec = ModelShape(
         16, 256, 8, 8, 704, 1000, residual="block", blocks=tuple(i // 4 for i in range(32))
     )
     w = Workload(spec, 1024, 64)
@@ -107,7 +107,7 @@ def test_the_cache_cuts_pipeline_bytes_and_memory():
 
 
 def test_search_names_what_each_rejected_layout_breaks():
-    spec = ModelSpec.gpt(96, 12288, 96, 51200, 2048)
+    spec = ModelShape.gpt(96, 12288, 96, 51200, 2048)
     result = search(Workload(spec, 2048, 1536), PRESETS["a100"], MEGATRON_2022, 1024)
     assert result.ranked and result.rejected
     reasons = {e.reason.split(" ")[0] for e in result.rejected}
@@ -194,7 +194,7 @@ def test_cache_is_what_makes_an_interleaved_70b_layout_fit():
     """Block AttnRes 70B (8 blocks) on 64 H100s: tp=8, pp=4, v=5 keeps every chunk's received
     depth state until its backward; with the cross-stage cache the hops carry only the blocks a
     rank lacks, and the layout fits — without it, it does not."""
-    spec = ModelSpec(80, 8192, 64, 8, 28672, 128256, residual="block",
+    spec = ModelShape(80, 8192, 64, 8, 28672, 128256, residual="block",
                      blocks=tuple(min(i // 20, 7) for i in range(160)), tie_embeddings=False)  # fmt: skip
     w = Workload(spec, 4096, 1024)
     lay = Layout(tp=8, pp=4, v=5, dp_replicate=2, micro_batch=1)
@@ -209,7 +209,7 @@ def test_a_pipeline_that_cannot_keep_its_weights_gathered_re_gathers_them():
     """70B on 64 H100s, tp=4, pp=4, fsdp=4: keeping each stage's gathered weights for the step
     (the default under pipelines) runs out of memory; re-gathering them for every micro-batch
     (zero3) fits, at 2·M gathers per step instead of one, and the search offers that twin."""
-    spec = ModelSpec(80, 8192, 64, 8, 28672, 128256, residual="block",
+    spec = ModelShape(80, 8192, 64, 8, 28672, 128256, residual="block",
                      blocks=tuple(min(i // 20, 7) for i in range(160)), tie_embeddings=False)  # fmt: skip
     w = Workload(spec, 4096, 1024)
     keep = estimate(w, PRESETS["h100"], Layout(tp=4, pp=4, dp_shard=4), DEPTHSCALE, 64)
@@ -236,7 +236,7 @@ def test_ring_traffic_shows_in_full_where_it_does_not_overlap():
 
     from depthscale.plan.estimate import _cp_bytes
 
-    spec = ModelSpec(32, 4096, 32, 8, 14336, 128256, residual="block",
+    spec = ModelShape(32, 4096, 32, 8, 14336, 128256, residual="block",
                      blocks=tuple(i // 8 for i in range(64)))  # fmt: skip
     w, lay, c = Workload(spec, 32768, 64), Layout(cp=8), PRESETS["h100"]
     hidden_fw = dataclasses.replace(DEPTHSCALE, dp_overlap=False)
@@ -375,7 +375,7 @@ def test_long_context_searches_cp_beyond_eight(monkeypatch):
 
     assert planner.max_cp(262144) == 1024 and planner.max_cp(2048) == 8
     assert planner.max_cp(100) == 1
-    spec = ModelSpec(32, 4096, 32, 8, 14336, 128256)
+    spec = ModelShape(32, 4096, 32, 8, 14336, 128256)
     w = Workload(spec, 262144, 4)
     result = search(w, PRESETS["h100"], DEPTHSCALE, 1024)
     assert result.ranked and min(e.layout.cp for e in result.ranked) > 8
@@ -390,7 +390,7 @@ def test_gradient_reduction_dtype_is_a_setting_of_the_framework():
     """A small model at large data-parallel degree under Megatron: its un-overlapped fp32
     all-reduce is a large share of the step, and reducing in bf16 halves those bytes (and its
     gradient buffer); depthscale keeps fp32 gradients and halves only the reduce-scatter."""
-    spec = ModelSpec(24, 2304, 24, 24, 9216, 51200)
+    spec = ModelShape(24, 2304, 24, 24, 9216, 51200)
     w, c, lay = Workload(spec, 2048, 1024), PRESETS["h100"], Layout(dp_replicate=256, micro_batch=4)
     fp32, bf16 = (estimate(w, c, lay, MEGATRON_2022.with_reduce_dtype(d), 256)
                   for d in ("float32", "bfloat16"))  # fmt: skip

@@ -19,7 +19,7 @@ from depthscale.config import ModelConfig
 from depthscale.model.moe import MoE
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.plan import activations
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 from depthscale.train.memory import retained_bytes
 
 
@@ -53,14 +53,14 @@ def test_parameter_count_is_exact_for_random_configs():
         cfg = _random_config(rng)
         with torch.device("meta"):
             model = Transformer(cfg)
-        assert ModelSpec.from_config(cfg).params() == sum(p.numel() for p in model.parameters()), (
+        assert ModelShape.from_config(cfg).params() == sum(p.numel() for p in model.parameters()), (
             cfg
         )
 
 
 def test_gpt_parameters_follow_sc21():
     """SC'21 Eq. 2 reproduces its Table 1 (175B row: 96 layers, h 12288, V 51200, s 2048)."""
-    spec = ModelSpec.gpt(96, 12288, 96, 51200, 2048)
+    spec = ModelShape.gpt(96, 12288, 96, 51200, 2048)
     assert abs(spec.params() / 1e9 - 174.6) < 0.1
 
 
@@ -77,7 +77,7 @@ def test_flops_match_flop_counter(residual):
     # CPU flash kernel); it computes the whole causal score matrix, the planner's convention
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         cross_entropy(model(tokens), tokens).backward()
-    spec = ModelSpec.from_config(cfg)
+    spec = ModelShape.from_config(cfg)
     predicted = 2 * spec.model_flops(64)
     assert abs(predicted / counter.get_total_flops() - 1) < 0.01
 
@@ -120,7 +120,7 @@ def test_activation_bytes_match_autograd(residual, bf16, parallel):
         vocab_size=97, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=176, max_seq_len=64,
         residual=residual, attnres_n_blocks=2, parallel_block=parallel,
     )  # fmt: skip
-    spec = ModelSpec.from_config(cfg)
+    spec = ModelShape.from_config(cfg)
     tokens = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -159,7 +159,7 @@ def test_moe_activation_bytes_match_autograd(residual, bf16, router):
         residual=residual, attnres_n_blocks=2, moe_experts=8, moe_top_k=2, moe_ffn_dim=48,
         **MOE_ROUTERS[router],
     )  # fmt: skip
-    spec = ModelSpec.from_config(cfg)
+    spec = ModelShape.from_config(cfg)
     tokens = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = Transformer(cfg)

@@ -19,19 +19,19 @@ from depthscale.plan.layout import Layout
 from depthscale.plan.memory import rank_params
 from depthscale.plan.report import PlanRequest, run
 from depthscale.plan.search import search
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 from depthscale.plan.states import rank_state_bytes
 
 H100 = PRESETS["h100"]
 
 
-def _spec(**kw) -> ModelSpec:
+def _spec(**kw) -> ModelShape:
     cfg = dict(
         vocab_size=1024, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, residual="block",
         attnres_n_blocks=2, moe_experts=8, moe_top_k=2, moe_ffn_dim=128, moe_shared_experts=1,
         moe_first_dense=1, moe_balance="aux_loss",
     )  # fmt: skip
-    return ModelSpec.from_config(ModelConfig(**(cfg | kw)))
+    return ModelShape.from_config(ModelConfig(**(cfg | kw)))
 
 
 LAYOUTS = [
@@ -74,7 +74,7 @@ def test_fine_grained_experts_cost_more_at_equal_flops():
     shrinks every group of the grouped GEMM, and the GEMM efficiency follows the smallest
     dimension: the FFN takes longer."""
     coarse = _spec(moe_experts=8, moe_top_k=2, moe_ffn_dim=1024, dim=2048, moe_shared_experts=0)
-    fine = coarse.with_(moe_experts=64, moe_top_k=16, moe_ffn=128)
+    fine = coarse.with_(n_experts=64, moe_top_k=16, moe_ffn=128)
     lay = Layout()
     t_coarse = experts.ffn_gemm_seconds(coarse, H100, lay, 8192, "bfloat16")
     t_fine = experts.ffn_gemm_seconds(fine, H100, lay, 8192, "bfloat16")

@@ -21,9 +21,9 @@ LLAMA_405B = dict(dim=16384, n_heads=128, kv_heads=8, ffn_dim=53248, vocab=12825
 
 
 def _llama(n_layers: int):
-    from depthscale.plan.spec import ModelSpec
+    from depthscale.shape import ModelShape
 
-    return ModelSpec(n_layers, tie_embeddings=False, **LLAMA_405B)
+    return ModelShape(n_layers, tie_embeddings=False, **LLAMA_405B)
 
 
 def _layout(**kw) -> Layout:

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     from depthscale.config import load_config
     from depthscale.plan.report import PlanRequest, format_table, to_json
     from depthscale.plan.report import run as plan_layouts
-    from depthscale.plan.spec import ModelSpec
+    from depthscale.shape import ModelShape
 
     cfg = load_config(args.config, rest)
     if cfg.model.vocab_size <= 0:  # as training resolves it: from the tokenizer the config names
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
             print(f"depthscale: note: {note}", file=sys.stderr, flush=True)
     name = Path(args.config).stem if args.config else "defaults"
     request = PlanRequest(
-        spec=ModelSpec.from_config(cfg.model, name=name),
+        spec=ModelShape.from_config(cfg.model, name=name),
         gpus=args.gpus,
         cluster=args.cluster,
         seq=args.seq or cfg.data.seq_len,

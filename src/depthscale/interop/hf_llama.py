@@ -36,6 +36,7 @@ from depthscale.interop.hf_depthscale import (
 )
 from depthscale.interop.safetensors_shards import DEFAULT_SHARD_BYTES, save_weights
 from depthscale.model.transformer import Transformer
+from depthscale.shape import ModelShape
 
 __all__ = [
     "config_from_hf",
@@ -272,7 +273,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
             f"model.sliding_window={cfg.sliding_window} has no Hugging Face Llama counterpart "
             "(Llama attends to the full context)"
         )
-    if cfg.moe_experts:
+    if ModelShape.from_config(cfg).moe:
         hf_moe.check_exportable(cfg)
 
 
@@ -289,7 +290,7 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     rope_type = {kind: hf for hf, kind in _ROPE_KINDS.items()}[cfg.rope_scaling]
     scaling: dict[str, Any] = {"rope_type": rope_type}
     scaling |= {hf: getattr(cfg, field) for hf, field in _ROPE_KEYS.get(rope_type, {}).items()}
-    moe = hf_moe.hf_fields(cfg) if cfg.moe_experts else {}
+    moe = hf_moe.hf_fields(cfg) if ModelShape.from_config(cfg).moe else {}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -325,7 +326,7 @@ def state_dict_from_hf(
     when tied.
     """
     out: dict[str, Tensor] = {}
-    if cfg is not None and cfg.moe_experts:
+    if cfg is not None and ModelShape.from_config(cfg).moe:
         out, hf_sd = hf_moe.from_hf(hf_sd, cfg)
     for name, tensor in hf_sd.items():
         if name.endswith("rotary_emb.inv_freq"):
@@ -345,7 +346,7 @@ def state_dict_to_hf(sd: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Te
     `lm_head` to the embedding on load, and safetensors refuses shared tensors)."""
     _check_exportable(cfg)
     out: dict[str, Tensor] = {}
-    if cfg.moe_experts:
+    if ModelShape.from_config(cfg).moe:
         out, sd = hf_moe.to_hf(sd, cfg)
     unknown: list[str] = []
     for name, tensor in sd.items():

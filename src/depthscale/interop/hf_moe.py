@@ -20,6 +20,7 @@ from torch import Tensor
 
 from depthscale.config import ModelConfig
 from depthscale.errors import ConfigError
+from depthscale.shape import ModelShape
 
 MODEL_TYPE = "mixtral"
 _EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
@@ -94,6 +95,7 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
 def from_hf(hf_sd: Mapping[str, Tensor], cfg: ModelConfig) -> tuple[dict[str, Tensor], dict]:
     """(depthscale tensors of the routers and stacked experts, the HF tensors left for the Llama
     mapping). Each layer's router bias (aux-loss-free balancing; Mixtral has none) is zero."""
+    n = ModelShape.from_config(cfg).n_experts
     experts: dict[tuple[int, str], dict[int, Tensor]] = {}
     out: dict[str, Tensor] = {}
     rest = {}
@@ -102,16 +104,14 @@ def from_hf(hf_sd: Mapping[str, Tensor], cfg: ModelConfig) -> tuple[dict[str, Te
             experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = tensor
         elif m := _ROUTER_RE.fullmatch(name):
             out[f"layers.{m.group(1)}.feed_forward.router.weight"] = tensor
-            out[f"layers.{m.group(1)}.feed_forward.router.expert_bias"] = torch.zeros(
-                cfg.moe_experts
-            )
+            out[f"layers.{m.group(1)}.feed_forward.router.expert_bias"] = torch.zeros(n)
         else:
             rest[name] = tensor
     for (layer, w), by_expert in experts.items():
-        if sorted(by_expert) != list(range(cfg.moe_experts)):
-            missing = sorted(set(range(cfg.moe_experts)) - set(by_expert))
+        if sorted(by_expert) != list(range(n)):
+            missing = sorted(set(range(n)) - set(by_expert))
             raise ConfigError(f"layer {layer} {w}: experts {missing} missing from the checkpoint")
-        stacked = torch.stack([by_expert[e].t() for e in range(cfg.moe_experts)])
+        stacked = torch.stack([by_expert[e].t() for e in range(n)])
         out[f"layers.{layer}.feed_forward.experts.{_OURS[w]}"] = stacked
     return out, rest
 

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from depthscale.config import ModelConfig
 from depthscale.model.layers import LOCAL, Projections, SwiGLU, outside_graph
+from depthscale.shape import ModelShape
 
 
 class Routing(NamedTuple):
@@ -58,13 +59,13 @@ class Routing(NamedTuple):
 class Router(nn.Module):
     """Scores, top-k choice and the auxiliary losses, in fp32 whatever the compute dtype."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, n_experts: int) -> None:
         super().__init__()
-        self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.n_experts, self.top_k = n_experts, cfg.moe_top_k
         self.gate, self.normalize = cfg.moe_gate, cfg.moe_normalize_top_k
         self.balance, self.aux_coef, self.z_coef = cfg.moe_balance, cfg.moe_aux_loss, cfg.moe_z_loss
-        self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.dim))
-        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
+        self.weight = nn.Parameter(torch.empty(n_experts, cfg.dim))
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
         """Aux-loss-free balancing's per-expert bias (checkpointed with the model)."""
 
     def forward(self, x: Tensor, totals: Callable[[Tensor], Tensor] | None = None) -> Routing:
@@ -219,8 +220,9 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.router = Router(cfg)
-        self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.moe_hidden_dim)
+        facts = ModelShape.from_config(cfg)
+        self.router = Router(cfg, facts.n_experts)
+        self.experts = Experts(facts.n_experts, cfg.dim, facts.moe_ffn)
         self.shared = None
         if cfg.moe_shared_experts:
             wide = ModelConfig(dim=cfg.dim, ffn_dim=cfg.moe_shared_experts * cfg.moe_hidden_dim)
@@ -303,14 +305,6 @@ def _in_backward() -> bool:
     """Whether autograd is running a backward pass now (a recomputed forward under activation
     checkpointing runs inside one)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def idle_params(cfg: ModelConfig) -> int:
-    """Parameters a token does not use: the routed experts it is not sent to, in every MoE layer
-    (total − this = the active parameters MFU and tokens/s count)."""
-    per_expert = 3 * cfg.dim * cfg.moe_hidden_dim
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    return moe_layers * (cfg.moe_experts - cfg.moe_top_k) * per_expert
 
 
 @torch.no_grad()

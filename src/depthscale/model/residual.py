@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from depthscale import shape
 from depthscale.config import ModelConfig
-from depthscale.errors import ConfigError
 from depthscale.model.attnres_ops import (
     depth_read,
     depth_read_efficient,
@@ -79,22 +79,10 @@ torch.export.register_dataclass(InterBlock)
 
 
 def block_assignment(cfg: ModelConfig) -> list[int]:
-    """Block index of every sublayer. Block AttnRes with block size S: consecutive groups of S, the
-    last may be shorter; with N blocks: S = L // N and leftover sublayers join the last block."""
-    n = cfg.n_sublayers
-    if cfg.residual == "full":
-        return list(range(n))
-    if cfg.residual == "standard":
-        return [0] * n
-    if cfg.attnres_block_size:
-        return [t // cfg.attnres_block_size for t in range(n)]
-    n_blocks = cfg.attnres_n_blocks
-    if not 1 <= n_blocks <= n:  # also reached by models built without Config.validate()
-        raise ConfigError(
-            f"model.attnres_n_blocks={n_blocks} must be in 1..{n} (the number of sublayers)"
-        )
-    size = n // n_blocks
-    return [min(t // size, n_blocks - 1) for t in range(n)]
+    """Block index of every sublayer of the model `cfg` describes (the rule: `shape.block_assignment`)."""
+    return shape.block_assignment(
+        cfg.residual, cfg.n_sublayers, cfg.attnres_block_size, cfg.attnres_n_blocks
+    )
 
 
 class StandardResidual(nn.Module):

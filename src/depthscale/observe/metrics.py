@@ -2,7 +2,10 @@
 metrics_log.py).
 
 MFU = achieved model FLOP/s / peak FLOP/s, where model FLOPs count only what the model needs
-(no recomputation), so MFU is comparable across activation-checkpointing and kernel choices. It is
+(no recomputation), so MFU is comparable across activation-checkpointing and kernel choices; HFU
+counts what recomputation runs again too. Both count FLOPs as `depthscale plan` does
+(`shape/model.py` states the convention: the whole causal score matrix, as Megatron, PaLM and
+torchtitan count it), so a logged MFU and a predicted one are the same quantity. It is
 never above 100 %: a rate above the peak proves the peak too low, and `Throughput` raises it.
 """
 
@@ -17,68 +20,25 @@ from collections.abc import Callable
 import torch
 
 from depthscale.config import ModelConfig
+from depthscale.shape import ModelShape
 
-__all__ = [
-    "Throughput",
-    "attended_keys",
-    "detect_peak_flops",
-    "flops_per_token",
-    "matmul_params",
-]
+__all__ = ["Throughput", "detect_peak_flops", "flops_per_token"]
 
 
 # --------------------------------------------------------------------------------------------
 # Model FLOPs
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """N: weights that take part in a matmul per token (attention q/k/v/o with GQA, SwiGLU's three
-    matrices, the LM head). The embedding lookup is a gather, not a matmul, so it is left out even
-    when tied to the head (the head's d·V is counted once, as the head). MoE layers count their
-    *active* weights: the router, top-k routed experts and the shared experts."""
+def flops_per_token(cfg: ModelConfig, seq_len: int, recompute: str = "none") -> float:
+    """Training (forward + backward) FLOPs per token of sequences of `seq_len` tokens, the count
+    `depthscale plan` predicts with (`shape.ModelShape.model_flops_per_token`; the convention,
+    full causal score matrix included, is stated in `shape/model.py`). With `recompute`, what
+    activation checkpointing runs again is added: HFU's numerator instead of MFU's."""
     if cfg.vocab_size <= 0:
         raise ValueError("flops_per_token: model.vocab_size must be resolved (> 0) first")
-    d, hd = cfg.dim, cfg.head_dim
-    attention = d * hd * (2 * cfg.n_heads + 2 * cfg.kv_heads)  # wq, wo: H·hd; wk, wv: Hkv·hd
-    dense = 3 * d * cfg.hidden_dim
-    active = cfg.moe_top_k + cfg.moe_shared_experts
-    moe = 3 * d * cfg.moe_hidden_dim * active + d * cfg.moe_experts
-    mlp = sum(moe if cfg.is_moe_layer(i) else dense for i in range(cfg.n_layers))
-    return cfg.n_layers * attention + mlp + d * cfg.vocab_size
-
-
-def attended_keys(seq_len: int, window: int = 0) -> float:
-    """Average number of keys a query attends to under causal masking: (T+1)/2 for full attention,
-    mean over t of min(t+1, w) for a sliding window w."""
     if seq_len <= 0:
-        raise ValueError(f"attended_keys: seq_len={seq_len} must be > 0")
-    if window <= 0 or window >= seq_len:
-        return (seq_len + 1) / 2
-    ramp = window * (window + 1) / 2  # positions 0..w-1 see t+1 keys
-    return (ramp + (seq_len - window) * window) / seq_len
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token: 6·N + 12·L·H·hd·T_att.
-
-    Forward, per token: every matmul weight costs one multiply-add, 2·N FLOPs
-    (`matmul_params`). Per layer, the score matmul QKᵀ and the value matmul AV each cost
-    2·H·hd·T_att, where T_att is the average number of keys a query attends to
-    (`attended_keys`), so attention adds 4·L·H·hd·T_att (H·hd = dim). Backward costs twice the
-    forward, so training is 3x: 6·N + 12·L·H·hd·T_att.
-
-    This is the PaLM (appendix B) / nanoGPT MFU convention, except that PaLM counts attention as
-    12·L·H·hd·T with the full T, i.e. including the masked half of the causal score matrix. Here
-    masked entries are not counted (T_att ≈ (T+1)/2 causal, less with a sliding window), so our MFU
-    is the honest, slightly lower number. Elementwise work (norms, RoPE, softmax, SiLU) is ignored,
-    as is the Attention-Residual depth read: ~8·S·d FLOPs per token per sublayer over S sources
-    against ~12·d² of matmuls, i.e. ≈ 2S/(3d) (~0.15% for Block AttnRes, 8 blocks, d=4096; a few
-    percent only for tiny widths), and memory-bound rather than compute-bound.
-    """
-    attention = (
-        4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * attended_keys(seq_len, cfg.sliding_window)
-    )
-    return 3.0 * (2.0 * matmul_params(cfg) + attention)
+        raise ValueError(f"flops_per_token: seq_len={seq_len} must be > 0")
+    return ModelShape.from_config(cfg).hardware_flops_per_token(seq_len, recompute)
 
 
 # --------------------------------------------------------------------------------------------

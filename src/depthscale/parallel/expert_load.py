@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from depthscale.config import ModelConfig
 from depthscale.model.moe import MoE, update_bias
 from depthscale.observe import spans
+from depthscale.shape import ModelShape
 
 
 class ExpertLoad:
@@ -35,7 +36,8 @@ class ExpertLoad:
     def __init__(
         self, model: nn.Module, cfg: ModelConfig, groups: tuple = (), holders: int = 1
     ) -> None:
-        self.ids = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+        facts = ModelShape.from_config(cfg)
+        self.ids = list(facts.moe_layers)
         self.layers = {
             int(name): layer.feed_forward
             for name, layer in model.layers.items()
@@ -43,7 +45,7 @@ class ExpertLoad:
         }
         self.groups = groups
         self.holders = 1 if cfg.moe_balance_scope == "global_batch" else holders
-        self.experts, self.balance, self.rate = cfg.moe_experts, cfg.moe_balance, cfg.moe_bias_rate
+        self.experts, self.balance, self.rate = facts.n_experts, cfg.moe_balance, cfg.moe_bias_rate
 
     def set_aux_scale(self, scale: float) -> None:
         """d(loss)/d(aux) of every layer: what the step's loss is scaled by (1 / micro-batches)."""

@@ -26,6 +26,7 @@ from depthscale.model.transformer import Transformer
 from depthscale.observe import startup
 from depthscale.parallel.mesh import DistEnv, ParallelDims, dp_mesh, flat, init_distributed
 from depthscale.parallel.plan import ParallelPlan
+from depthscale.shape import ModelShape
 
 
 def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
@@ -183,7 +184,7 @@ def parallelize(
         if expert_groups.fsdp_mesh is not None:  # FSDP shards them over the expert mesh
             mesh_e, dim = expert_groups.fsdp_mesh, ep.EXPERT_SHARD_DIM
             expert_units = [(m, mesh_e, dim) for m in ep.expert_modules(model)]
-    if cfg.model.moe_experts:
+    if ModelShape.from_config(cfg.model).moe:
         from depthscale.parallel.expert_parallel import apply_balance_scope
 
         apply_balance_scope(model, mesh, dims, cfg.model.moe_balance_scope)

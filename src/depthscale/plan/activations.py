@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 F32 = 4
 RNG_STATE_BYTES = 5056
@@ -42,7 +42,7 @@ class Activations:
 
 @lru_cache(maxsize=4096)
 def ours(
-    spec: ModelSpec,
+    spec: ModelShape,
     tokens: int,
     seq: int,
     bf16: bool,
@@ -120,7 +120,7 @@ class _MoE:
     """What selective recompute keeps of it: the router's logits and the GEMMs' outputs."""
 
 
-def _moe(spec: ModelSpec, n: float, a: int, bf16: bool, cast: bool, ep: int) -> _MoE:
+def _moe(spec: ModelShape, n: float, a: int, bf16: bool, cast: bool, ep: int) -> _MoE:
     """The MoE FFN (`model/moe.py`) for `n` routed tokens, read off the code (and checked with
     saved-tensor hooks): in fp32 the router's scores [n, E], the top-k indices, the slot order and
     each slot's token (int64, n·k each), each slot's weight, three grouped-GEMM offsets [E]; the
@@ -129,7 +129,7 @@ def _moe(spec: ModelSpec, n: float, a: int, bf16: bool, cast: bool, ep: int) -> 
     the balance loss the score sums and counts, the z-loss the logits and their log-sum-exp.
     Under expert parallelism a rank's experts compute the rows the ep group sends them: n·k when
     routing is balanced, so the same bytes."""
-    d, e, f = spec.dim, spec.moe_experts, spec.moe_ffn
+    d, e, f = spec.dim, spec.n_experts, spec.moe_ffn
     rows = n * spec.moe_top_k
     body = F32 * n * e + 3 * 8 * rows + F32 * rows + 3 * F32 * e
     body += a * rows * d + 4 * a * rows * f + 2 * F32 * rows * d
@@ -150,7 +150,7 @@ def _moe(spec: ModelSpec, n: float, a: int, bf16: bool, cast: bool, ep: int) -> 
     return _MoE(body, 3 * d * shared, experts_cast, mm)
 
 
-def _read_bytes(spec: ModelSpec, n: float, a: int) -> list[float]:
+def _read_bytes(spec: ModelShape, n: float, a: int) -> list[float]:
     """AttnRes bytes per sublayer, and the output read last: the write's output (a partial sum or
     a completed block), a merge's phase-1 output, three fp32 scalars per token and its query, and
     a phase-1 read's fp32 scalars over k sources for S queries (k + 2·S·k) with the S queries."""
@@ -173,7 +173,7 @@ def _read_bytes(spec: ModelSpec, n: float, a: int) -> list[float]:
     return out
 
 
-def _writes(spec: ModelSpec, layer: int, selective: bool) -> tuple[int, bool]:
+def _writes(spec: ModelShape, layer: int, selective: bool) -> tuple[int, bool]:
     """(blocks the layer completes, whether its last write is a partial sum that goes on) — not
     counting, under selective recompute, a write that is a matmul's own output (the first
     sublayer of a block writes y itself; the parallel block and MoE write sums), kept already."""
@@ -193,7 +193,7 @@ def _writes(spec: ModelSpec, layer: int, selective: bool) -> tuple[int, bool]:
     return ends, new(last)
 
 
-def _boundary(spec: ModelSpec, layer: int, n: float, a: int, selective: bool) -> float:
+def _boundary(spec: ModelShape, layer: int, n: float, a: int, selective: bool) -> float:
     """The new tensors a layer's checkpoint keeps as its input: standard, the hidden state;
     AttnRes, the blocks the previous layer completed and, when a block continues into this layer,
     the partial sum and the two-phase memo (each member's phase-1 output and fp32 lse)."""
@@ -211,7 +211,7 @@ def _boundary(spec: ModelSpec, layer: int, n: float, a: int, selective: bool) ->
 
 
 def megatron(
-    spec: ModelSpec,
+    spec: ModelShape,
     micro_batch: int,
     seq: int,
     tp: int,

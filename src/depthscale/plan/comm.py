@@ -36,7 +36,7 @@ from collections import Counter
 from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import hop_tensors
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 from depthscale.plan.states import (
     EXPERT_SHARD_DIM,
     ep_shape,
@@ -63,7 +63,7 @@ def group(lay: Layout, *dims: str) -> str | None:
 
 
 def rank_payload(
-    spec: ModelSpec,
+    spec: ModelShape,
     lay: Layout,
     seq: int,
     batch: int,
@@ -167,7 +167,7 @@ def rank_payload(
     return out
 
 
-def moe_payload(spec: ModelSpec, lay: Layout, held, passes: int, tokens: int, e: int) -> Counter:
+def moe_payload(spec: ModelShape, lay: Layout, held, passes: int, tokens: int, e: int) -> Counter:
     """Expert parallelism's traffic (`parallel/expert_parallel.py`), `passes` = MoE layers on
     this rank × micro-batches: per pass and forward, the experts' row counts (one int64 per
     expert) and the routed rows out (tokens·k) and back; backward sends both again. The rows
@@ -180,7 +180,7 @@ def moe_payload(spec: ModelSpec, lay: Layout, held, passes: int, tokens: int, e:
     forwards = 2 if lay.recompute != "none" else 1
     rows = tokens * spec.moe_top_k * spec.dim * e
     if lay.ep > 1:
-        counts = spec.moe_experts * 8
+        counts = spec.n_experts * 8
         out["all_to_all", group(lay, "dp_shard")] += passes * (
             forwards * (counts + 2 * rows) + 2 * rows
         )
@@ -189,7 +189,7 @@ def moe_payload(spec: ModelSpec, lay: Layout, held, passes: int, tokens: int, e:
             out["all_reduce", group(lay, "dp_replicate")] += experts * 4
     rows_group = group(lay, "cp", "tp")
     if rows_group and spec.moe_aux:
-        out["all_reduce", rows_group] += passes * forwards * (spec.moe_experts + 1) * 4
+        out["all_reduce", rows_group] += passes * forwards * (spec.n_experts + 1) * 4
     return out
 
 

@@ -20,7 +20,7 @@ from depthscale.plan.kernels import UnfusedAttention
 from depthscale.plan.layout import Layout
 from depthscale.plan.memory import RankParams, memory, rank_params
 from depthscale.plan.pipeline import chunk_layers, closed_form, hop_tensors, pipeline_time
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 ELEMENTWISE_PASSES = 2.0
 """Memory-bound traffic of a forward per byte it keeps for backward (each written once, read once
@@ -32,7 +32,7 @@ HOST_BW = 25e9
 
 @dataclass(frozen=True)
 class Workload:
-    spec: ModelSpec
+    spec: ModelShape
     seq: int
     batch: int
     """Global batch in sequences."""
@@ -124,8 +124,8 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         return f"{fw.name} has no sublayer recompute"
     if lay.ep > 1 and not s.moe:
         return f"ep {lay.ep} needs an MoE model"
-    if lay.ep > 1 and (lay.dp_shard % lay.ep or s.moe_experts % lay.ep):
-        return f"ep {lay.ep} does not divide dp_shard {lay.dp_shard} and {s.moe_experts} experts"
+    if lay.ep > 1 and (lay.dp_shard % lay.ep or s.n_experts % lay.ep):
+        return f"ep {lay.ep} does not divide dp_shard {lay.dp_shard} and {s.n_experts} experts"
     return ""
 
 
@@ -250,7 +250,7 @@ def estimate(
 # time pieces
 
 
-def _gemms(s: ModelSpec, tokens: int, tp: int) -> list[tuple[float, float, float]]:
+def _gemms(s: ModelShape, tokens: int, tp: int) -> list[tuple[float, float, float]]:
     d, f, kv = s.dim, s.ffn_dim, s.kv_dim
     if s.family == "gpt":
         return [(tokens, 3 * d / tp, d), (tokens, d, d / tp), (tokens, 4 * d / tp, d),
@@ -305,7 +305,7 @@ def _layer_times(
     return fwd, bwd, rc, gemm
 
 
-def _tp_bytes(s: ModelSpec, lay: Layout, fw: Framework, tokens: int, e: int) -> float:
+def _tp_bytes(s: ModelShape, lay: Layout, fw: Framework, tokens: int, e: int) -> float:
     """Payload one rank hands to tensor-parallel collectives per layer and micro-batch (forward,
     backward and a recompute that re-runs the layer's collectives)."""
     if lay.tp == 1:
@@ -320,7 +320,7 @@ def _tp_bytes(s: ModelSpec, lay: Layout, fw: Framework, tokens: int, e: int) -> 
 
 
 def _tp_comm(
-    s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int, gemm: float
+    s: ModelShape, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int, gemm: float
 ) -> tuple[float, float]:
     """Seconds of tensor-parallel traffic per layer and micro-batch, forward and backward: each
     sublayer all-gathers its input and reduce-scatters its output (backward: the mirror pair)."""
@@ -389,7 +389,7 @@ class _Fsdp:
 
 
 def _fsdp(
-    s: ModelSpec, c: Cluster, lay: Layout, fw: Framework, e: int, params: RankParams
+    s: ModelShape, c: Cluster, lay: Layout, fw: Framework, e: int, params: RankParams
 ) -> _Fsdp:
     """depthscale's FSDP2 (`parallel/data_parallel.apply_fsdp`): every micro-batch gathers each
     layer in the compute dtype before its forward and again before its backward (reshard after

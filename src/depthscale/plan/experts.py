@@ -20,20 +20,20 @@ from __future__ import annotations
 
 from depthscale.plan.hardware import Cluster
 from depthscale.plan.layout import Layout
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 COUNT_BYTES = 8
 """One int64 row count per expert, exchanged before the rows."""
 
 
-def ffn_gemm_seconds(s: ModelSpec, c: Cluster, lay: Layout, tokens: int, dtype: str) -> float:
+def ffn_gemm_seconds(s: ModelShape, c: Cluster, lay: Layout, tokens: int, dtype: str) -> float:
     """Forward seconds of one MoE FFN's GEMMs for a micro-batch of `tokens` (this cp rank's)."""
     d, f, shared = s.dim, s.moe_ffn, s.moe_shared * s.moe_ffn
     routed = tokens / lay.tp  # each tp rank routes its own shard of the sequence
     rows = routed * s.moe_top_k  # what this rank's experts compute, routing balanced
-    per_expert = rows * lay.ep / s.moe_experts  # an ep group's rows over all experts
-    router = 2 * routed * s.moe_experts * d  # FLOPs, in fp32
-    seconds = router / c.gemm_flops("float32", min(routed, s.moe_experts, d))
+    per_expert = rows * lay.ep / s.n_experts  # an ep group's rows over all experts
+    router = 2 * routed * s.n_experts * d  # FLOPs, in fp32
+    seconds = router / c.gemm_flops("float32", min(routed, s.n_experts, d))
     seconds += 2 * rows * 3 * d * f / c.gemm_flops(dtype, min(per_expert, f, d))  # gate, up; down
     if shared:  # sequence-parallel like a dense FFN: every token, the tp rank's share of it
         width = shared / lay.tp
@@ -47,7 +47,7 @@ def _ep_inter(c: Cluster, lay: Layout) -> bool:
 
 
 def all_to_all_seconds(
-    s: ModelSpec, c: Cluster, lay: Layout, tokens: int, e: int
+    s: ModelShape, c: Cluster, lay: Layout, tokens: int, e: int
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE layer's exchanges for one micro-batch; a recompute
     adds the forward's again (counted by the caller)."""
@@ -55,19 +55,19 @@ def all_to_all_seconds(
         return 0.0, 0.0
     rows = tokens / lay.tp * s.moe_top_k * s.dim * e
     inter = _ep_inter(c, lay)
-    counts = c.op_time("all_to_all", s.moe_experts * COUNT_BYTES, lay.ep, inter)
+    counts = c.op_time("all_to_all", s.n_experts * COUNT_BYTES, lay.ep, inter)
     one_way = c.op_time("all_to_all", rows, lay.ep, inter)
     return counts + 2 * one_way, 2 * one_way
 
 
-def all_to_all_bytes(s: ModelSpec, lay: Layout, tokens: int, e: int, passes: int) -> float:
+def all_to_all_bytes(s: ModelShape, lay: Layout, tokens: int, e: int, passes: int) -> float:
     """Bytes one rank hands to all-to-alls in a step, `passes` = its MoE layers × micro-batches
     (`plan.comm.moe_payload`'s, in closed form)."""
     if lay.ep == 1:
         return 0.0
     rows = tokens / lay.tp * s.moe_top_k * s.dim * e
     forwards = 2 if lay.recompute != "none" else 1
-    return passes * (forwards * (s.moe_experts * COUNT_BYTES + 2 * rows) + 2 * rows)
+    return passes * (forwards * (s.n_experts * COUNT_BYTES + 2 * rows) + 2 * rows)
 
 
 def expert_reduce(c: Cluster, lay: Layout, experts: float) -> tuple[float, float]:

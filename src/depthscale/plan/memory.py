@@ -16,7 +16,7 @@ from depthscale.plan import activations
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import chunk_layers, hop_tensors, peak_weighted
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class RankParams:
         return (self.fsdp - self.root) / max(self.layers, 1)
 
 
-def rank_params(s: ModelSpec, lay: Layout) -> RankParams:
+def rank_params(s: ModelShape, lay: Layout) -> RankParams:
     """The first pipeline rank's parameters: its layers (chunks 0, pp, 2·pp, ... of
     `chunk_layers`), the embedding, and — without pipelining — the head."""
     ranges = chunk_layers(s, lay)
@@ -69,7 +69,7 @@ def rank_params(s: ModelSpec, lay: Layout) -> RankParams:
 
 
 def memory(
-    spec: ModelSpec,
+    spec: ModelShape,
     seq: int,
     lay: Layout,
     fw: Framework,

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from depthscale.parallel.pipeline.schedules import Kind, interleaved_1f1b, simulate, split_layers
 from depthscale.plan.layout import Layout
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 _SIMULATED_ROUNDS = 1
 """Micro-batches simulated before extrapolating: this many rounds of P beyond the warm-up."""
@@ -42,7 +42,7 @@ def peak_in_flight(p: int, v: int, m: int) -> tuple[int, ...]:
     return tuple(min((p - r - 1) * 2 + (v - 1) * p + 1, total) for r in range(p))
 
 
-def chunk_layers(s: ModelSpec, lay: Layout) -> list[range]:
+def chunk_layers(s: ModelShape, lay: Layout) -> list[range]:
     """Every model chunk's layers, as the runtime splits them (`split_layers`, lighter ends)."""
     return split_layers(s.n_layers, lay.pp * lay.v, lay.ends)
 
@@ -108,7 +108,7 @@ def pipeline_time(
     return PipelineTime(makespan, nxt.peak_in_flight, busy)
 
 
-def hop_tensors(s: ModelSpec, lay: Layout) -> list[int]:
+def hop_tensors(s: ModelShape, lay: Layout) -> list[int]:
     """[tokens × d] tensors each forward hop carries: the hidden state, or the AttnRes depth
     state — partial sum plus the blocks the receiver lacks (Eq. 7–8 with the cache)."""
     chunks = lay.pp * lay.v

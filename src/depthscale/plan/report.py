@@ -12,14 +12,14 @@ from depthscale.plan.frameworks import FRAMEWORKS
 from depthscale.plan.hardware import Cluster, cluster
 from depthscale.plan.layout import parse_layout
 from depthscale.plan.search import SIMULATED, search
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 GiB = 2**30
 
 
 @dataclass
 class PlanRequest:
-    spec: ModelSpec
+    spec: ModelShape
     gpus: int
     cluster: str
     seq: int
@@ -42,7 +42,7 @@ def run(req: PlanRequest) -> dict:
     if req.spec.moe and not FRAMEWORKS[req.framework].ours:
         raise ValueError(
             f"--framework {req.framework} models the published dense GPT runs, not an MoE model "
-            f"(model.moe_experts={req.spec.moe_experts}); allowed: --framework depthscale"
+            f"({req.spec.n_experts} experts per MoE layer); allowed: --framework depthscale"
         )
     c = cluster(req.cluster)
     fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
@@ -124,6 +124,7 @@ def _header(req: PlanRequest, c: Cluster, fw: str) -> dict:
         "flops": {
             "formula": s.flop_formula(),
             "model_flops_per_sequence": s.model_flops(req.seq),
+            "model_flops_per_token": s.model_flops_per_token(req.seq),
             "peak_flops_per_gpu": c.peak(req.dtype),
             "mfu": "model FLOPs (no recompute) per second / (GPUs × peak)",
             "hfu": "the same with recomputed FLOPs counted",
@@ -131,11 +132,11 @@ def _header(req: PlanRequest, c: Cluster, fw: str) -> dict:
     }
 
 
-def _moe_header(s: ModelSpec) -> dict:
+def _moe_header(s: ModelShape) -> dict:
     return {
         "active_params": s.active_params(),
         "moe": {
-            "experts": s.moe_experts,
+            "experts": s.n_experts,
             "top_k": s.moe_top_k,
             "shared": s.moe_shared,
             "expert_ffn": s.moe_ffn,

@@ -10,7 +10,7 @@ from depthscale.plan.estimate import Estimate, Workload, check, estimate
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.hardware import Cluster
 from depthscale.plan.layout import Layout
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 8
@@ -100,12 +100,12 @@ def _stage_splits(n_layers: int, pp: int) -> list[tuple[int, int]]:
     return even + light
 
 
-def _expert_splits(s: ModelSpec, dp_shard: int) -> list[int]:
+def _expert_splits(s: ModelShape, dp_shard: int) -> list[int]:
     """Expert parallelism's candidates for an MoE model: every power of two dividing both
     dp_shard and the experts (1: experts sharded by FSDP like any weight)."""
     if not s.moe:
         return [1]
-    return [ep for ep in _powers_of_two(dp_shard) if dp_shard % ep == 0 and s.moe_experts % ep == 0]
+    return [ep for ep in _powers_of_two(dp_shard) if dp_shard % ep == 0 and s.n_experts % ep == 0]
 
 
 def _regathers(lay: Layout, fw: Framework) -> bool:

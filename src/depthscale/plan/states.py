@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
-from depthscale.plan.spec import ModelSpec
+from depthscale.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Param:
     the ranks holding the same experts; without ep, FSDP-sharded like any weight."""
 
 
-def param_table(spec: ModelSpec) -> list[Param]:
+def param_table(spec: ModelShape) -> list[Param]:
     """Every parameter of our `Transformer`, in `named_parameters()` order."""
     if spec.family != "llama":
         raise ValueError("param_table models depthscale's own model (family 'llama')")
@@ -70,12 +70,12 @@ def param_table(spec: ModelSpec) -> list[Param]:
     return out
 
 
-def _ffn(spec: ModelSpec, p: str, stage: str, layer: int) -> list[Param]:
+def _ffn(spec: ModelShape, p: str, stage: str, layer: int) -> list[Param]:
     """A layer's FFN: SwiGLU, or the MoE router, routed experts [E, in, out] and shared SwiGLU."""
     d = spec.dim
     if layer not in spec.moe_layers:
         return _swiglu(p, d, spec.ffn_dim, stage)
-    e, f = spec.moe_experts, spec.moe_ffn
+    e, f = spec.n_experts, spec.moe_ffn
     out = [
         Param(p + "router.weight", (e, d), None, stage),
         Param(p + "experts.w_gate", (e, d, f), None, stage, experts=True),
@@ -125,7 +125,7 @@ def _chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-def rank_params(spec: ModelSpec, lay: Layout, pp_rank: int) -> list[Param]:
+def rank_params(spec: ModelShape, lay: Layout, pp_rank: int) -> list[Param]:
     """The parameters pipeline rank `pp_rank` holds."""
     stages = lay.pp * lay.v
     ranges = split_layers(spec.n_layers, stages, lay.ends)
@@ -170,7 +170,7 @@ class StateBytes:
 
 
 def rank_state_bytes(
-    spec: ModelSpec, lay: Layout, pp_rank: int, tp_rank: int, shard_rank: int
+    spec: ModelShape, lay: Layout, pp_rank: int, tp_rank: int, shard_rank: int
 ) -> StateBytes:
     """fp32 parameters, fp32 gradients, AdamW/LAMB state (two fp32 moments, a 0-d fp32 step per
     parameter) held by one rank (`shard_rank`: its index in the dp_shard × cp group). Offloaded

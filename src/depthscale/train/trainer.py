@@ -24,7 +24,6 @@ from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import PeersFailed, TrainingError
 from depthscale.model.attnres_ops import kernel_paths
 from depthscale.model.documents import DocumentPacking
-from depthscale.model.moe import idle_params
 from depthscale.model.transformer import Transformer
 from depthscale.observe import flight_recorder, spans, startup
 from depthscale.observe.metrics import Throughput, flops_per_token
@@ -33,6 +32,7 @@ from depthscale.parallel.parallelize import init_layout, parallelize
 from depthscale.resilience.diagnostics import DIAGNOSE_ENV, diagnose_in_group
 from depthscale.resilience.faults import FaultPlan, attempt, corrupt_checkpoint, parse_faults
 from depthscale.resilience.heartbeat import Heartbeat
+from depthscale.shape import ModelShape
 from depthscale.train import console, setup
 from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.evaluation import Evaluator
@@ -409,11 +409,8 @@ class Trainer:
             )
             return history
         total = self.plan.num_params()
-        active = (
-            f" ({(total - idle_params(cfg.model)) / 1e6:.2f}M active)"
-            if cfg.model.moe_experts
-            else ""
-        )
+        idle = ModelShape.from_config(cfg.model).idle_params()
+        active = f" ({(total - idle) / 1e6:.2f}M active)" if idle else ""
         console.say(
             f"depthscale: {total / 1e6:.2f}M parameters{active}, residual={cfg.model.residual}, "
             f"device={self.device}, dtype={cfg.train.dtype}, run_dir={self.run_dir}"

@@ -1,4 +1,7 @@
-"""What the planner knows of a model: shapes, exact parameter counts and FLOPs, for two families.
+"""What a model *is*, torch-free: its shapes, block assignment, MoE layers, exact parameter counts
+(total and active) and FLOPs, for two families. The model (`model/`), the planner (`plan/`), the
+logged MFU (`observe/metrics.py`) and the Hugging Face export read these facts here; nothing
+restates them.
 
 - `llama`: depthscale's own block (`model/transformer.py`): RMSNorm, RoPE, grouped-query attention,
   SwiGLU, no biases, and a standard, Block or Full Attention-Residual stream. Counts are exact
@@ -7,24 +10,35 @@
   et al. 2022, MegaScale 2024): learned positions, LayerNorm with biases, full multi-head attention
   with biases, a 4h GELU MLP. Parameters by SC'21 Eq. 2.
 
-FLOP convention (printed by `depthscale plan`): a matmul of [M, K] by [K, N] costs 2·M·N·K; the
-attention core costs 4·T²·head_dim per head per sequence forward — the whole score matrix, as in
-Megatron's Eq. 7 and PaLM, and as `FlopCounterMode` counts a causal SDPA. Backward costs twice the
-forward. Model FLOPs exclude recomputation (MFU); hardware FLOPs include it (HFU).
+The FLOP convention, the one `depthscale plan` predicts with and the trainer logs MFU with:
+
+- a matmul of [M, K] by [K, N] costs 2·M·N·K; every weight matmul counts (attention q/k/v/o,
+  the FFN, an MoE layer's router and the k routed and shared experts a token goes through, the
+  LM head); the embedding lookup is a gather and costs nothing;
+- the attention core (QKᵀ and AV) costs 4·T·K·head_dim per head per sequence forward, with K = T
+  keys per query: the **whole** score matrix, masked causal half included — Megatron's Eq. 7,
+  PaLM's appendix B, torchtitan, and what `FlopCounterMode` counts for a causal SDPA — so our MFU
+  compares with published ones. With a sliding window w < T, K = w. (Counting only the unmasked
+  half, (T+1)/2 keys, would read lower by up to a third of the attention share);
+- elementwise work (norms, RoPE, softmax, SiLU) and the Attention-Residual depth read (~8·S·d
+  FLOPs per token per sublayer over S sources against ~12·d² of matmuls, memory-bound) are not
+  counted, so AttnRes changes parameters, never FLOPs;
+- backward costs twice the forward. Model FLOPs exclude recomputation (MFU's numerator);
+  hardware FLOPs include it (HFU's numerator).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
-from depthscale.config import ModelConfig
+from depthscale.errors import ConfigError
 
 Family = Literal["llama", "gpt"]
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
     n_layers: int
     dim: int
     n_heads: int
@@ -41,7 +55,7 @@ class ModelSpec:
     key_norm_gain: bool = True
     max_positions: int = 0
     """gpt: learned position embeddings (SC'21 counts them with s = sequence length)."""
-    moe_experts: int = 0
+    n_experts: int = 0
     """Mixture of Experts (`model/moe.py`): routed experts of each MoE layer (0: dense)."""
     moe_top_k: int = 0
     moe_ffn: int = 0
@@ -58,22 +72,29 @@ class ModelSpec:
     name: str = ""
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, name: str = "") -> ModelSpec:
-        """Our model as `Transformer(cfg)` builds it."""
+    def from_config(cls, cfg: Any, name: str = "") -> ModelShape:
+        """Our model as `Transformer(cfg)` builds it (`cfg`: a `config.ModelConfig`, which this
+        room does not import)."""
         n_sub = cfg.n_sublayers
         moe = {}
         if cfg.moe_experts:
             moe = dict(
-                moe_experts=cfg.moe_experts,
+                n_experts=cfg.moe_experts,
                 moe_top_k=cfg.moe_top_k,
                 moe_ffn=cfg.moe_hidden_dim,
                 moe_shared=cfg.moe_shared_experts,
-                moe_layers=tuple(i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)),
+                moe_layers=moe_layers(cfg.n_layers, cfg.moe_first_dense, cfg.moe_every),
                 moe_balance_loss=cfg.moe_balance == "aux_loss" and cfg.moe_aux_loss > 0,
                 moe_z_loss=cfg.moe_z_loss > 0,
                 moe_normalize=cfg.moe_normalize_top_k,
             )
-        blocks = () if cfg.residual == "standard" else tuple(_block_assignment(cfg, n_sub))
+        blocks = ()
+        if cfg.residual != "standard":
+            blocks = tuple(
+                block_assignment(
+                    cfg.residual, n_sub, cfg.attnres_block_size, cfg.attnres_n_blocks
+                )
+            )
         return cls(
             n_layers=cfg.n_layers,
             dim=cfg.dim,
@@ -94,7 +115,7 @@ class ModelSpec:
     @classmethod
     def gpt(
         cls, n_layers: int, dim: int, n_heads: int, vocab: int, seq_len: int, name: str = ""
-    ) -> ModelSpec:
+    ) -> ModelShape:
         """A GPT-3-style model (Megatron-LM): 4h GELU MLP, MHA, learned positions, untied head
         counted once (Megatron ties the output layer to the input embedding)."""
         return cls(
@@ -109,7 +130,7 @@ class ModelSpec:
             name=name,
         )
 
-    def with_(self, **changes) -> ModelSpec:
+    def with_(self, **changes) -> ModelShape:
         return replace(self, **changes)
 
     # -- shapes -----------------------------------------------------------------------------
@@ -148,12 +169,12 @@ class ModelSpec:
         residual = self.sublayers_per_layer * self._residual_params()
         ffn = 3 * d * f
         if layer in self.moe_layers:
-            ffn = d * self.moe_experts + 3 * d * self.moe_ffn * (self.moe_experts + self.moe_shared)
+            ffn = d * self.n_experts + 3 * d * self.moe_ffn * (self.n_experts + self.moe_shared)
         return attention + ffn + norms + residual
 
     @property
     def moe(self) -> bool:
-        return self.moe_experts > 0
+        return self.n_experts > 0
 
     @property
     def moe_aux(self) -> bool:
@@ -165,7 +186,7 @@ class ModelSpec:
         """Parameters of layer `layer`'s routed experts (0 in a dense layer)."""
         if layer not in self.moe_layers:
             return 0
-        return 3 * self.dim * self.moe_ffn * self.moe_experts
+        return 3 * self.dim * self.moe_ffn * self.n_experts
 
     @property
     def sublayers_per_layer(self) -> int:
@@ -191,10 +212,14 @@ class ModelSpec:
         layers = sum(self.layer_params(i) for i in range(self.n_layers))
         return self.embedding_params() + layers + self.head_params()
 
+    def idle_params(self) -> int:
+        """Parameters a token does not use: in every MoE layer, the routed experts it is not
+        sent to."""
+        return len(self.moe_layers) * (self.n_experts - self.moe_top_k) * 3 * self.dim * self.moe_ffn
+
     def active_params(self) -> int:
         """Parameters a token uses: an MoE layer's router, k routed and the shared experts."""
-        idle = (self.moe_experts - self.moe_top_k) * 3 * self.dim * self.moe_ffn
-        return self.params() - len(self.moe_layers) * idle
+        return self.params() - self.idle_params()
 
     # -- FLOPs (forward, per sequence of `seq` tokens) --------------------------------------
 
@@ -206,7 +231,7 @@ class ModelSpec:
             return 2.0 * seq * (12 * d * d)
         ffn = 3 * d * f
         if layer in self.moe_layers:
-            ffn = d * self.moe_experts + 3 * d * self.moe_ffn * (self.moe_top_k + self.moe_shared)
+            ffn = d * self.n_experts + 3 * d * self.moe_ffn * (self.moe_top_k + self.moe_shared)
         return 2.0 * seq * (2 * d * d + 2 * d * self.kv_dim + ffn)
 
     def attention_flops(self, seq: int) -> float:
@@ -241,6 +266,15 @@ class ModelSpec:
         """Training FLOPs per sequence including recomputation (HFU's numerator)."""
         return self.model_flops(seq) + self.recompute_flops(seq, recompute)
 
+    def model_flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token of sequences of `seq` tokens, without recomputation: what a
+        logged MFU and the planner's MFU both divide by the peak."""
+        return self.model_flops(seq) / seq
+
+    def hardware_flops_per_token(self, seq: int, recompute: str) -> float:
+        """Training FLOPs per token including what `recompute` runs again (HFU)."""
+        return self.hardware_flops(seq, recompute) / seq
+
     def flop_formula(self) -> str:
         if self.family == "gpt":
             return "72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) (Korthikanti Eq. 7)"
@@ -250,11 +284,32 @@ class ModelSpec:
         )
 
 
-def _block_assignment(cfg: ModelConfig, n: int) -> list[int]:
-    """The same rule as `model.residual.block_assignment` (plan/ does not import model/)."""
-    if cfg.residual == "full":
+def block_assignment(residual: str, n_sublayers: int, block_size: int, n_blocks: int) -> list[int]:
+    """Block index of every sublayer. Full AttnRes: one block each; standard: one block for all;
+    Block AttnRes with block size S: consecutive groups of S, the last may be shorter; with N
+    blocks: S = L // N and leftover sublayers join the last block."""
+    n = n_sublayers
+    if residual == "full":
         return list(range(n))
-    if cfg.attnres_block_size:
-        return [t // cfg.attnres_block_size for t in range(n)]
-    size = n // cfg.attnres_n_blocks
-    return [min(t // size, cfg.attnres_n_blocks - 1) for t in range(n)]
+    if residual == "standard":
+        return [0] * n
+    if block_size:
+        return [t // block_size for t in range(n)]
+    if not 1 <= n_blocks <= n:  # also reached by models built without Config.validate()
+        raise ConfigError(
+            f"model.attnres_n_blocks={n_blocks} must be in 1..{n} (the number of sublayers)"
+        )
+    size = n // n_blocks
+    return [min(t // size, n_blocks - 1) for t in range(n)]
+
+
+def is_moe_layer(layer: int, n_experts: int, first_dense: int, every: int) -> bool:
+    """Whether layer `layer` has a Mixture-of-Experts FFN: MoE models keep their first
+    `first_dense` layers dense, then every `every`-th layer is MoE."""
+    k = layer - first_dense
+    return n_experts > 0 and k >= 0 and k % every == 0
+
+
+def moe_layers(n_layers: int, first_dense: int, every: int) -> tuple[int, ...]:
+    """The MoE layers of an MoE model of `n_layers` layers (`is_moe_layer`)."""
+    return tuple(i for i in range(n_layers) if is_moe_layer(i, 1, first_dense, every))
