@@ -6,11 +6,13 @@ import json
 import time
 from dataclasses import dataclass
 
+from depthscale.plan import goodput
 from depthscale.plan.comm import dim_sizes, rank_payload, wire_bytes
 from depthscale.plan.estimate import Estimate, Workload, estimate
-from depthscale.plan.frameworks import FRAMEWORKS
+from depthscale.plan.frameworks import FRAMEWORKS, Framework
 from depthscale.plan.hardware import Cluster, cluster
 from depthscale.plan.layout import parse_layout
+from depthscale.plan.memory import rank_params
 from depthscale.plan.search import SIMULATED, search
 from depthscale.shape import ModelShape
 
@@ -31,6 +33,12 @@ class PlanRequest:
     tokens: float = 0.0
     grad_reduce_dtype: str = "float32"
     """The dtype the data-parallel gradient reduction moves (the framework's setting)."""
+    failures_per_day: float | None = None
+    """Failures a day of the whole job (None: Llama 3's rate scaled to `gpus`: plan.goodput)."""
+    memory_recoverable: float = goodput.MEMORY_RECOVERABLE
+    """The share of failures the memory tier survives."""
+    intervals: tuple[int, int] | None = None
+    """The config's (checkpoint.snapshot_every, checkpoint.every) in steps: their goodput too."""
 
 
 def run(req: PlanRequest) -> dict:
@@ -44,6 +52,8 @@ def run(req: PlanRequest) -> dict:
             f"--framework {req.framework} models the published dense GPT runs, not an MoE model "
             f"({req.spec.n_experts} experts per MoE layer); allowed: --framework depthscale"
         )
+    per_day = req.failures_per_day or goodput.failures_per_day(req.gpus)
+    goodput.check_failures(per_day, req.memory_recoverable)
     c = cluster(req.cluster)
     fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
     w = Workload(req.spec, req.seq, req.batch, req.dtype)
@@ -69,7 +79,12 @@ def run(req: PlanRequest) -> dict:
 
     if req.layout:
         est = estimate(w, c, parse_layout(req.layout), fw, req.gpus)
-        return {**header, "seconds": time.perf_counter() - started, "layouts": [row(est)]}
+        return {
+            **header,
+            "seconds": time.perf_counter() - started,
+            "layouts": [row(est)],
+            **_goodput(req, c, fw, [est], per_day),
+        }
     # every row shown is simulated: past the simulated few the closed form would rank them
     result = search(w, c, fw, req.gpus, simulated=max(SIMULATED, req.top))
     reasons: dict[str, int] = {}
@@ -84,7 +99,30 @@ def run(req: PlanRequest) -> dict:
         "layouts": [row(e) for e in result.ranked[: req.top]],
         "rejected_examples": [_row(e, req) for e in _examples(result.rejected)],
         "rejected_by_reason": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+        **_goodput(req, c, fw, result.ranked, per_day),
     }
+
+
+def _goodput(
+    req: PlanRequest, c: Cluster, fw: Framework, ranked: list[Estimate], per_day: float
+) -> dict:
+    """The goodput of the first layout that fits under failures (plan.goodput): its fullest
+    rank's checkpointed state (fp32 weights and moments) through the cluster's bandwidths."""
+    best = next((e for e in ranked if e.ok), None)
+    if best is None or not fw.ours:
+        return {}
+    per_param = fw.weight_bytes + fw.master_bytes + fw.moment_bytes
+    rank_bytes = rank_params(req.spec, best.layout).states(best.layout) * per_param
+    bw = goodput.Bandwidths(
+        snapshot=min(c.snapshot_bw, c.host_bw),
+        host=min(c.memory_read_bw, c.host_bw),
+        storage=c.storage_bw,
+        verify=min(c.verify_bw, c.storage_bw * c.gpus_per_node),
+        restart_s=c.restart_s,
+    )
+    memory, storage = goodput.costs(rank_bytes, req.spec.params() * per_param, bw)
+    out = goodput.plan(memory, storage, best.step_s, per_day, req.memory_recoverable, req.intervals)
+    return {"goodput": {"layout": best.layout.label(), "rank_state_gb": rank_bytes / 1e9, **out}}
 
 
 def _examples(rejected: list[Estimate]) -> list[Estimate]:
@@ -233,6 +271,10 @@ def format_table(report: dict) -> str:
         lines += [f"  {n:6d} × {reason}" for reason, n in counts[:8]]
         if len(counts) > 8:
             lines.append(f"  ... {len(counts) - 8} more reasons (--json lists them)")
+    if report.get("goodput"):
+        g = report["goodput"]
+        lines += ["", f"{g['layout']}: {g['rank_state_gb']:.3g} GB of state per rank"]
+        lines += goodput.lines(g)
     launch = report.get("launch")
     if launch:
         where = (
