@@ -107,6 +107,10 @@ CONFIG_CASES = [
     (["--model.n_heads", "3"], "model.n_heads=3 must divide model.dim=32"),
     (["--data.seq_len", "8192"], "data.seq_len=8192 exceeds model.max_seq_len"),
     (["--optim.warmup_steps", "500"], "optim.warmup_steps=500 exceeds train.steps"),
+    (["--optim.name", "muon", "--optim.muon_ns_steps", "0"], "optim.muon_ns_steps=0 must be in"),
+    (["--optim.name", "muon", "--optim.muon_momentum", "1"], "optim.muon_momentum=1.0 must be in"),
+    (["--optim.muon_adamw_lr", "-1"], "optim.muon_adamw_lr=-1.0 must be >= 0"),
+    (["--optim.name", "sgd"], "optim.name: 'sgd' is not allowed"),
     (["--checkpoint.resume", "/no/such/step"], "checkpoint.resume='/no/such/step' does not exist"),
     # layouts a worker would refuse, caught once in the launching process
     (["--nproc", "3", "--parallel.tp", "3"], "model.n_heads=2 is not divisible by tp=3"),

@@ -288,7 +288,10 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "lamb"] = "adamw"
+    name: Literal["adamw", "lamb", "muon"] = "adamw"
+    """adamw; lamb (MegaScale, large batches); muon: Newton–Schulz-orthogonalised momentum for the
+    hidden matrices, AdamW for the rest, the matrices' update scaled to AdamW's RMS so lr and
+    weight_decay carry over (docs/training.md, Muon)."""
     lr: float = 3e-3
     """Peak learning rate. LAMB scales each layer's step by ‖w‖/‖update‖, so its lr is a relative
     step size: typically 1e-2..1e-1 where AdamW would use 1e-4..3e-3."""
@@ -309,6 +312,15 @@ class OptimConfig:
     warmup_steps: int = 20
     decay_fraction: float = 0.2
     """WSD: the fraction of steps spent in the final decay."""
+    muon_momentum: float = 0.95
+    """Muon: the momentum of the matrices' buffer, in [0, 1)."""
+    muon_nesterov: bool = True
+    """Muon: orthogonalise the Nesterov look-ahead (1-μ)·g + μ·buffer instead of the buffer."""
+    muon_ns_steps: int = 5
+    """Muon: quintic Newton–Schulz iterations per matrix and step, 1..20 (5, as torch.optim.Muon)."""
+    muon_adamw_lr: float = 0.0
+    """Muon: the peak learning rate of the parameters AdamW updates (embedding, output head, norms,
+    AttnRes queries, MoE router); 0 = optim.lr. The schedule scales it as it scales optim.lr."""
 
 
 @dataclass

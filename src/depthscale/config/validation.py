@@ -164,6 +164,7 @@ def validate(cfg: Config) -> Config:
     for beta in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, beta) < 1.0:
             raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
+    _check_muon(o)
     if cfg.logging.mfu_alarm >= 1:
         raise ConfigError(
             f"logging.mfu_alarm={cfg.logging.mfu_alarm} must be in [0, 1) "
@@ -364,6 +365,21 @@ def _check_ulysses_layout(m, p) -> None:
             f"/ parallel.tp={p.tp} = {kv}) must divide one another (fewer KV heads are repeated "
             f"over the Ulysses group); allowed: cp_ulysses a multiple or a divisor of {kv}"
         )
+
+
+def _check_muon(o: Any) -> None:
+    """Muon's keys, checked whatever optim.name (a config switched to muon later stays valid)."""
+    from depthscale.plan.muon import MAX_NS_STEPS
+
+    if not 0.0 <= o.muon_momentum < 1.0:
+        raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    if not 1 <= o.muon_ns_steps <= MAX_NS_STEPS:
+        raise ConfigError(
+            f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, {MAX_NS_STEPS}] "
+            "(5 Newton–Schulz steps, as torch.optim.Muon)"
+        )
+    if not o.muon_adamw_lr >= 0.0:
+        raise ConfigError(f"optim.muon_adamw_lr={o.muon_adamw_lr} must be >= 0 (0 = optim.lr)")
 
 
 def _non_negative(cfg: Config, *keys: str) -> None:

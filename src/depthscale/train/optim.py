@@ -19,8 +19,9 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from depthscale.config import OptimConfig
 from depthscale.observe import spans
+from depthscale.plan.muon import is_muon_matrix
 
-__all__ = ["LAMB", "NormFn", "build_optimizer", "param_groups"]
+__all__ = ["LAMB", "NormFn", "build_optimizer", "muon_groups", "param_groups"]
 
 NormFn = Callable[[Tensor], Tensor]
 """Maps a tensor to the L2 norm of the *whole* logical tensor, as a 0-d tensor."""
@@ -63,6 +64,9 @@ class LAMB(torch.optim.Optimizer):
     State (`step`, `exp_avg`, `exp_avg_sq`) is fp32 whatever the parameter dtype, and stays fp32
     across `load_state_dict` (the base class would cast it to the parameter's dtype).
     """
+
+    FP32_STATE: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    """State tensors kept fp32 across `load_state_dict`."""
 
     def __init__(
         self,
@@ -197,7 +201,7 @@ class LAMB(torch.optim.Optimizer):
         originals = {i: state_dict["state"].get(i, {}) for i in saved_ids}
         super().load_state_dict(state_dict)
         for saved_id, p in zip(saved_ids, params):
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in self.FP32_STATE:
                 value = originals[saved_id].get(key)
                 if isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
@@ -324,8 +328,9 @@ def param_groups(
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW or LAMB over the groups of `param_groups`: decay (matrices, and the embedding unless
-    `optim.decay_embeddings = false`) and no-decay (vectors, AttnRes params).
+    """AdamW, LAMB or Muon over the groups of `param_groups`: decay (matrices, and the embedding
+    unless `optim.decay_embeddings = false`) and no-decay (vectors, AttnRes params); Muon takes
+    the hidden matrices out of them (`muon_groups`).
 
     The group list depends only on the model's structure and the config, so a resumed run rebuilds
     the same groups and the checkpointed optimizer state maps back one to one.
@@ -350,7 +355,41 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             weight_decay=cfg.weight_decay,
             fused=fused or None,
         )
-    raise ValueError(f"optim.name={cfg.name!r} is not supported; allowed: 'adamw', 'lamb'")
+    if cfg.name == "muon":
+        from depthscale.train.muon import Muon  # muon.py builds on LAMB: imported here, not above
+
+        return Muon(
+            muon_groups(model, groups, cfg),
+            lr=cfg.lr,
+            momentum=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            ns_steps=cfg.muon_ns_steps,
+            weight_decay=cfg.weight_decay,
+            betas=betas,
+            eps=cfg.eps,
+        )
+    raise ValueError(f"optim.name={cfg.name!r} is not supported; allowed: 'adamw', 'lamb', 'muon'")
+
+
+def muon_groups(
+    model: nn.Module, groups: list[dict[str, Any]], cfg: OptimConfig
+) -> list[dict[str, Any]]:
+    """Muon's groups from `param_groups`' ones: the hidden matrices (`plan.muon.is_muon_matrix`)
+    in one Muon group with the matrices' weight decay, the rest AdamW groups as before, at
+    `optim.muon_adamw_lr` (0: optim.lr). Each group's `lr_scale` is its lr over optim.lr, which
+    the schedule keeps (`schedule.set_lr`)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    matrices, adamw = [], []
+    for g in groups:
+        rest = []
+        for p in g["params"]:
+            (matrices if is_muon_matrix(names[id(p)], p.ndim) else rest).append(p)
+        if rest:
+            adamw.append({**g, "params": rest})
+    adamw_scale = (cfg.muon_adamw_lr or cfg.lr) / cfg.lr
+    out = [{"params": matrices, "muon": True, "weight_decay": cfg.weight_decay, "lr_scale": 1.0}]
+    out += [{**g, "lr": cfg.lr * adamw_scale, "lr_scale": adamw_scale} for g in adamw]
+    return [g for g in out if g["params"]]
 
 
 class ShardedFusedAdamW(torch.optim.AdamW):

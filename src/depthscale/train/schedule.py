@@ -53,6 +53,7 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set every param group's lr (called before each step with lr_at's value)."""
+    """Set every param group's lr (called before each step with lr_at's value), times the group's
+    `lr_scale` where it has one (Muon's AdamW groups, `optim.muon_adamw_lr`)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
