@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,7 @@ from depthscale.model.attention_dispatch import TilePolicy
 from depthscale.model.documents import Documents
 from depthscale.model.transformer import Transformer
 from depthscale.parallel import p2p, ring_steps
+from depthscale.parallel.cp_balance import LAYOUT_KEY, CpLayout
 from depthscale.parallel.cp_comm import CommStats, Ring
 from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.ring_documents import step_tiles
@@ -356,21 +358,23 @@ class RingAttention:
     (length, window) and reused by every layer, micro-batch and step — no collective, no host copy,
     no per-layer CPU work. The positions passed in must then be `positions_for(T, rank, cp,
     layout)`; on CPU (where it costs no device sync) that is checked. Without a layout every call
-    gathers the positions and plans afresh (any layout)."""
+    gathers the positions and plans afresh (any layout). 'documents': each micro-batch's layout
+    is the one `SequenceShard` balanced over its documents and left in their cache (`cp_balance`;
+    zigzag for a batch without documents), a plan per distinct layout."""
 
     def __init__(
         self,
         group: ProcessGroup,
         stats: RingStats | None = None,
-        layout: ShardMode | None = None,
+        layout: ShardMode | Literal["documents"] | None = None,
         kv_tile: int = 512,
     ) -> None:
-        if layout is not None:
+        if layout not in (None, "documents"):
             _layout(0, 1, layout)  # a known mode
         self.group, self.layout, self.kv_tile = group, layout, kv_tile
         self.stats = stats if stats is not None else RingStats()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self._plans: dict[tuple[int, int, torch.device, TilePolicy], RingPlan] = {}
+        self._plans: dict[tuple, RingPlan] = {}
         # outside any compiled graph (see the module doc); wrapped here, not at import, because
         # torch.compiler.disable imports dynamo (and Triton), which a plain import must not
         self._attend = torch.compiler.disable(self._attend)
@@ -403,7 +407,8 @@ class RingAttention:
                 documents=documents,
             )  # fmt: skip
         _check_positions(q, k, q_pos, k_pos)
-        plan = self.plan(q.shape[2], window, q.device, attention_tiles.policy(q))
+        balanced = self._balanced(documents)
+        plan = self.plan(q.shape[2], window, q.device, attention_tiles.policy(q), balanced)
         if q_pos.device.type == "cpu" and not torch.equal(q_pos, plan.pos[self.rank]):
             raise ValueError(
                 f"ring attention was set up for {self.layout} sharding: pass "
@@ -411,23 +416,53 @@ class RingAttention:
             )
         return _RingAttention.apply(q, k, v, plan, self.group, self.stats, documents)
 
+    def _balanced(self, documents: Documents | None) -> CpLayout | None:
+        """The batch's balanced layout (layout 'documents' with documents), else None."""
+        if self.layout != "documents" or documents is None:
+            return None
+        balanced = documents.cache.get(LAYOUT_KEY)
+        if balanced is None:
+            raise ValueError(
+                "ring attention was set up for cp_balance='documents': shard the batch with "
+                "SequenceShard (it leaves the layout in the documents' cache), or use 'zigzag'"
+            )
+        return balanced
+
     def plan(
-        self, local_len: int, window: int, device: torch.device, policy: TilePolicy = BOUNDED
+        self,
+        local_len: int,
+        window: int,
+        device: torch.device,
+        policy: TilePolicy = BOUNDED,
+        balanced: CpLayout | None = None,
     ) -> RingPlan:
-        key = (local_len, window, device, policy)
+        chunks = None if balanced is None else (balanced.chunks, balanced.n_chunks)
+        key = (local_len, window, device, policy, chunks)
         if key not in self._plans:
+            if len(self._plans) >= _PLANS_KEPT:  # balanced layouts differ per batch
+                del self._plans[next(iter(self._plans))]
             seq_len = local_len * self.size
-            pos = [positions_for(seq_len, r, self.size, self.layout) for r in range(self.size)]
+            mode = "zigzag" if self.layout == "documents" else self.layout
+            pos = [
+                positions_for(seq_len, r, self.size, mode)
+                if balanced is None
+                else balanced.positions(r, seq_len)
+                for r in range(self.size)
+            ]
             span = Span.of(window, True, None)
             self._plans[key] = RingPlan.of(pos, self.rank, span, self.kv_tile, device, policy)
         return self._plans[key]
+
+
+_PLANS_KEPT = 64
+"""Ring plans a `RingAttention` keeps; more than one per shape only under balanced layouts."""
 
 
 def apply_context_parallel(
     model: Transformer,
     cp_mesh: DeviceMesh,
     stats: RingStats | None = None,
-    layout: ShardMode | None = None,
+    layout: ShardMode | Literal["documents"] | None = None,
 ) -> None:
     """Route every layer's attention through ring attention on the (1-D) cp mesh's group.
 

@@ -24,6 +24,7 @@ from depthscale.config import Config
 from depthscale.errors import ConfigError
 from depthscale.model.transformer import Transformer
 from depthscale.observe import startup
+from depthscale.parallel.cp_balance import Balancing
 from depthscale.parallel.mesh import DistEnv, ParallelDims, dp_mesh, flat, init_distributed
 from depthscale.parallel.plan import ParallelPlan
 from depthscale.shape import ModelShape
@@ -195,7 +196,8 @@ def parallelize(
     elif dims.cp > 1:
         from depthscale.parallel.context_parallel import apply_context_parallel
 
-        apply_context_parallel(model, mesh["cp"], layout="zigzag")  # as `SequenceShard` cuts
+        # as `SequenceShard` cuts: zigzag, or balanced over each batch's documents
+        apply_context_parallel(model, mesh["cp"], layout=cfg.parallel.cp_balance)
     offload = cfg.train.offload_params
     sharded = dims.dp_shard * dims.cp > 1
     # Plain replicas (no tp, no pipeline) take DDP's bucketed reducer (`apply_ddp`); everything
@@ -250,6 +252,9 @@ def parallelize(
         replicated=whole,
         tp_chunks=cfg.parallel.tp_overlap_chunks,
         experts=experts,
+        balancing=Balancing(
+            cfg.parallel.cp_balance, cfg.model.sliding_window, cfg.parallel.cp_balance_chunk
+        ),
     )
 
 

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from depthscale.model.documents import DocumentPacking
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans
+from depthscale.parallel.cp_balance import Balancing
 from depthscale.parallel.data_parallel import average_replicated_grads, clip_grad_norm_
 from depthscale.parallel.expert_load import ExpertLoad
 from depthscale.parallel.expert_parallel import ExpertShards
@@ -69,6 +70,7 @@ class ParallelPlan:
         replicated: list[str] | None = None,
         tp_chunks: int = 1,
         experts: ExpertShards | None = None,
+        balancing: Balancing | None = None,
     ) -> None:
         self.model, self.mesh, self.dims, self.stages = model, mesh, dims, stages
         self.tp_chunks = tp_chunks
@@ -84,7 +86,7 @@ class ParallelPlan:
         """What travels between pipeline stages under autocast (the receive buffers' dtype)."""
         self.sequence = SequenceShard()
         if dims.cp > 1:
-            self.sequence = SequenceShard(mesh.get_local_rank("cp"), dims.cp)
+            self.sequence = SequenceShard(mesh.get_local_rank("cp"), dims.cp, balancing=balancing)
         self.loss = TokenLoss(
             vocab_group=mesh["tp"].get_group() if dims.tp > 1 else None,
             sequence_group=mesh["cp"].get_group() if dims.cp > 1 else None,
@@ -238,8 +240,14 @@ class ParallelPlan:
 
     def finish_step(self) -> dict[str, Tensor]:
         """After the optimizer step: the MoE layers' routing over the step's tokens, summed over
-        the ranks, and the aux-loss-free bias update (`parallel/expert_load.py`); {} without MoE."""
-        return self.expert_load.finish_step(self._device())
+        the ranks, and the aux-loss-free bias update (`parallel/expert_load.py`); under cp, the
+        max / mean attention work of the cp ranks over this rank's micro-batches
+        (`cp/work_max_mean`, from the host: `cp_balance.py`)."""
+        metrics = self.expert_load.finish_step(self._device())
+        imbalance = self.sequence.balancing.take_imbalance() if self.dims.cp > 1 else None
+        if imbalance is not None:
+            metrics["cp/work_max_mean"] = imbalance
+        return metrics
 
     def reduce_gradients(self) -> None:
         """What FSDP2 / DDP do not: once per optimizer step, after the last backward."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from depthscale.model.documents import DocumentPacking, Documents
+from depthscale.parallel.cp_balance import Balancing
 
 ShardMode = Literal["zigzag", "contiguous"]
 
@@ -103,13 +104,19 @@ class MicroBatch(NamedTuple):
 class SequenceShard:
     """How each row of a batch reaches this rank's model: cut into its packed documents when
     `packing` is set (`data.document_mask`; computed on the full row, before any shard), and
-    over the cp ranks into zigzag (head-tail) shards, padded to a multiple of 2·cp, with the
-    global positions of the kept tokens. cp = 1: the whole row."""
+    over the cp ranks, padded to a multiple of 2·cp, with the global positions of the kept tokens:
+    in zigzag (head-tail) shards, or in chunks balanced by attention work over the documents
+    (`balancing`, `cp_balance.py`). cp = 1: the whole row."""
 
     def __init__(
-        self, rank: int = 0, size: int = 1, packing: DocumentPacking | None = None
+        self,
+        rank: int = 0,
+        size: int = 1,
+        packing: DocumentPacking | None = None,
+        balancing: Balancing | None = None,
     ) -> None:
         self.rank, self.size, self.packing = rank, size, packing
+        self.balancing = balancing if balancing is not None else Balancing("zigzag")
 
     def __call__(
         self, tokens: Tensor, labels: Tensor, device: torch.device | None = None
@@ -122,11 +129,11 @@ class SequenceShard:
         documents = None if self.packing is None else self.packing.documents(tokens, device)
         if self.size == 1:
             return MicroBatch(_to(tokens, device), _to(labels, device), None, documents)
-        T = tokens.shape[1]
+        layout = self.balancing.layout(documents, tokens.shape[1], self.size)
         return MicroBatch(
-            _to(shard_sequence(tokens, self.rank, self.size, 1, "zigzag"), device),
-            _to(shard_sequence(labels, self.rank, self.size, 1, "zigzag"), device),
-            positions_for(T, self.rank, self.size, "zigzag", device),
+            _to(layout.shard(tokens, self.rank), device),
+            _to(layout.shard(labels, self.rank), device),
+            layout.positions(self.rank, tokens.shape[1], device),
             documents,
         )
 
