@@ -119,6 +119,9 @@ def test_sequence_shard_lays_out_with_the_documents_and_measures_the_work():
     assert layout.imbalance <= zigzag.imbalance
     assert balancing.take_imbalance() == pytest.approx(layout.imbalance)  # both ranks measured
     assert balancing.take_imbalance() is None  # taken: reset
+    SequenceShard(0, cp, packing, balancing)(tokens, labels)
+    balancing.reset()  # what a step does first: evaluation's or a retry's work is not its own
+    assert balancing.take_imbalance() is None
 
     plain = SequenceShard(1, cp, None, Balancing("documents"))(tokens, labels)
     assert torch.equal(plain.tokens, shard_sequence(tokens, 1, cp))  # no documents: zigzag

@@ -127,7 +127,9 @@ class CpLayout:
         mean = sum(self.work) / len(self.work)
         return max(self.work) / mean if mean else 1.0
 
-    def positions(self, rank: int, seq_len: int, device: torch.device | str | None = None):
+    def positions(
+        self, rank: int, seq_len: int, device: torch.device | str | None = None
+    ) -> Tensor:
         """Global positions [seq_len / cp] of the rank's tokens, ascending."""
         step = seq_len // self.n_chunks
         chunks = torch.tensor(self.chunks[rank], dtype=torch.long)
@@ -202,8 +204,12 @@ class Balancing:
         self.measured[1] += sum(layout.work) / cp
         return layout
 
-    def take_imbalance(self) -> float | None:
-        """max / mean attention work over the micro-batches since the last call (None: none)."""
-        top, mean = self.measured
+    def reset(self) -> None:
+        """Forget what was measured (evaluation batches, a step tried again)."""
         self.measured[:] = [0.0, 0.0]
+
+    def take_imbalance(self) -> float | None:
+        """max / mean attention work over the micro-batches since the last reset (None: none)."""
+        top, mean = self.measured
+        self.reset()
         return top / mean if mean else None

@@ -123,6 +123,7 @@ class ParallelPlan:
         micro-batch's forward (e.g. activation offloading)."""
         device, microbatches = self._device(), self.microbatches
         self.expert_load.reset()
+        self.sequence.balancing.reset()  # the step's work only: not evaluation's, nor a retry's
         pieces = self._pieces(inputs, labels)
         if self.pipeline is not None:
             return self._pipeline_step(pieces, True, autocast, around_forward)
