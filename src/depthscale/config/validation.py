@@ -49,6 +49,7 @@ def validate(cfg: Config) -> Config:
         "optim.weight_decay",
         "checkpoint.every",
         "checkpoint.keep",
+        "checkpoint.snapshot_every",
         "model.attnres_block_size",
         "data.max_bytes",
         "logging.peak_tflops",

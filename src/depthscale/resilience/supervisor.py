@@ -61,6 +61,7 @@ from depthscale.resilience.heartbeat import (
     SUPERVISOR_ENV,
     node_id,
 )
+from depthscale.resilience.keeper import SNAPSHOT_DIR_ENV, Keeper, snapshot_dir
 from depthscale.resilience.nodes import NodePool
 from depthscale.resilience.peers import Lost, Peers, PeersLost, Pulse
 from depthscale.resilience.watch import Fault, Watch
@@ -101,6 +102,7 @@ class Supervisor:
         """Whether the next group runs the diagnostics before training (after a fault that may be
         a node's)."""
         self.diagnostic_runs = 0
+        self.keeper: Keeper | None = None
 
     def _join_nodes(self):
         """Node 0's store (hosted here on node 0) and this node's place among the supervisors,
@@ -172,6 +174,8 @@ class Supervisor:
     def run(self) -> int:
         previous = self._catch_stop_signals()
         code = 1
+        if self.cfg.checkpoint.snapshot_every:  # the node's snapshots in memory (train/snapshot.py)
+            self.keeper = Keeper(snapshot_dir(self.run_dir), self.log)
         try:
             code = self._loop()
         except (PeersLost, TimeoutError) as lost:  # another node is gone, between two attempts
@@ -181,6 +185,8 @@ class Supervisor:
                 self.peers.close(f"exit {code}", wait=code in (0, GAVE_UP))
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if self.keeper is not None:  # kept for a requeue (75), else freed
+                self.keeper.close(keep=code == GAVE_UP)
         return code
 
     def _catch_stop_signals(self) -> dict[int, Any]:
@@ -289,6 +295,8 @@ class Supervisor:
                 "stop": t_stopped - t_forensics,
                 "relaunch_at": time.time(),
             }
+            if self.keeper is not None:  # no group runs: unfinished snapshots can go
+                self.keeper.sweep()
             attempt += 1
 
     def _launch(self, attempt: int, nodes: list[str], errors: Path) -> Watch:
@@ -312,6 +320,8 @@ class Supervisor:
             ERROR_DIR_ENV: str(errors),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
         }
+        if self.keeper is not None:
+            base[SNAPSHOT_DIR_ENV] = str(self.keeper.root)
         judge = None
         if self.diagnose_next and self.nproc * self.nnodes > 1:
             base[DIAGNOSE_ENV] = str(DIAGNOSE_MB)

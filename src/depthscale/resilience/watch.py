@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from depthscale.resilience.fault_record import Fault
 from depthscale.resilience.heartbeat import diagnostics_key, heartbeat_key
+from depthscale.resilience.keeper import with_restore
 from depthscale.resilience.startup_watch import StartupProgress, last_phase, start_record
 
 if TYPE_CHECKING:
@@ -427,6 +428,8 @@ class Watch:
             self.launched,
             breakdown,
         )
+        restored = [(self.ranks[r].hb or {}).get("restore") for r in n]  # train/snapshot.py
+        text, fields = with_restore(text, fields, restored, self.base)
         supervisor.log(event, text, attempt=self.attempt, **fields)
 
     def forensics(self, fault: Fault, directory: Path) -> None:
