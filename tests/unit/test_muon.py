@@ -8,7 +8,10 @@ import torch
 
 from depthscale.config import Config, OptimConfig, load_config
 from depthscale.model.transformer import Transformer
+from depthscale.plan.layout import Layout
 from depthscale.plan.muon import assign_owners, is_muon_matrix, ns_flops, update_scale
+from depthscale.plan.muon_states import muon_state_bytes, muon_step_work
+from depthscale.shape import ModelShape
 from depthscale.train.muon import Muon, newton_schulz
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import set_lr
@@ -164,3 +167,19 @@ def test_owners_balance_llama_1b_over_8_ranks():
     assert assign_owners(costs, 8) == owners  # deterministic: every rank computes the same
     # LPT by hand: 5→r0, 4→r1, 3→r1 (4 < 5), 3→r0 (5 < 7), 3→r1 (7 < 8)
     assert assign_owners([5, 4, 3, 3, 3], 2) == [0, 1, 1, 0, 1]
+
+
+def test_planned_states_equal_what_one_process_allocates():
+    """`plan.muon_states`: one momentum buffer per matrix, two moments and a step for the rest —
+    the bytes a step of the real optimizer allocates (MoE model: stacks, router, shared expert)."""
+    model = _model(moe_experts=4, moe_top_k=2, moe_shared_experts=1, tie_embeddings=False)
+    opt = build_optimizer(model, _optim())
+    _grads(model)
+    opt.step()
+    allocated = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    planned = muon_state_bytes(ModelShape.from_config(model.cfg), Layout(), 0, 0, 0)
+    assert planned.optimizer == allocated
+    work = muon_step_work(ModelShape.from_config(model.cfg), Layout(), 0, 0, 0)
+    assert work["to_owners"] == work["from_owners"] == 0
+    flops = sum(ns_flops(p.shape) for p in opt.muon_params)
+    assert work["ns_flops"] == flops

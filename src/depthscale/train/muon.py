@@ -50,7 +50,7 @@ from depthscale.plan.muon import (
     ns_flops,
     update_scale,
 )
-from depthscale.train.optim import LAMB, _fp32, _grad_like_param, _local
+from depthscale.train.lamb import LAMB, _fp32, _grad_like_param, _local
 
 __all__ = ["Muon", "newton_schulz"]
 

@@ -1,0 +1,110 @@
+"""Muon in the planner: a rank's optimizer states, the bytes its redistribution moves per step and
+its Newton–Schulz FLOPs, from the same parameter table, sharding and owner rule the optimizer
+uses (`plan.states`, `plan.muon`; `train/muon.py` is what they model).
+
+- States: one fp32 momentum buffer per Muon matrix, laid out as the parameter; the AdamW part's two
+  fp32 moments and a 0-d fp32 step per parameter.
+- Which matrices are split, and over which group: FSDP splits dim 0 of a dense matrix over
+  dp_shard × cp, tensor parallelism its tp dim, both together one flattened group (shard outer, tp
+  inner); an expert stack split only along its experts (FSDP without ep, or ep) splits no matrix.
+  The matrices split over the same group get owners from `assign_owners` in parameter order.
+- Bytes: each step a rank sends its shard of every matrix it does not own to the owner (the
+  momentum update, in the Newton–Schulz dtype) and receives them back; an owner sends every other
+  rank its shard of the result. Counted as `train/muon.py` counts them: bytes sent to other ranks.
+
+Expert-parallel stacks sharded over an expert-shard group (dp_shard × cp > ep) are not modelled
+yet (ValueError): the optimizer handles them, the planner does not place their owners.
+"""
+
+from __future__ import annotations
+
+from depthscale.plan.layout import Layout
+from depthscale.plan.muon import assign_owners, is_muon_matrix, ns_flops
+from depthscale.plan.states import (
+    Param,
+    StateBytes,
+    ep_shape,
+    fsdp_sharded,
+    local_numel,
+    rank_params,
+)
+
+
+def _split_over(p: Param, lay: Layout) -> tuple[str, ...]:
+    """The groups ('shard', 'tp') that split `p`'s matrices in this layout."""
+    if p.experts:
+        if lay.ep > 1 and lay.expert_shard > 1:
+            raise ValueError("the planner does not model Muon's owners of expert-sharded experts")
+        return ()
+    dims = ()
+    if fsdp_sharded(p, lay) and lay.shard > 1:
+        dims += ("shard",)
+    if p.tp_dim is not None and lay.tp > 1:
+        dims += ("tp",)
+    return dims
+
+
+def _routes(spec, lay: Layout, pp_rank: int) -> dict[tuple[str, ...], list[Param]]:
+    """This rank's Muon matrices by the groups that split them (() = whole here)."""
+    out: dict[tuple[str, ...], list[Param]] = {}
+    for p in rank_params(spec, lay, pp_rank):
+        if is_muon_matrix(p.name, len(p.shape)):
+            out.setdefault(_split_over(p, lay), []).append(p)
+    return out
+
+
+def _group_rank(dims: tuple[str, ...], lay: Layout, tp_rank: int, shard_rank: int) -> int:
+    sizes = {"shard": (lay.shard, shard_rank), "tp": (lay.tp, tp_rank)}
+    rank = 0
+    for d in dims:
+        size, coordinate = sizes[d]
+        rank = rank * size + coordinate
+    return rank
+
+
+def _group_size(dims: tuple[str, ...], lay: Layout) -> int:
+    return (lay.shard if "shard" in dims else 1) * (lay.tp if "tp" in dims else 1)
+
+
+def muon_state_bytes(spec, lay: Layout, pp_rank: int, tp_rank: int, shard_rank: int) -> StateBytes:
+    """fp32 parameters and gradients, and Muon's states (see the module docstring), of one rank."""
+    held = rank_params(spec, lay, pp_rank)
+    params = optimizer = 0
+    for p in held:
+        n = local_numel(p, lay, tp_rank, shard_rank)
+        params += n
+        optimizer += 4 * n if is_muon_matrix(p.name, len(p.shape)) else 8 * n + 4
+    return StateBytes(4 * params, 4 * params, optimizer)
+
+
+def muon_step_work(
+    spec,
+    lay: Layout,
+    pp_rank: int,
+    tp_rank: int,
+    shard_rank: int,
+    ns_bytes: int = 4,
+    ns_steps: int = 5,
+) -> dict[str, int]:
+    """{"to_owners", "from_owners"}: bytes this rank sends to other ranks in one step's
+    redistribution (`ns_bytes` per element: 4 fp32 on CPU, 2 bf16 on CUDA), and "ns_flops": the
+    Newton–Schulz FLOPs it runs (its owned matrices, and the whole ones it holds)."""
+    out = {"to_owners": 0, "from_owners": 0, "ns_flops": 0}
+    for dims, params in _routes(spec, lay, pp_rank).items():
+        if not dims:
+            out["ns_flops"] += sum(ns_flops(ep_shape(p, lay), ns_steps) for p in params)
+            continue
+        size = _group_size(dims, lay)
+        me = _group_rank(dims, lay, tp_rank, shard_rank)
+        owners = assign_owners([ns_flops(ep_shape(p, lay), ns_steps) for p in params], size)
+        for p, owner in zip(params, owners):
+            mine = local_numel(p, lay, tp_rank, shard_rank)
+            if owner == me:
+                whole = 1
+                for s in ep_shape(p, lay):
+                    whole *= s
+                out["from_owners"] += (whole - mine) * ns_bytes
+                out["ns_flops"] += ns_flops(ep_shape(p, lay), ns_steps)
+            else:
+                out["to_owners"] += mine * ns_bytes
+    return out
