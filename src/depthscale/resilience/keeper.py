@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import hashlib
+import re
 import shutil
 import signal
 import subprocess
@@ -34,8 +35,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from depthscale.train.manifest import _step_of
-
+UNFINISHED = re.compile(r"step_\d+\.tmp")
+"""A version a writer had not finished (train/manifest.py names versions `step_N`). Matched
+here, not imported: the keeper process imports no torch, so it starts in a blink."""
 SNAPSHOT_DIR_ENV = "DEPTHSCALE_SNAPSHOT_DIR"
 """Set by the supervisor for its workers: the directory its keeper owns."""
 SHM = Path("/dev/shm")
@@ -53,7 +55,7 @@ def sweep(root: Path) -> list[str]:
     if not root.is_dir():
         return gone
     for entry in root.iterdir():
-        if entry.name.endswith(".tmp") and _step_of(entry.name[: -len(".tmp")]) is not None:
+        if UNFINISHED.fullmatch(entry.name):
             shutil.rmtree(entry, ignore_errors=True)
             gone.append(entry.name)
     return gone
