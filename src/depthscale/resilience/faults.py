@@ -13,8 +13,8 @@ and the NaN guard must survive, injected where it would really happen.
 | `badbatch@R:S`    | the batch of step S makes rank R's loss NaN whenever it is computed (bad data) |
 | `slow@R:F[:S]`    | rank R's forward and backward take F× as long from step S (default 1) on    |
 | `enospc@S`        | the checkpoint save of step S fails with "No space left on device"          |
-| `slowsave@S[:SEC]`| the checkpoint save of step S takes SEC s (default 5) longer to write (slow storage) |
-| `corrupt@S`       | a byte of the checkpoint of step S is flipped once it is written            |
+| `slowsave@S[:SEC]`| the checkpoint save of step S (and its snapshot in memory) takes SEC s (default 5) longer to write (slow storage) |
+| `corrupt@S`       | a byte of the checkpoint of step S (and of its snapshot in memory) is flipped once it is written |
 | `baddiag@NODE`    | the diagnostics find node NODE slow (a node that must be excluded)          |
 
 A fault fires in the first attempt only (a restarted group runs clean, as after a replaced node);
