@@ -363,6 +363,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lrs", type=floats, default=[1.5e-3, 3e-3, 6e-3], help="swept peak lrs")
+    ap.add_argument(
+        "--lr", type=float, default=0.0, help="no sweep: this lr (e.g. a finished run's sweep's)"
+    )
     ap.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1])
     ap.add_argument("--optims", type=lambda t: t.split(","), default=["adamw"])
     ap.add_argument(
@@ -382,7 +385,7 @@ def main() -> None:
     ap.add_argument("--note", default="")
     ap.add_argument("--commit", default="", help="the commit of a `git archive` export run here")
     args = ap.parse_args()
-    if "standard" not in args.residuals or "adamw" not in args.optims:
+    if not args.lr and ("standard" not in args.residuals or "adamw" not in args.optims):
         sys.exit(
             "convergence.py: --residuals must include standard and --optims adamw (the lr sweep's baseline)"
         )
@@ -394,8 +397,8 @@ def main() -> None:
     work = Path(args.work_dir)
     started = time.perf_counter()
     warm_cache(args)
-    sweep_jobs = [Job("standard", "adamw", args.seeds[0], lr) for lr in args.lrs]
-    n_rest = len(args.residuals) * len(args.optims) * len(args.seeds) - 1
+    sweep_jobs = [] if args.lr else [Job("standard", "adamw", args.seeds[0], x) for x in args.lrs]
+    n_rest = len(args.residuals) * len(args.optims) * len(args.seeds) - len(sweep_jobs[:1])
     calibration = None
     steps = args.steps
     if args.budget_minutes:
@@ -412,8 +415,8 @@ def main() -> None:
 
     with ThreadPoolExecutor(args.workers) as pool:
         sweep = list(pool.map(lambda j: train(args, j, steps, eval_every, work), sweep_jobs))
-        lr = best_lr({r.job.lr: r.final_bpb for r in sweep})
-        print(f"convergence: lr {lr:g} from the sweep", file=sys.stderr)
+        lr = args.lr or best_lr({r.job.lr: r.final_bpb for r in sweep})
+        print(f"convergence: lr {lr:g}", file=sys.stderr)
         jobs = [
             Job(residual, optim, seed, lr)
             for seed in args.seeds for optim in args.optims for residual in args.residuals
@@ -437,7 +440,7 @@ def main() -> None:
         "flops_per_run": {r.job.residual: r.flops for r in results},
         "lr_sweep": {f"{r.job.lr:g}": r.final_bpb for r in sweep},
         "lr": lr,
-        "lr_at_sweep_edge": lr in (min(args.lrs), max(args.lrs)),
+        "lr_at_sweep_edge": None if args.lr else lr in (min(args.lrs), max(args.lrs)),
         "seeds": args.seeds,
         "variants": summarise(results, args.residuals),
         "runs": [
