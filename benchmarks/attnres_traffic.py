@@ -130,28 +130,38 @@ def forward(d: int, S: int, m: int, dtype: str = "bf16", N: int = TOKENS,
 
 def backward(d: int, S: int, m: int, dtype: str = "bf16", N: int = TOKENS,
              regs: dict[config.Variant, int] | None = None) -> Traffic:  # fmt: skip
-    plan = config.read_backward_launch(N, d, m, S, dtype, SMS)
-    e, s_pad = ELEMENT[dtype], plan.logits.meta["S_PAD"]
-    scratch = (2 * m * s_pad + m) * 4  # z, P, r (then a, g, c in place)
+    plan = config.read_backward_launch(N, d, m, S, dtype)
+    e, s_pad = ELEMENT[dtype], plan.variant.meta["S_PAD"]
+    resident = resident_programs(plan.variant, (regs or {}).get(plan.variant))
+    lane_bytes = plan.n_lanes * s_pad * d * 4
+    # tickets started from a block's first logits item to its last gradient item: its own items
+    # and at most `resident` more, so at most 1 + ceil(resident / items) whole blocks of bytes
+    blocks_spanned = 1 + -(-resident // plan.items_per_block)
+    reuse_distance = blocks_spanned * plan.block_bytes + lane_bytes
+    reread_hits = reuse_distance <= L2_BYTES * L2_USABLE
+    rows = 2 * s_pad + 1  # fp32 per source and token: S_PAD dots / a, S_PAD P / g, Σv² / c
     detail = {
-        # logits: each (block, source) program reads its source rows and all S upstream rows;
-        # the m programs of a block start together and share the upstream bytes
-        "logits_sources": m * d * e,
-        "logits_upstream": S * d * e,
-        "logits_scratch_written": scratch,
-        # weights: reads the scratch and lse, dlse; writes it back in place
-        "weights_scratch_read": scratch + 2 * S * 4,
-        "weights_scratch_written": scratch,
-        # source gradients: each upstream tile from HBM once per block (its re-reads for the
-        # other sources hit L1/L2), sources, gradients
-        "grads_upstream": S * d * e,
-        "grads_sources": m * d * e,
-        "grads_written": m * d * e,
-        "grads_scratch_read": scratch,
-        "queries": 3 * s_pad * d * 4 / N,
-        "dw_partials": 2 * plan.n_progs * s_pad * d * 4 / N,
+        "sources_read": m * d * e,
+        "upstream_read": S * d * e,  # one part's upstream rows: shared by neighbouring items
+        "gradients_written": m * d * e,
+        # the gradient items' re-read of the block's sources and upstream gradients
+        "reread": 0.0 if reread_hits else (m + S) * d * e,
+        # partial dots, P and Σv², written by the logits items, read in L2 by the last one
+        "scratch_partials_written": plan.n_parts * m * rows * 4,
+        # a, g, c: written once, read in L2 by the block's gradient items
+        "scratch_weights_written": m * rows * 4,
+        "lse_dlse_read": 2 * S * 4,
+        "queries": s_pad * d * 4 / N,
+        # dw lanes: L2-resident between links, written back once, read once by the torch sum
+        "dw_lanes": 2 * lane_bytes / N,
+        "sync": (1 + 2 * plan.n_blocks + plan.n_lanes * plan.n_chunks) * 4 / N,
     }
-    return Traffic(sum(detail.values()), (2 * m + S) * d * e, detail)
+    total = sum(detail.values())
+    detail["reuse_distance_bytes"] = reuse_distance
+    detail["resident_programs"] = resident
+    detail["block_tokens"] = plan.block_n
+    detail["dw_lanes_count"] = plan.n_lanes
+    return Traffic(total, (2 * m + S) * d * e, detail)
 
 
 def traffic(d: int, S: int, m: int, dtype: str = "bf16", N: int = TOKENS,
@@ -171,8 +181,8 @@ def _aot(dtype: str) -> tuple[dict[config.Variant, int], dict[str, dict]]:
     for d in DS:
         for S in QUERIES:
             variants[config.read_forward_variant(d, S, dtype)] = None
-            for v in config.read_backward_variants(d, S, dtype):
-                variants[v] = None
+            for m in SOURCES:
+                variants[config.read_backward_launch(TOKENS, d, m, S, dtype).variant] = None
     regs, report = {}, {}
     for v, _, usage in aot.compile_many(list(variants), archs=(90,)):
         if isinstance(usage, str):

@@ -187,7 +187,7 @@ def test_triton_read_and_merge_at_a_production_width(monkeypatch, dtype, m, S, d
                     [h_want, *grads_of([h_want], up, merge_inputs)]):  # fmt: skip
         assert_close(g, w, f"merge d={d}", merge_terms(1, 2, d))
     kernels_run = {v.kernel for v in launched}  # all but the address-table writer
-    assert len(kernels_run) == 6 and all(dict(v.constexprs).get("ALIGNED", True) for v in launched)
+    assert len(kernels_run) == 4 and all(dict(v.constexprs).get("ALIGNED", True) for v in launched)
     assert set(launched) <= set(grid_variants())
 
 
@@ -225,23 +225,68 @@ def test_triton_forward_runs_every_work_item_once(monkeypatch):
 
 
 @needs_triton
-def test_triton_backward_reduces_dw_over_several_programs(monkeypatch):
-    """The queries' gradient is summed in two levels (per-program partials, then their sum): with
-    as many programs as a GPU of 3 SMs would run, every partial row is written and counted."""
+@pytest.mark.parametrize(
+    "block_bytes,m,S,N,d,dtype",
+    [
+        (2**30, 3, 3, 40, 128, torch.float32),  # 16-token blocks, two logits parts, 3 lanes
+        (1, 5, 16, 6, 48, torch.float32),  # 1-token blocks: 16 sources a tile; S_PAD 16: tl.dot
+        (4 * 11 * 64 * 2, 3, 5, 21, 64, torch.bfloat16),  # 4 tokens × 4 sources a tile
+    ],
+)
+def test_triton_backward_runs_every_work_item_once(monkeypatch, block_bytes, m, S, N, d, dtype):
+    """The one-launch backward (`_read_backward_kernel`), at each block size (tile rows of one
+    source, of 4 sources × 4 tokens, of 16 sources × 1 token): every program took one ticket,
+    every block's logits items arrived and its ready flag was set, every dw lane was added to once
+    per block it holds (the chain's turns), and every gradient is the PyTorch read's — one
+    upstream gradient absent (zero), lse's gradient used, dw summed over several lanes."""
+    from depthscale.kernels import attnres_triton_config as config
     from depthscale.kernels import attnres_triton_launch as launch
-    from depthscale.kernels.attnres_triton import triton_merge_partial, triton_multi_query_read
+    from depthscale.kernels.attnres_triton import triton_multi_query_read
 
-    monkeypatch.setattr(launch, "_sms", lambda device: 3)
-    sources = [leaf(2, 16, 24, scale=1 + 0.5 * i) for i in range(3)]
-    queries = leaf(3, 24, scale=0.5)
+    monkeypatch.setattr(config, "BACKWARD_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(config, "LOGIT_PART", 64)  # two parts at d = 128: their sum in order
+    plan = config.read_backward_launch(N, d, m, S, launch.dtype_name(dtype))
+    row = (2 * m + S) * d * plan.element
+    monkeypatch.setattr(config, "DW_LANE_SPACING", 3 * plan.block_n * row)  # 3 lanes
+    plan = config.read_backward_launch(N, d, m, S, launch.dtype_name(dtype))
+    seen, real = [], launch._launch
+
+    def spy(variant, grid, *args):
+        real(variant, grid, *args)
+        seen.append((variant, grid, args))
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    sources = [leaf(1, N, d, dtype=dtype, scale=1 + 0.5 * i) for i in range(m)]
+    queries = leaf(S, d, scale=0.5)
     inputs = [queries, *sources]
     got = triton_multi_query_read(sources, queries, EPS)
     want = pytorch(multi_query_read, sources, queries, EPS)
     upstream = [torch.randn_like(want[0]), torch.randn_like(want[1])]
-    terms = read_terms(3, 3, 2, 16, 24)
-    assert_close(grads_of(got, upstream, inputs)[0], grads_of(want, upstream, inputs)[0],
-                 "d_queries", terms)  # fmt: skip
-    merge_inputs = [leaf(2, 16, 24), leaf(2, 16, scale=3.0), sources[1], queries[1]]
+    upstream[0][1] = 0  # one query's output unused: its upstream gradient is zero
+    names = ["d_queries", *(f"d_source{i}" for i in range(m))]
+    for g, w, name in zip(grads_of(got, upstream, inputs), grads_of(want, upstream, inputs), names):
+        assert_close(g, w, name, read_terms(m, S, 1, N, d))
+    ((variant, grid, args),) = [x for x in seen if x[0].kernel == "_read_backward_kernel"]
+    assert variant == plan.variant and grid == plan.grid and plan.n_lanes == min(3, plan.n_blocks)
+    assert plan.block_n == {2**30: 16, 1: 1}.get(block_bytes, 4)
+    sync, blocks, lanes = args[8].tolist(), plan.n_blocks, plan.n_lanes
+    assert sync[0] == grid
+    assert sync[1 : 1 + blocks] == [plan.n_groups * plan.n_parts] * blocks
+    assert sync[1 + blocks : 1 + 2 * blocks] == [1] * blocks
+    turns = [-(-(blocks - lane) // lanes) for lane in range(lanes) for _ in range(plan.n_chunks)]
+    assert sync[1 + 2 * blocks :] == turns
+
+
+@needs_triton
+def test_triton_merge_backward_reduces_dw_over_several_programs(monkeypatch):
+    """The merge's query gradient is summed in two levels (per-program partials, then their sum):
+    with as many programs as a GPU of 3 SMs would run, every partial row is written and counted."""
+    from depthscale.kernels import attnres_triton_launch as launch
+    from depthscale.kernels.attnres_triton import triton_merge_partial
+
+    monkeypatch.setattr(launch, "_sms", lambda device: 3)
+    source, query = leaf(2, 16, 24), leaf(24, scale=0.5)
+    merge_inputs = [leaf(2, 16, 24), leaf(2, 16, scale=3.0), source, query]
     up = [torch.randn(2, 16, 24, device=DEVICE)]
     h, h_want = triton_merge_partial(*merge_inputs, EPS), pytorch(merge_partial, *merge_inputs, EPS)
     assert_close(grads_of([h], up, merge_inputs)[3], grads_of([h_want], up, merge_inputs)[3],

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
 from depthscale.kernels.attnres_triton_config import Variant
 
@@ -92,21 +92,28 @@ class Usage:
         return found
 
 
-_JIT_MODULE = Path(__file__).with_name("attnres_triton_jit.py")
+_JIT_MODULES = ("attnres_triton_jit", "attnres_triton_jit_backward")
 
 
 @cache
-def compilable_kernels() -> ModuleType:
-    """A fresh copy of `attnres_triton_jit` whose kernels are `JITFunction`s, whatever
-    TRITON_INTERPRET says (the interpreter decides at decoration time)."""
+def compilable_kernels() -> SimpleNamespace:
+    """Fresh copies of `attnres_triton_jit` and `attnres_triton_jit_backward` whose kernels are
+    `JITFunction`s, whatever TRITON_INTERPRET says (the interpreter decides at decoration time),
+    as one namespace of both modules' names. The backward calls the shared helpers through its
+    global `jit`, which Triton resolves when it compiles: pointed at the fresh copy here."""
     from triton import knobs
 
-    spec = importlib.util.spec_from_file_location("_depthscale_aot_attnres_jit", _JIT_MODULE)
-    module = importlib.util.module_from_spec(spec)
+    fresh = {}
     with knobs.runtime.scope():
         knobs.runtime.interpret = False
-        spec.loader.exec_module(module)
-    return module
+        for name in _JIT_MODULES:
+            path = Path(__file__).with_name(f"{name}.py")
+            spec = importlib.util.spec_from_file_location(f"_depthscale_aot_{name}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            fresh[name] = module
+    fresh["attnres_triton_jit_backward"].jit = fresh["attnres_triton_jit"]
+    return SimpleNamespace(**{k: v for m in fresh.values() for k, v in vars(m).items()})
 
 
 _ACCESS = re.compile(r"\b(ld|st)\.global\.([A-Za-z0-9_:.]+)")

@@ -2,9 +2,10 @@
 
 Drop-in for `multi_query_read` (phase 1) and `merge_partial` (phase 2) of `model/attnres_ops.py`,
 which stay the reference; `attnres_ops` dispatches here for CUDA inputs. On CPU they run only under
-`TRITON_INTERPRET=1` (the tests). Kernels: `attnres_triton_jit.py`; which compiled variant a launch
-uses: `attnres_triton_config.py`; buffers and grids: `attnres_triton_launch.py`; ahead-of-time
-compiles for sm_90a/sm_80 on a machine without a GPU: `aot.py`.
+`TRITON_INTERPRET=1` (the tests). Kernels: `attnres_triton_jit.py` (the read's backward:
+`attnres_triton_jit_backward.py`); which compiled variant a launch uses: `attnres_triton_config.py`;
+buffers and grids: `attnres_triton_launch.py`; ahead-of-time compiles for sm_90a/sm_80 on a
+machine without a GPU: `aot.py`.
 
 Math, per token. Queries w_s (s = 1..S, key-norm gain folded in) over sources v_i (i = 1..m):
   r_i = (mean(v_i²) + eps)^-½,  z_si = r_i (v_i · w_s),  a_si = softmax_i(z_si),
@@ -34,16 +35,23 @@ Design, and why:
   waits only on smaller tickets, which have started and wait on nothing: no deadlock. The first
   design had a logits launch then a sum launch over all tokens: every source read twice from HBM,
   a ceiling of (m+1)/(2m+1) of bandwidth. `benchmarks/attnres_traffic.py` models the bytes.
-- The backward is three kernels: per-token dots (z, P = do·v, r; grid tokens × sources), the
-  softmax weights and g in place over that scratch (grid tokens), then the source gradients (grid
-  programs × d-chunks, each program striding over 16-token blocks). Upstream gradients are walked
-  one query at a time ([16, BLOCK_D] tiles, vector loads), so no tile grows with S; the query
-  contractions (z = w·vᵀ, dw += gᵀ v) are fp32 `tl.dot`s from 16 query rows on. The queries' gradient dw is
-  reduced in two levels: each program keeps its [S_PAD, BLOCK_D] share in registers over all its
-  token blocks and writes it once to a [n_programs, S_PAD, d] partial whose rows a torch sum
-  finishes — deterministic, no atomics, and bounded: n_programs × n_chunks ≈ 4 programs per SM,
-  so the partials are ~4·SMs·S_PAD·BLOCK_D·4 bytes (~4 MB at S = 32 on an H100) whatever d is;
-  the first design wrote one [S_PAD, next_pow2(d)] partial per program, 0.3–0.5 GB at d = 8192.
+- The backward is one launch too (`_read_backward_kernel`, `attnres_triton_jit_backward.py`), built
+  the same way: a token block's logits items (512-column part × group of sources: partial w·v,
+  do·v and Σv² into fp32 scratch; the last to arrive computes a, g and c for the block) come just
+  before its gradient items (d-chunks), which re-read the block's sources and upstream gradients
+  from L2, so each is read from HBM once and each source gradient written once: ≈ (2m + S)·2d bytes
+  per token, the minimum. The first design had three launches (logits, weights, gradients) and
+  read every source and upstream gradient twice: 1.5–2× the minimum. A block's bytes must stay in
+  L2 between the two reads, so its tokens shrink as rows grow (16, 4 or 1 tokens: ≤ 1 MiB,
+  `BACKWARD_BLOCK_BYTES`); a tile's 16 rows are (source, token) pairs, so the query contractions
+  stay fp32 `tl.dot`s (from S_PAD = 16 for the logits, 4 for the gradients) and the loads vectors
+  whatever the block size. Upstream gradients are walked one query at a time, so no tile grows
+  with S. The queries' gradient dw: each gradient item's [S_PAD, GRAD_D] share is added to one of
+  n_lanes L2-resident [S_PAD, d] lanes (block b to lane b mod n_lanes) after block b − n_lanes's
+  share — a chain per lane and chunk, so the sum's order is fixed (deterministic, no float
+  atomics) — and a torch sum over the lanes finishes it; lanes are spaced so the awaited item ran
+  ≥ 8 MiB of traffic earlier (`DW_LANE_SPACING`). The previous design's per-program dw partials
+  need a program that owns a d-chunk over many token blocks, which a ticketed launch has not.
   The merge's backward needs whole-d dots per token before its pass over d, so it keeps one grid
   of ~4 programs per SM striding over token blocks, each accumulating its own [d] row of the
   partials in place (17 MB at d = 8192 on an H100).

@@ -4,7 +4,8 @@ through `kernels/aot.py`) both call, so the test compiles exactly what a GPU wou
 
 A variant is (kernel, data dtype, S_PAD, BLOCK_N, BLOCK_D, ALIGNED, warps, stages) — never d, N or
 m, which are runtime arguments: over d ∈ {1024 … 16384}, S ∈ 1…32 and two dtypes there are a few
-dozen variants, each a small kernel that compiles in about a second.
+dozen variants, each a small kernel that compiles in about a second. (The backward's launch plan
+picks its BLOCK_N from m, S and d among `BACKWARD_BLOCKS`; every one is in the grid.)
 
 Tile sizes (`_FORWARD_TILES`, `_BACKWARD_TILES`, `_MERGE_FWD`, `_MERGE_BWD`) were chosen from
 ptxas's register counts and the PTX's access widths, and the AOT test holds every variant to them
@@ -119,20 +120,6 @@ about (resident programs) × 16 tokens × 2·LOGIT_PART bytes + two token blocks
 of an H100's L2 at every modelled shape (`benchmarks/attnres_traffic.py`); each part costs
 4·(S_PAD + 1) bytes of scratch per token and source (≤ 13 % of the row bytes at S = 32)."""
 
-_BACKWARD_TILES = {
-    1: ((16, 128), (16, 128)),
-    2: ((16, 128), (16, 128)),
-    4: ((16, 64), (16, 64)),
-    8: ((16, 64), (16, 64)),
-    16: ((16, 64), (16, 64)),
-    32: ((16, 64), (16, 64)),
-}
-"""S_PAD -> (BLOCK_N, BLOCK_D) of the backward logits and source gradients, at 8 warps: 16 tokens
-per program at every S (the upstream gradients are walked one query at a time, so no tile grows
-with S; the query dots and dw are fp32 `tl.dot`s from S_PAD = 16), source tiles of ≥ 1024
-elements (≥ 4 per thread: vector loads), registers below the cap on sm_90a and sm_80 (the AOT
-test)."""
-
 
 @dataclass(frozen=True)
 class ReadForwardLaunch:
@@ -184,60 +171,113 @@ def read_forward_launch(N: int, d: int, m: int, S: int, dtype: str) -> ReadForwa
     )  # fmt: skip
 
 
-def read_backward_variants(d: int, S: int, dtype: str) -> tuple[Variant, Variant, Variant]:
-    """(logits and upstream dots, softmax weights and g, source gradients): grids tokens × sources,
-    tokens, and programs × d-chunks (`attnres_triton.py`)."""
+_BACKWARD_TILES = {
+    1: (128, 128),
+    2: (128, 128),
+    4: (64, 64),
+    8: (64, 64),
+    16: (64, 64),
+    32: (64, 64),
+}
+"""S_PAD -> (LOGIT_D, GRAD_D) of `_read_backward_kernel`'s [16, LOGIT_D] logits and [16, GRAD_D]
+gradient tiles at 8 warps: ≥ 1024 elements (≥ 4 per thread: vector loads) of 16 (source, token)
+rows, whatever the block's tokens; the upstream gradients are walked one query at a time, so no
+tile grows with S; the query contractions are fp32 `tl.dot`s from S_PAD = 16 (logits) and 4
+(gradients, 16 zero-padded rows). Registers below the cap on sm_90a and sm_80 (the AOT test)."""
+
+BACKWARD_BLOCKS = (16, 4, 1)
+"""Tokens per backward token block, largest first: 16 // tokens sources share a 16-row tile."""
+
+BACKWARD_BLOCK_BYTES = 2**20
+"""A backward token block's HBM bytes (its sources and upstream gradients read, its source
+gradients written: tokens × (2m + S) × d × element) stay within this: the block's bytes must
+survive in L2 from its logits items' reads to its gradient items' re-reads, alongside the blocks
+in flight beside it — up to 1 + ⌈resident programs / items per block⌉ blocks
+(`benchmarks/attnres_traffic.py`: ≤ 25 MB, half of an H100's 50 MB L2, at every modelled shape
+even with 8 programs per SM). 16 tokens where they fit, else 4, else 1 (16 sources share the
+tile's rows: with fewer sources some rows are masked — compute, not traffic)."""
+
+DW_LANE_SPACING = 8 * 2**20
+"""HBM bytes between two token blocks of one dw lane: the gradient item of block b adds its dw
+share to lane b mod n_lanes after block b − n_lanes's item of the same chunk (a chain, so the sum
+is in a fixed order: deterministic), so enough lanes that the item it waits for ran ≥ 8 MiB of
+traffic (≈ 2.5 µs at 3.35 TB/s) earlier, far longer than one link (an L2 read, add and write of
+[S_PAD, GRAD_D] fp32 and a release); at most 64 lanes."""
+
+_MAX_LANES = 64
+
+
+def read_backward_variant(d: int, S: int, dtype: str, block_n: int) -> Variant:
+    """The one-launch read backward (`_read_backward_kernel`) for S queries over sources of
+    `dtype`, width d, `block_n` tokens per token block (one of `BACKWARD_BLOCKS`)."""
     s_pad = _check(S, dtype)
-    logits, grads = _BACKWARD_TILES[s_pad]
-    weights_n = 512 // s_pad  # [S_PAD, BLOCK_N] tiles of 512: ≤ 64 registers at 4 warps
-    weights = Variant(
-        "_read_grad_weights_kernel",
-        (("z_ptr", "*fp32"), ("p_ptr", "*fp32"), ("r_ptr", "*fp32"), ("lse_ptr", "*fp32"),
-         ("dlse_ptr", "*fp32")),
-        (("S_PAD", s_pad), ("BLOCK_N", weights_n)),
-        num_warps=4,
-        meta={"S_PAD": s_pad, "BLOCK_N": weights_n},
-    )  # fmt: skip
-    return (
-        _variant("_read_grad_logits_kernel", dtype, s_pad, *logits, d),
-        weights,
-        _variant("_read_grad_sources_kernel", dtype, s_pad, *grads, d),
-    )
+    logit_d, grad_d = _BACKWARD_TILES[s_pad]
+    aligned = d % max(logit_d, grad_d) == 0
+    dw_rows = max(s_pad, 16) if s_pad >= 4 else s_pad
+    consts = (("S_PAD", s_pad), ("DW_ROWS", dw_rows), ("BLOCK_N", block_n), ("LOGIT_D", logit_d),
+              ("GRAD_D", grad_d), ("ALIGNED", aligned))  # fmt: skip
+    pointers = (("table", "*i64"), ("ref", f"*{dtype}"), ("w_ptr", "*fp32"), ("lse_ptr", "*fp32"),
+                ("dlse_ptr", "*fp32"), ("part_ptr", "*fp32"), ("wt_ptr", "*fp32"),
+                ("lane_ptr", "*fp32"), ("sync_ptr", "*i32"))  # fmt: skip
+    return Variant("_read_backward_kernel", pointers, consts, num_warps=_WARPS, meta=dict(consts))
+
+
+def read_backward_variants(d: int, S: int, dtype: str) -> tuple[Variant, ...]:
+    """Every backward variant a read of S queries at width d can launch (one per block size)."""
+    return tuple(read_backward_variant(d, S, dtype, b) for b in BACKWARD_BLOCKS)
 
 
 @dataclass(frozen=True)
 class ReadBackwardLaunch:
-    """The three launches of a read's backward for N tokens (`read_backward_launch`, called by the
-    launcher and `benchmarks/attnres_traffic.py`): logits (grid n_blocks_logits × m), weights (grid
-    n_blocks_weights), source gradients (n_progs × n_chunks programs striding over n_blocks
-    token blocks; n_progs rows of dw partials)."""
+    """The launch of `_read_backward_kernel` for N tokens (`read_backward_launch`, called by the
+    launcher and `benchmarks/attnres_traffic.py`): per token block of `block_n` tokens, in ticket
+    order, n_groups · n_parts logits items (part-major: the groups reading one part's upstream
+    gradients are neighbours) then n_chunks gradient items; dw summed in n_lanes lanes."""
 
-    logits: Variant
-    weights: Variant
-    grads: Variant
+    variant: Variant
     N: int
     d: int
     m: int
     S: int
-    n_blocks_logits: int
-    n_blocks_weights: int
+    block_n: int
     n_blocks: int
+    part: int
+    n_parts: int
+    n_groups: int
     n_chunks: int
-    n_progs: int
+    n_lanes: int
+    element: int
+
+    @property
+    def block_bytes(self) -> int:
+        """HBM bytes of one token block: sources and upstream gradients read, gradients written."""
+        return self.block_n * (2 * self.m + self.S) * self.d * self.element
+
+    @property
+    def items_per_block(self) -> int:
+        return self.n_groups * self.n_parts + self.n_chunks
+
+    @property
+    def grid(self) -> int:
+        return self.n_blocks * self.items_per_block
 
 
-def read_backward_launch(
-    N: int, d: int, m: int, S: int, dtype: str, sms: int
-) -> ReadBackwardLaunch:
-    logits, weights, grads = read_backward_variants(d, S, dtype)
-    n_chunks = -(-d // grads.meta["BLOCK_D"])
-    n_blocks = -(-N // grads.meta["BLOCK_N"])
-    n_progs = min(-(-programs(n_blocks * n_chunks, sms) // n_chunks), n_blocks)
+ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each data dtype."""
+
+
+def read_backward_launch(N: int, d: int, m: int, S: int, dtype: str) -> ReadBackwardLaunch:
+    row = (2 * m + S) * d * ELEMENT[dtype]
+    block_n = next((b for b in BACKWARD_BLOCKS if b * row <= BACKWARD_BLOCK_BYTES),
+                   BACKWARD_BLOCKS[-1])  # fmt: skip
+    variant = read_backward_variant(d, S, dtype, block_n)
+    n_lanes = _clamp(-(-DW_LANE_SPACING // (block_n * row)), 1, _MAX_LANES)
+    n_blocks = -(-N // block_n)
     return ReadBackwardLaunch(
-        logits=logits, weights=weights, grads=grads, N=N, d=d, m=m, S=S,
-        n_blocks_logits=-(-N // logits.meta["BLOCK_N"]),
-        n_blocks_weights=-(-N // weights.meta["BLOCK_N"]),
-        n_blocks=n_blocks, n_chunks=n_chunks, n_progs=n_progs,
+        variant=variant, N=N, d=d, m=m, S=S, block_n=block_n, n_blocks=n_blocks,
+        part=LOGIT_PART, n_parts=-(-d // LOGIT_PART), n_groups=-(-m // (16 // block_n)),
+        n_chunks=-(-d // variant.meta["GRAD_D"]), n_lanes=min(n_lanes, n_blocks),
+        element=ELEMENT[dtype],
     )  # fmt: skip
 
 
@@ -271,22 +311,6 @@ def merge_backward_variant(d: int, dtype: str, o_dtype: str) -> Variant:
 def _merge_variant(kernel, pointers, block_n: int, block_d: int, warps: int, d: int) -> Variant:
     consts = (("BLOCK_N", block_n), ("BLOCK_D", block_d), ("ALIGNED", d % block_d == 0))
     return Variant(kernel, pointers, consts, warps, meta={"BLOCK_N": block_n, "BLOCK_D": block_d})
-
-
-_POINTERS = {
-    "_read_grad_logits_kernel": ("w_ptr", "z_ptr", "p_ptr", "r_ptr"),
-    "_read_grad_sources_kernel": ("w_ptr", "a_ptr", "g_ptr", "c_ptr", "dw_ptr"),
-}
-"""fp32 pointer arguments of the table-driven kernels (besides `table` and `ref`)."""
-
-
-def _variant(kernel: str, dtype: str, s_pad: int, block_n: int, block_d: int, d: int) -> Variant:
-    pointers = (("table", "*i64"), ("ref", f"*{dtype}"), *((p, "*fp32") for p in _POINTERS[kernel]))
-    aligned = d % block_d == 0
-    rows = (("DW_ROWS", max(s_pad, 16) if s_pad >= 4 else s_pad),)
-    consts = (("S_PAD", s_pad), *(rows if kernel == "_read_grad_sources_kernel" else ()),
-              ("BLOCK_N", block_n), ("BLOCK_D", block_d), ("ALIGNED", aligned))  # fmt: skip
-    return Variant(kernel, pointers, consts, num_warps=_WARPS, meta=dict(consts))
 
 
 def programs(work_items: int, sms: int, per_sm: int = 4) -> int:

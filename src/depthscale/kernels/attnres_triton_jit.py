@@ -121,6 +121,27 @@ def _scratch(ptr, at, ok):
     return tl.load(ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
 
 
+@triton.jit
+def _query_dots(w_ptr, v, qs, cols, d, dot, S_PAD: tl.constexpr, ALIGNED: tl.constexpr):
+    """dot + w·vᵀ: [S_PAD, BLOCK_N] query dots of a [BLOCK_N, BLOCK_D] source tile, from S_PAD = 16
+    an fp32 FMA `tl.dot` (no [S_PAD, BLOCK_N, BLOCK_D] product in registers). Forward and
+    backward (`attnres_triton_jit_backward`) alike."""
+    if ALIGNED:
+        w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], eviction_policy="evict_last")
+    else:
+        w = tl.load(
+            w_ptr + qs[:, None] * d + cols[None, :],
+            mask=cols[None, :] < d,
+            other=0.0,
+            eviction_policy="evict_last",
+        )
+    if S_PAD >= 16:
+        dot = tl.dot(w, tl.trans(v), dot, input_precision="ieee")
+    else:
+        dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
+    return dot
+
+
 # ---------------------------------------------------------------------------------------------
 # Phase-1 read, forward: one launch whose programs take work items in ticket order (see
 # `_read_forward_kernel`).
@@ -191,19 +212,7 @@ def _logits_part(table, ref, w_ptr, dot_ptr, sq_ptr, block, i, k, N, zn, d, m, p
     for c in range(start, tl.minimum(start + part, d), LOGIT_D):
         cols = c + tl.arange(0, LOGIT_D)
         v = _rows_tile(base, row_off, row_ok, cols, d, ALIGNED)
-        if ALIGNED:
-            w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], eviction_policy="evict_last")
-        else:
-            w = tl.load(
-                w_ptr + qs[:, None] * d + cols[None, :],
-                mask=cols[None, :] < d,
-                other=0.0,
-                eviction_policy="evict_last",
-            )
-        if S_PAD >= 16:  # an fp32 FMA dot: no [S_PAD, BLOCK_N, LOGIT_D] product in registers
-            dot = tl.dot(w, tl.trans(v), dot, input_precision="ieee")
-        else:
-            dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
+        dot = _query_dots(w_ptr, v, qs, cols, d, dot, S_PAD, ALIGNED)
         sq += tl.sum(v * v, axis=1)
     slot = k * m + i
     tl.store(
@@ -272,185 +281,6 @@ def _weighted_sum(table, ref, z_ptr, lse_ptr, block, chunk, N, zn, d, m, S, S_PA
                 mask = mask & (cols[None, None, :] < d)
             offsets = row_off[None, :, None] + cols[None, None, :]
             tl.store(outs[:, None, None] + offsets, acc.to(ref.dtype.element_ty), mask=mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# Phase-1 read, backward: per-token scalars (z, P = do·v, r), then softmax weights and g, then the
-# source gradients and the queries' gradient partials.
-
-_READ_GRAD_LOGITS_RUNTIME = ["N", "zn", "d", "m", "S", "eps"]
-
-
-@triton.jit
-def _query_dots(w_ptr, v, qs, cols, d, dot, S_PAD: tl.constexpr, ALIGNED: tl.constexpr):
-    """dot + w·vᵀ: [S_PAD, BLOCK_N] query dots of a [BLOCK_N, BLOCK_D] source tile, from S_PAD = 16
-    on an fp32 `tl.dot` (no [S_PAD, BLOCK_N, BLOCK_D] product in registers)."""
-    if ALIGNED:
-        w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], eviction_policy="evict_last")
-    else:
-        w = tl.load(
-            w_ptr + qs[:, None] * d + cols[None, :],
-            mask=cols[None, :] < d,
-            other=0.0,
-            eviction_policy="evict_last",
-        )
-    if S_PAD >= 16:
-        dot = tl.dot(w, tl.trans(v), dot, input_precision="ieee")
-    else:
-        dot += tl.sum(w[:, None, :] * v[None, :, :], axis=2)
-    return dot
-
-
-@triton.jit(do_not_specialize=_READ_GRAD_LOGITS_RUNTIME)
-def _read_grad_logits_kernel(table, ref, w_ptr, z_ptr, p_ptr, r_ptr, N: tl.int32, zn: tl.int32,
-                             d: tl.int32, m: tl.int32, S: tl.int32, eps: tl.float32, S_PAD: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             ALIGNED: tl.constexpr):  # fmt: skip
-    """For source i = pid % m over BLOCK_N tokens: z_si = r_i (v_i · w_s), P_si = do_s · v_i and
-    r_i. Table: m sources, m gradients, m chained gradients, then S upstream gradients do_s (0 for
-    none: zero). The upstream tiles are read one query at a time ([BLOCK_N, BLOCK_D], vector
-    loads; the m programs of a token block are neighbours and share them in L2), each query's dot
-    added to its row of P."""
-    pid = tl.program_id(0)
-    i = pid % m
-    rows = (pid // m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    d = _aligned(d, 16, ALIGNED)
-    row_off = rows.to(tl.int64) * d
-    qs = tl.arange(0, S_PAD)
-    base = _address(table, i, ref)
-    dot = tl.zeros((S_PAD, BLOCK_N), tl.float32)
-    p = tl.zeros((S_PAD, BLOCK_N), tl.float32)
-    sq = tl.zeros((BLOCK_N,), tl.float32)
-    for k in range(0, d, BLOCK_D):
-        cols = k + tl.arange(0, BLOCK_D)
-        v = _rows_tile(base, row_off, row_ok, cols, d, ALIGNED)
-        dot = _query_dots(w_ptr, v, qs, cols, d, dot, S_PAD, ALIGNED)
-        sq += tl.sum(v * v, axis=1)
-        for s in range(S):
-            if tl.load(table + 3 * m + s) != 0:  # an absent upstream gradient is zero
-                do = _rows_tile(_address(table, 3 * m + s, ref), row_off, row_ok, cols, d, ALIGNED)
-                p += tl.where(qs[:, None] == s, tl.sum(do * v, axis=1)[None, :], 0.0)
-    r = tl.rsqrt(sq / d + eps)
-    zn = _aligned(zn, 16, True)
-    at = (i * S_PAD + qs[:, None]) * zn + rows[None, :]
-    tl.store(z_ptr + at, dot * r[None, :], mask=row_ok[None, :], cache_modifier=".cg")
-    tl.store(p_ptr + at, p, mask=row_ok[None, :], cache_modifier=".cg")
-    tl.store(r_ptr + i * zn + rows, r, mask=row_ok, cache_modifier=".cg")
-
-
-_READ_GRAD_WEIGHTS_RUNTIME = ["N", "zn", "d", "m", "S"]
-
-
-@triton.jit(do_not_specialize=_READ_GRAD_WEIGHTS_RUNTIME)
-def _read_grad_weights_kernel(z_ptr, p_ptr, r_ptr, lse_ptr, dlse_ptr, N: tl.int32, zn: tl.int32,
-                              d: tl.int32, m: tl.int32, S: tl.int32, S_PAD: tl.constexpr,
-                              BLOCK_N: tl.constexpr):  # fmt: skip
-    """In place over the scratch, per token: z → a_si = exp(z_si − lse_s), P → g_si =
-    a_si (P_si − D_s + dlse_s) r_i with D_s = Σ_i a_si P_si, r → c_i = (Σ_s g_si z_si) r_i / d.
-    lse and dlse: [S, N] fp32 (dlse zero where unused)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    qs = tl.arange(0, S_PAD)
-    sq_at = qs[:, None].to(tl.int64) * N + rows[None, :]
-    sq_ok = (qs[:, None] < S) & row_ok[None, :]
-    lse = tl.load(lse_ptr + sq_at, mask=sq_ok, other=float("inf"), cache_modifier=".cg")  # a = 0
-    dlse = _scratch(dlse_ptr, sq_at, sq_ok)
-    zn = _aligned(zn, 16, True)
-    at = qs[:, None] * zn + rows[None, :]
-    zs = zn * S_PAD
-    D = tl.zeros((S_PAD, BLOCK_N), tl.float32)
-    for i in range(m):
-        z = _scratch(z_ptr + i * zs, at, row_ok[None, :])
-        p = _scratch(p_ptr + i * zs, at, row_ok[None, :])
-        D += tl.exp(z - lse) * p
-    for i in range(m):
-        z = _scratch(z_ptr + i * zs, at, row_ok[None, :])
-        p = _scratch(p_ptr + i * zs, at, row_ok[None, :])
-        r = _scratch(r_ptr + i * zn, rows, row_ok)
-        a = tl.exp(z - lse)
-        g = a * (p - D + dlse) * r[None, :]
-        tl.store(z_ptr + i * zs + at, a, mask=row_ok[None, :], cache_modifier=".cg")
-        tl.store(p_ptr + i * zs + at, g, mask=row_ok[None, :], cache_modifier=".cg")
-        c = tl.sum(g * z, axis=0) * r / d
-        tl.store(r_ptr + i * zn + rows, c, mask=row_ok, cache_modifier=".cg")
-
-
-_READ_GRAD_SOURCES_RUNTIME = ["N", "zn", "d", "m", "S", "n_chunks", "n_blocks", "n_progs"]
-
-
-@triton.jit(do_not_specialize=_READ_GRAD_SOURCES_RUNTIME)
-def _read_grad_sources_kernel(table, ref, w_ptr, a_ptr, g_ptr, c_ptr, dw_ptr, N: tl.int32,
-                              zn: tl.int32, d: tl.int32, m: tl.int32, S: tl.int32, n_chunks: tl.int32,
-                              n_blocks: tl.int32, n_progs: tl.int32, S_PAD: tl.constexpr,
-                              DW_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                              ALIGNED: tl.constexpr):  # fmt: skip
-    """dv_i = Σ_s a_si do_s + Σ_s g_si w_s − c_i v_i (+ the chained gradient) for one d-chunk
-    (pid % n_chunks) over the token blocks pid // n_chunks + k·n_progs, one query at a time (the
-    block's [BLOCK_N, BLOCK_D] upstream tiles, re-read per source from L1/L2). Where DW_ROWS ≥ 16
-    (S_PAD ≥ 4, padded with zero query rows) the query contractions are fp32 `tl.dot`s: Σ_s g_si w_s
-    as [BLOCK_N, Q] × [Q, BLOCK_D], and the program's share of dw_s = Σ_tokens Σ_i g_si v_i as
-    [Q, BLOCK_N] × [BLOCK_N, BLOCK_D] per source; that share stays in registers and is written
-    once, to its row of the [n_progs, S_PAD, d] partials (a torch sum over rows finishes it:
-    deterministic, bounded)."""
-    pid = tl.program_id(0)
-    chunk = pid % n_chunks
-    prog = pid // n_chunks
-    d = _aligned(d, 16, ALIGNED)
-    cols = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < d
-    qs = tl.arange(0, DW_ROWS)
-    zn = _aligned(zn, 16, True)
-    zs = zn * S_PAD
-    dw = tl.zeros((DW_ROWS, BLOCK_D), tl.float32)
-    q_ok = qs < S_PAD
-    if DW_ROWS >= 16:  # the queries, zero rows past S_PAD: Σ_s g_si w_s as one [N, Q] × [Q, D] dot
-        w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], mask=q_ok[:, None] & col_ok[None, :],
-                    other=0.0, eviction_policy="evict_last")  # fmt: skip
-    for block in range(prog, n_blocks, n_progs):
-        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        row_off = rows.to(tl.int64) * d
-        if ALIGNED:
-            tile_ok = row_ok[:, None]
-        else:
-            tile_ok = row_ok[:, None] & col_ok[None, :]
-        tile = row_off[:, None] + cols[None, :]
-        for i in range(m):
-            c = _scratch(c_ptr + i * zn, rows, row_ok)
-            v = _rows_tile(_address(table, i, ref), row_off, row_ok, cols, d, ALIGNED)
-            g = _scratch(g_ptr + i * zs, qs[:, None] * zn + rows[None, :],
-                         q_ok[:, None] & row_ok[None, :])  # fmt: skip
-            dv = -c[:, None] * v
-            if DW_ROWS >= 16:
-                dv = tl.dot(tl.trans(g), w, dv, input_precision="ieee")
-                dw = tl.dot(g, v, dw, input_precision="ieee")
-            else:
-                dw += tl.sum(g[:, :, None] * v[None, :, :], axis=1)
-            for s in range(S):
-                if DW_ROWS < 16:
-                    g_s = _scratch(g_ptr + i * zs + s * zn, rows, row_ok)
-                    w_s = tl.load(w_ptr + s * d + cols, mask=col_ok, other=0.0,
-                                  eviction_policy="evict_last")  # fmt: skip
-                    dv += g_s[:, None] * w_s[None, :]
-                if tl.load(table + 3 * m + s) != 0:  # an absent upstream gradient is zero
-                    a_s = _scratch(a_ptr + i * zs + s * zn, rows, row_ok)
-                    do = _rows_tile(_address(table, 3 * m + s, ref), row_off, row_ok, cols, d,
-                                    ALIGNED)  # fmt: skip
-                    dv += a_s[:, None] * do
-            dv = dv.to(ref.dtype.element_ty)
-            up = tl.load(table + 2 * m + i)
-            if up != 0:  # chained: up + this read's gradient, rounded as autograd adds them
-                up_rows = _rows_tile(_address(table, 2 * m + i, ref), row_off, row_ok,
-                                     cols, d, ALIGNED)  # fmt: skip
-                dv = (up_rows + dv.to(tl.float32)).to(ref.dtype.element_ty)
-            tl.store(_address(table, m + i, ref) + tile, dv, mask=tile_ok)
-    at_dw = (prog * S_PAD + qs[:, None]).to(tl.int64) * d + cols[None, :]
-    if ALIGNED:
-        dw_ok = qs[:, None] < S_PAD
-    else:
-        dw_ok = (qs[:, None] < S_PAD) & col_ok[None, :]
-    tl.store(dw_ptr + at_dw, dw, mask=dw_ok, cache_modifier=".cg")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Launches of the AttnRes Triton kernels: buffers, address tables, grids. Plain functions on
 tensors, no autograd (that is `attnres_triton.py`). Variants come from `attnres_triton_config`,
-the kernels from `attnres_triton_jit`."""
+the kernels from `attnres_triton_jit` and `attnres_triton_jit_backward`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import Tensor
 
 import depthscale.kernels.attnres_triton_config as config
 import depthscale.kernels.attnres_triton_jit as jit
+import depthscale.kernels.attnres_triton_jit_backward as jit_backward
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -58,7 +59,8 @@ def _launch(variant: config.Variant, grid: int, *args) -> None:
                 f"{variant.kernel}: a tensor argument at {a.data_ptr():#x} is not "
                 f"{config.ALIGN}-byte aligned; pass it through attnres_triton_launch.aligned"
             )
-    getattr(jit, variant.kernel)[(grid,)](*args, **variant.launch_options())
+    kernel = getattr(jit, variant.kernel, None) or getattr(jit_backward, variant.kernel)
+    kernel[(grid,)](*args, **variant.launch_options())
 
 
 def _sms(device: torch.device) -> int:
@@ -125,24 +127,24 @@ def read_backward(
     d_srcs = [torch.empty_like(s) for s in sources]
     if N == 0:
         return torch.zeros_like(w), d_srcs
-    plan = config.read_backward_launch(N, d, m, S, dtype_name(src0.dtype), _sms(device))
-    logits, weights, grads = plan.logits, plan.weights, plan.grads
-    s_pad = logits.meta["S_PAD"]
-    zn = _rows(N, m, s_pad)
+    plan = config.read_backward_launch(N, d, m, S, dtype_name(src0.dtype))
+    s_pad = plan.variant.meta["S_PAD"]
+    rows = 2 * s_pad + 1  # per source: S_PAD dots (a), S_PAD P (g), one Σv² (c)
+    zn = _rows(N, plan.n_parts * m, rows)
     w_pad = torch.nn.functional.pad(w, (0, 0, 0, s_pad - S))
     if d_lse is None:
         d_lse = torch.zeros(S, N, dtype=torch.float32, device=device)
     lse, d_lse = aligned(lse), aligned(d_lse)
-    z = torch.empty(m, s_pad, zn, dtype=torch.float32, device=device)
-    p = torch.empty_like(z)
-    r = torch.empty(m, zn, dtype=torch.float32, device=device)
+    parts = torch.empty(plan.n_parts, m, rows, zn, dtype=torch.float32, device=device)
+    weights = torch.empty(m, rows, zn, dtype=torch.float32, device=device)
+    lanes = torch.empty(plan.n_lanes, s_pad, d, dtype=torch.float32, device=device)
+    sync = torch.zeros(1 + 2 * plan.n_blocks + plan.n_lanes * plan.n_chunks, dtype=torch.int32,
+                       device=device)  # fmt: skip
     table = address_table([*sources, *d_srcs, *d_ups, *d_outs], device)
-    _launch(logits, plan.n_blocks_logits * m, table, src0, w_pad, z, p, r, N, zn, d, m, S, eps)
-    _launch(weights, plan.n_blocks_weights, z, p, r, lse, d_lse, N, zn, d, m, S)
-    dw = torch.empty(plan.n_progs, s_pad, d, dtype=torch.float32, device=device)
-    _launch(grads, plan.n_progs * plan.n_chunks, table, src0, w_pad, z, p, r, dw, N, zn, d, m, S,
-            plan.n_chunks, plan.n_blocks, plan.n_progs)  # fmt: skip
-    return dw.sum(0)[:S], d_srcs
+    _launch(plan.variant, plan.grid, table, src0, w_pad, lse, d_lse, parts, weights, lanes, sync,
+            N, zn, d, m, S, plan.part, plan.n_parts, plan.n_groups, plan.n_chunks, plan.n_blocks,
+            plan.n_lanes, eps)  # fmt: skip
+    return lanes.sum(0)[:S], d_srcs
 
 
 def merge_forward(o: Tensor, lse: Tensor, p: Tensor, w: Tensor, eps: float) -> Tensor:
