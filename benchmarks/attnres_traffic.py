@@ -15,8 +15,9 @@ issue's (m + 1)·2d and (2m + 1)·2d are the S = 1 case; S outputs (or S upstrea
 values each are part of any implementation's minimum.
 
 Reuse model (stated, not measured; checked against a GPU by `scripts/gpu_check.py`):
-- L2: `L2_BYTES` of an H100 SXM, of which `L2_USABLE` is counted on for reuse (the rest for other
-  traffic, hashing conflicts, the two partitions).
+- L2: `L2_BYTES` (50 MB) of an H100 SXM, of which `L2_USABLE` (half: 25 MiB) is counted on for
+  reuse — the rest for other traffic, set conflicts, and lines held in both of the L2's two
+  partitions (an SM far from a line's home partition may cache a copy near it).
 - Forward: a token block's m·n_parts logits items and n_chunks weighted-sum items take adjacent
   tickets (`_read_forward_kernel`). A sum item re-reads source bytes a logits item of its block
   read shortly before; the bytes the whole GPU reads in between (the reuse distance) are at most
@@ -26,13 +27,20 @@ Reuse model (stated, not measured; checked against a GPU by `scripts/gpu_check.p
 - Programs resident at once: SMs × programs per SM, from the registers (`--aot` reads them from
   the AOT build of each variant; without it, the hardware's most: 2048 threads per SM) — the more
   programs, the longer the reuse distance, so the default is the conservative one.
-- Backward: the m logits programs of a token block are adjacent in the grid and start together,
-  so the upstream gradients they all read come from HBM once (they sweep d in step); the source
-  gradient programs (d-chunks fastest) share the per-token scalars the same way. The logits pass
-  and the gradient pass are separate launches: both read the sources and upstream gradients.
-- fp32 scratch (partial dots, logits, lse, softmax weights) is counted once written and once read
-  back from HBM where another launch reads it; a re-read within the launch that wrote it is an L2
-  hit. Queries [S, d] fp32 and the dw partials are counted once per launch (amortised over N).
+- Backward: one launch of ticketed items too (`_read_backward_kernel`): a token block's logits
+  items (part × group of sources, part-major: the groups reading one part's upstream rows are
+  neighbours, so those rows come from HBM once), then its gradient items (d-chunks), which re-read
+  the block's sources and upstream gradients. From the block's first ticket to its last, the
+  tickets started are its own items and at most one more per resident program, so the bytes read
+  and written in between are at most 1 + ceil(resident / items per block) whole blocks (a block:
+  tokens × (2m + S)·d elements, the plan's `block_bytes`) plus the dw lanes; the re-read is an L2
+  hit when that fits the usable L2, else HBM traffic. The dw lanes (n_lanes × S_PAD × d fp32) are
+  touched by every block, so they stay in L2: written back once, read once by the torch sum.
+- fp32 scratch (partial dots, logits, lse, softmax weights) is counted once written (the dirty
+  lines reach HBM); its re-read within the launch that wrote it, moments later, is an L2 hit.
+  Queries [S, d] fp32 are counted once per launch (amortised over N; re-reads of [S_PAD, chunk]
+  by every item hit L2). Chained gradients (a source's later reads' sum, added in place) are
+  not modelled: they add m·2d to the bytes and to the minimum alike.
 
 `python benchmarks/attnres_traffic.py [--aot] [--out FILE]` (default N = 16384 tokens, bf16).
 `traffic(d, S, m)` is importable (`scripts/gpu_check.py` compares a measured bandwidth with it).
