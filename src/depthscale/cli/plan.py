@@ -53,7 +53,13 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         tokens=args.tokens or 0.0,
         grad_reduce_dtype=args.grad_reduce_dtype
         or (cfg.parallel.grad_reduce_dtype if args.framework == "depthscale" else "float32"),
+        failures_per_day=args.failures_per_day,
+        intervals=(cfg.checkpoint.snapshot_every, cfg.checkpoint.every)
+        if cfg.checkpoint.every
+        else None,
     )
+    if args.memory_recoverable is not None:
+        request.memory_recoverable = args.memory_recoverable
     try:
         report = plan_layouts(request)
     except ValueError as err:

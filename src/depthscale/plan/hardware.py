@@ -60,23 +60,27 @@ class Cluster:
     host_bw: float = 25e9
     """Device↔host bytes/s per GPU (PCIe 4/5 x16, the spec sheet's 32/64 GB/s at ~75 %):
     offloaded states, a snapshot's copy to host memory and a restore from it."""
-    snapshot_bw: float = 25e9
-    """Bytes of a rank's state per second of step time a snapshot costs (its copy into the
-    writer's staging buffer, which the step waits for); the planner uses min(this, host_bw).
-    Default: assumed equal to the copy's bandwidth; `benchmarks/recovery.py` measures it."""
-    memory_read_bw: float = 25e9
-    """Bytes/s per rank a restore reads a snapshot back from host memory at (DCP from /dev/shm,
-    then the copy to the device at host_bw). Default assumed; `benchmarks/recovery.py` measures."""
+    snapshot_bw: float = 2.85e9
+    """Bytes of a rank's state per second of step time a snapshot costs (training's wait while
+    its state is copied into the writer's staging buffer); the planner uses min(this, host_bw).
+    Measured: 0.52 GB per rank in a median 0.18 s (benchmarks/results/recovery_cpu_2026-12-07.json,
+    the 2-core CPU box). The writer's own copying, hashing and writing run on host cores a GPU
+    step leaves idle; on that box they took the training ranks' cores (its JSON has that cost)."""
+    memory_read_bw: float = 0.34e9
+    """Bytes/s per rank a restart reads a snapshot back at, verification included (rank 0 hashes
+    the version before any rank loads it; then the copy to the device at host_bw). Measured: the
+    checkpoint_load phase, 0.52 GB per rank in 1.53 s (recovery_cpu_2026-12-07.json)."""
     storage_bw: float = 2e12 / 16384
     """Shared file system bytes/s per GPU for checkpoints: Llama 3's (arXiv 2407.21783 §3.3.1)
     Tectonic sustains 2 TB/s (7 TB/s peak) for its 16,384 GPUs, ~122 MB/s each."""
     verify_bw: float = 1e9
     """SHA-256 bytes/s of one process: a restore verifies each file of its checkpoint before any
     load (rank 0 alone, the whole checkpoint). ~1.0-1.1 GB/s measured on the 2-core x86 box."""
-    restart_s: float = 5.0
+    restart_s: float = 9.6
     """Fault → restarted workers ready to read their state (detection, stop, relaunch, imports,
-    process groups): what a restart costs besides the state's bytes. Default: the 2-core CPU
-    box's restart breakdown (docs/fault-tolerance.md); GPU jobs add CUDA and NCCL start-up."""
+    data, model, process groups): what a restart costs besides the state's bytes and one step.
+    Measured: a 1 GB model's restarts on the 2-core CPU box (recovery_cpu_2026-12-07.json, the
+    mean of its two); GPU jobs add CUDA and NCCL start-up."""
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype) or self.peak_flops["float32"]
