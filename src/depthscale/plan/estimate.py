@@ -26,8 +26,6 @@ ELEMENTWISE_PASSES = 2.0
 """Memory-bound traffic of a forward per byte it keeps for backward (each written once, read once
 by the next op); backward moves twice the forward's."""
 DDP_BUCKET_BYTES = 25 * 2**20
-HOST_BW = 25e9
-"""Host↔device bytes/s (PCIe 4/5 x16) for offloaded states."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +213,7 @@ def estimate(
     opt_bytes *= params.states(lay) if fw.ours else params.total / (lay.dp if lay.zero1 else 1)
     optimizer = 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
     if lay.offload:
-        optimizer = 2 * opt_bytes / HOST_BW
+        optimizer = 2 * opt_bytes / c.host_bw
 
     est.step_s = makespan + exposed_dp + optimizer
     est.times = {
