@@ -19,8 +19,8 @@ from depthscale.plan.layout import Layout
 from depthscale.plan.memory import rank_params
 from depthscale.plan.report import PlanRequest, run
 from depthscale.plan.search import search
-from depthscale.shape import ModelShape
 from depthscale.plan.states import rank_state_bytes
+from depthscale.shape import ModelShape
 
 H100 = PRESETS["h100"]
 
@@ -109,7 +109,7 @@ def test_search_tries_every_expert_split():
     eps = {e.layout.ep for e in result.ranked}
     assert eps >= {1, 2, 4, 8, 16}
     bad = estimate(w, H100, Layout(dp_shard=16, ep=3), DEPTHSCALE, 16)
-    assert not bad.ok and "ep 3 does not divide" in bad.reason
+    assert not bad.ok and "parallel.ep=3 must divide parallel.dp_shard=16" in bad.reason
 
 
 def test_cli_plans_an_moe_config(tmp_path, capsys):
@@ -132,15 +132,6 @@ def test_cli_plans_an_moe_config(tmp_path, capsys):
     assert main([*args, "--framework", "megatron"]) == 2
     err = capsys.readouterr().err
     assert "not an MoE model" in err and "allowed: --framework depthscale" in err
-
-
-def test_the_planner_shards_experts_on_the_dimension_the_runtime_does():
-    """`plan/states.py` cannot import the runtime (planning imports no torch): the two constants
-    must agree (with even shapes the gloo state counts could not tell them apart)."""
-    from depthscale.parallel import expert_parallel
-    from depthscale.plan import states
-
-    assert states.EXPERT_SHARD_DIM == expert_parallel.EXPERT_SHARD_DIM
 
 
 def test_plan_request_on_an_moe_model_is_planned():

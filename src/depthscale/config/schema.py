@@ -9,7 +9,7 @@ from typing import Literal
 
 from depthscale.config.validation import validate
 from depthscale.errors import ConfigError
-from depthscale.shape import is_moe_layer
+from depthscale.shape import Degrees, is_moe_layer
 
 ResidualMode = Literal["standard", "full", "block"]
 RopeScalingKind = Literal["none", "linear", "llama3"]
@@ -603,7 +603,7 @@ class Config:
 
     @property
     def dp_degree(self) -> int:
-        return self.parallel.dp_replicate * self.parallel.dp_shard
+        return Degrees.of(self.parallel).dp
 
     @property
     def grad_accum_steps(self) -> int:
@@ -621,5 +621,4 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        p = self.parallel
-        return p.pp * p.dp_replicate * p.dp_shard * p.cp * p.tp
+        return Degrees.of(self.parallel).world_size

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from depthscale.errors import ConfigError
+from depthscale.shape import Degrees
 
 if TYPE_CHECKING:
     from depthscale.config.schema import Config
@@ -96,7 +97,7 @@ def validate(cfg: Config) -> Config:
     ):
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    _check_expert_layout(m, p)
+    Degrees.of(p).check_experts(m.moe_experts)
     if m.dim % m.n_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
@@ -125,7 +126,7 @@ def validate(cfg: Config) -> Config:
             f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
             f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
         )
-    if t.offload_params and p.dp_shard * p.cp == 1:
+    if t.offload_params and Degrees.of(p).shard == 1:
         raise ConfigError(
             "train.offload_params=true offloads FSDP2's sharded states, so it needs FSDP: "
             f"parallel.dp_shard × cp > 1 (got dp_shard={p.dp_shard}, cp={p.cp}); allowed: "
@@ -322,22 +323,6 @@ def _check_moe(m) -> None:
             f"model.moe_balance_scope='global_batch' needs model.moe_balance='aux_loss' (got "
             f"{m.moe_balance!r}: its loads are summed over the whole step already); allowed: "
             "'micro_batch' with it"
-        )
-
-
-def _check_expert_layout(m, p) -> None:
-    """parallel.ep: a slice of dp_shard over which the experts split evenly."""
-    if p.ep > 1 and m.moe_experts == 0:
-        raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.moe_experts > 0)")
-    if p.dp_shard % p.ep:
-        raise ConfigError(
-            f"parallel.ep={p.ep} must divide parallel.dp_shard={p.dp_shard} (expert parallelism "
-            "is a slice of the data-parallel dimension)"
-        )
-    if m.moe_experts and m.moe_experts % p.ep:
-        raise ConfigError(
-            f"parallel.ep={p.ep} must divide model.moe_experts={m.moe_experts} (each rank holds "
-            "an equal share of the experts)"
         )
 
 

@@ -29,6 +29,7 @@ loads and bias updates are summed over all ranks in `parallel/expert_load.py`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -141,8 +142,9 @@ def expert_groups(
     of `ep` consecutive dp_shard ranks; FSDP over the (dp_shard / ep) × cp ranks holding the same
     experts inside a replica; HSDP across replicas — `replicate`, the mesh's dp_replicate group
     (the same ranks: no second communicator)."""
-    R, F, C = dims.dp_replicate, dims.dp_shard // ep, dims.cp
-    ranks = torch.arange(dims.world_size).reshape(dims.pp, R, F, ep, C, dims.tp)
+    d = replace(dims, ep=ep)
+    R, F, C = d.dp_replicate, d.dp_shard // ep, d.cp
+    ranks = torch.arange(d.world_size).reshape(d.expert_mesh_shape)
     ep_group = startup.own_group(ranks.movedim(3, -1).reshape(-1, ep).tolist(), "expert_parallel")
     assert ep_group is not None
     p, *_, t = (int(i) for i in (ranks == dist.get_rank()).nonzero()[0])
@@ -154,7 +156,7 @@ def expert_groups(
         groups.append(replicate)
         names.append("expert_replicate")
         shape.append(R)
-    if F * C > 1:
+    if d.expert_shard > 1:
         parts = ranks.permute(0, 1, 3, 5, 2, 4).reshape(-1, F * C).tolist()
         groups.append(startup.own_group(parts, "expert_shard"))
         names.append("expert_shard")
@@ -167,7 +169,7 @@ def expert_groups(
         mesh_dim_names=(*names, "ep"),
     )
     replicas = None
-    if F * C == 1 and R > 1:
+    if d.expert_shard == 1 and R > 1:
         replicas = groups[0]
     return ExpertGroups(ep_group, mesh, replicas)
 
@@ -193,12 +195,6 @@ def apply_expert_parallel(model: nn.Module, groups: ExpertGroups) -> list[str]:
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """Every MoE layer's routed experts (what FSDP shards over the expert mesh)."""
     return [m.experts for m in model.modules() if isinstance(m, MoE)]
-
-
-EXPERT_SHARD_DIM = 1
-"""FSDP shards expert weights [E/ep, in, out] on `in`: dim 0 already holds ep's split, and a
-second split of it would be strided (`_StridedShard`), which resharding checkpoints across ep
-handles less well than two plain shards."""
 
 
 class ExpertShards:

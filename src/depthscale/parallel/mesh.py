@@ -1,5 +1,5 @@
 """The process mesh: pp × dp_replicate × dp_shard × cp × tp, validated against the world size and
-built once as one named DeviceMesh.
+built once as one named DeviceMesh (the degrees, their rules and the mesh shape: `shape/layout.py`).
 
 Ordering puts tp innermost (adjacent ranks, the fastest links: TP stays inside a node), then cp, then
 the data-parallel dimensions, and pp outermost, as Megatron and MegaScale do.
@@ -9,63 +9,30 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from depthscale.config import ParallelConfig
-from depthscale.errors import ConfigError
 from depthscale.parallel import startup
+from depthscale.shape import MESH_DIMS, Degrees
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DIM_NAMES = MESH_DIMS
 
 
 @dataclass(frozen=True)
-class ParallelDims:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
+class ParallelDims(Degrees):
+    """The degrees (`shape.Degrees`: their rules, coordinates and mesh shapes) and the one
+    thing shape/ cannot do: build the mesh."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig) -> ParallelDims:
-        return cls(cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.tp)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Ranks that see different samples of the global batch."""
-        return self.dp_replicate * self.dp_shard
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Where global `rank` sits: {"pp", "dp", "cp", "tp"}, dp flattening dp_replicate ×
-        dp_shard — the mesh lays ranks out row-major over DIM_NAMES (see `build_mesh`)."""
-        index = {}
-        for name in reversed(DIM_NAMES):
-            rank, index[name] = divmod(rank, getattr(self, name))
-        dp = index["dp_replicate"] * self.dp_shard + index["dp_shard"]
-        return {"pp": index["pp"], "dp": dp, "cp": index["cp"], "tp": index["tp"]}
-
-    def sizes(self) -> dict[str, int]:
-        """The degrees coordinates range over: {"pp", "dp", "cp", "tp"}."""
-        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        return cls.of(cfg)
 
     def validate(self, world_size: int) -> ParallelDims:
-        for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise ConfigError(f"parallel.{f.name}={getattr(self, f.name)} must be >= 1")
-        if self.world_size != world_size:
-            layout = " × ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
-            raise ConfigError(
-                f"parallel layout {layout} needs {self.world_size} processes but the world "
-                f"size is {world_size}; allowed: degrees whose product is {world_size}"
-            )
+        self.check(world_size)
         return self
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -82,7 +49,7 @@ class ParallelDims:
         where two of its dimensions exceed 1: otherwise its groups are those of one named
         dimension, which stands in for it (`flat`), and start-up enters no group beyond its own
         whatever the number of pipelines."""
-        shape = tuple(getattr(self, name) for name in DIM_NAMES)
+        shape = self.mesh_shape
         ranks = torch.arange(self.world_size).reshape(shape)
         groups, alone = [], None
         for d, name in enumerate(DIM_NAMES):

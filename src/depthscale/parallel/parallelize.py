@@ -27,7 +27,7 @@ from depthscale.observe import startup
 from depthscale.parallel.cp_balance import Balancing
 from depthscale.parallel.mesh import DistEnv, ParallelDims, dp_mesh, flat, init_distributed
 from depthscale.parallel.plan import ParallelPlan
-from depthscale.shape import ModelShape
+from depthscale.shape import EXPERT_SHARD_DIM, ModelShape
 
 
 def check_supported(dims: ParallelDims, virtual: int = 1) -> None:
@@ -76,9 +76,7 @@ def check_layout(cfg: Config) -> None:
     check_supported(dims, p.pp_virtual)
     _check_stage_split(cfg)
     # cp: zigzag pads every sequence to a multiple of 2·cp (RoPE must cover it), then shards it
-    padded = (
-        -(-cfg.data.seq_len // (2 * dims.cp)) * 2 * dims.cp if dims.cp > 1 else cfg.data.seq_len
-    )
+    padded = dims.padded_seq(cfg.data.seq_len)
     if padded > cfg.model.max_seq_len:
         raise ConfigError(
             f"parallel.cp={dims.cp} pads data.seq_len={cfg.data.seq_len} to {padded} (a "
@@ -183,7 +181,7 @@ def parallelize(
         names = ep.apply_expert_parallel(model, expert_groups)
         experts = ep.ExpertShards(names, expert_groups.replicas, cfg.parallel.ep)
         if expert_groups.fsdp_mesh is not None:  # FSDP shards them over the expert mesh
-            mesh_e, dim = expert_groups.fsdp_mesh, ep.EXPERT_SHARD_DIM
+            mesh_e, dim = expert_groups.fsdp_mesh, EXPERT_SHARD_DIM
             expert_units = [(m, mesh_e, dim) for m in ep.expert_modules(model)]
     if ModelShape.from_config(cfg.model).moe:
         from depthscale.parallel.expert_parallel import apply_balance_scope
@@ -199,7 +197,7 @@ def parallelize(
         # as `SequenceShard` cuts: zigzag, or balanced over each batch's documents
         apply_context_parallel(model, mesh["cp"], layout=cfg.parallel.cp_balance)
     offload = cfg.train.offload_params
-    sharded = dims.dp_shard * dims.cp > 1
+    sharded = dims.shard > 1
     # Plain replicas (no tp, no pipeline) take DDP's bucketed reducer (`apply_ddp`); everything
     # else FSDP2 — with a shard group of one (dp_replicate beside tp or pp) it replicates.
     plain_replicas = (

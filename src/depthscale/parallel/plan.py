@@ -145,7 +145,7 @@ class ParallelPlan:
         dims, model = self.dims, self.model
         if self.mesh is None or self.microbatches == 1:
             return
-        if dims.dp_shard * dims.cp > 1:
+        if dims.shard > 1:
             if self.defer_reduce_scatter:
                 model.set_requires_gradient_sync(last)
             elif dims.dp_replicate > 1:

@@ -36,17 +36,15 @@ from collections import Counter
 from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import hop_tensors
-from depthscale.shape import ModelShape
 from depthscale.plan.states import (
-    EXPERT_SHARD_DIM,
     ep_shape,
     fsdp_sharded,
     local_numel,
     rank_params,
 )
+from depthscale.shape import EXPERT_SHARD_DIM, MESH_DIMS, ModelShape
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""The mesh's dimensions, outermost first."""
+DIMS = MESH_DIMS
 
 
 def dim_sizes(lay: Layout) -> dict[str, int]:

@@ -99,7 +99,7 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         return f"pp×v = {chunks} does not divide {given}"
     if lay.ends > (s.n_layers + 2 * lay.ends) // chunks:
         return f"ends={lay.ends}: the end stages have fewer layers than that to give up"
-    if lay.cp > 1 and w.seq % (2 * lay.cp):
+    if w.seq % lay.degrees.seq_multiple:
         return f"2·cp = {2 * lay.cp} does not divide seq {w.seq} (zigzag halves)"
     if (w.seq // lay.cp) % lay.tp:
         return f"tp {lay.tp} does not divide the local sequence {w.seq // lay.cp}"
@@ -120,11 +120,7 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         return "zero3 re-gathers per micro-batch under pipelines: it needs pp > 1 and FSDP"
     if lay.recompute == "sublayer" and not fw.ours:
         return f"{fw.name} has no sublayer recompute"
-    if lay.ep > 1 and not s.moe:
-        return f"ep {lay.ep} needs an MoE model"
-    if lay.ep > 1 and (lay.dp_shard % lay.ep or s.n_experts % lay.ep):
-        return f"ep {lay.ep} does not divide dp_shard {lay.dp_shard} and {s.n_experts} experts"
-    return ""
+    return lay.degrees.expert_rule(s.n_experts)
 
 
 def estimate(

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from depthscale.plan.activations import RECOMPUTE_MODES
+from depthscale.shape import Degrees
 
 if TYPE_CHECKING:
     from depthscale.config import Config
@@ -41,23 +42,28 @@ class Layout:
     (`parallel.pp_ends_fewer_layers`): they also run the embedding and the head."""
 
     @property
+    def degrees(self) -> Degrees:
+        """The parallel degrees alone: what shape/ derives from them (world, dp, shards, expert
+        mesh) and the rules they obey, as the runtime reads them."""
+        return Degrees.of(self)
+
+    @property
     def dp(self) -> int:
-        return self.dp_shard * self.dp_replicate
+        return self.degrees.dp
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
+        return self.degrees.world_size
 
     @property
     def expert_shard(self) -> int:
-        """Ranks FSDP shards an expert-parallel rank's experts over: the (dp_shard / ep) × cp
-        ranks of its replica holding the same experts (1 without ep: nothing to shard over)."""
-        return self.dp_shard // self.ep * self.cp if self.ep > 1 else 1
+        """Ranks FSDP shards an expert-parallel rank's experts over (`Degrees.expert_shard`)."""
+        return self.degrees.expert_shard
 
     @property
     def shard(self) -> int:
         """Ranks the model states are sharded over (FSDP shards over dp_shard × cp)."""
-        return self.dp_shard * self.cp if self.dp_shard * self.cp > 1 else 1
+        return self.degrees.shard
 
     def label(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}"]

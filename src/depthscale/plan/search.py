@@ -10,7 +10,7 @@ from depthscale.plan.estimate import Estimate, Workload, check, estimate
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.hardware import Cluster
 from depthscale.plan.layout import Layout
-from depthscale.shape import ModelShape
+from depthscale.shape import Degrees, ModelShape
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VIRTUAL = 8
@@ -105,7 +105,11 @@ def _expert_splits(s: ModelShape, dp_shard: int) -> list[int]:
     dp_shard and the experts (1: experts sharded by FSDP like any weight)."""
     if not s.moe:
         return [1]
-    return [ep for ep in _powers_of_two(dp_shard) if dp_shard % ep == 0 and s.n_experts % ep == 0]
+    return [
+        ep
+        for ep in _powers_of_two(dp_shard)
+        if not Degrees(dp_shard=dp_shard, ep=ep).expert_rule(s.n_experts)
+    ]
 
 
 def _regathers(lay: Layout, fw: Framework) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from depthscale.parallel.pipeline.schedules import split_layers
 from depthscale.plan.layout import Layout
-from depthscale.shape import ModelShape
+from depthscale.shape import EXPERT_SHARD_DIM, ModelShape
 
 
 @dataclass(frozen=True)
@@ -108,17 +108,6 @@ def ep_shape(p: Param, lay: Layout) -> tuple[int, ...]:
     return p.shape
 
 
-EXPERT_SHARD_DIM = 1
-"""The dimension FSDP shards expert-parallel experts on (`parallel.expert_parallel`)."""
-
-
-def expert_shard_rank(lay: Layout, shard_rank: int) -> int:
-    """A rank's index in its expert shard group, from its index in dp_shard × cp (dp_shard
-    outer): the ep groups of dp_shard are consecutive ranks, the group takes one of each."""
-    dp_shard_rank, cp_rank = divmod(shard_rank, lay.cp)
-    return dp_shard_rank // lay.ep * lay.cp + cp_rank
-
-
 def _chunk(n: int, parts: int, index: int) -> int:
     """Length of piece `index` of `torch.chunk(range(n), parts)` (0 past the end)."""
     size = math.ceil(n / parts)
@@ -153,8 +142,8 @@ def local_numel(p: Param, lay: Layout, tp_rank: int, shard_rank: int) -> int:
     if fsdp_sharded(p, lay) and lay.shard > 1:
         shape[0] = _chunk(shape[0], lay.shard, shard_rank)
     elif p.experts and lay.expert_shard > 1:
-        d = EXPERT_SHARD_DIM
-        shape[d] = _chunk(shape[d], lay.expert_shard, expert_shard_rank(lay, shard_rank))
+        d, rank = EXPERT_SHARD_DIM, lay.degrees.expert_shard_rank(shard_rank)
+        shape[d] = _chunk(shape[d], lay.expert_shard, rank)
     return math.prod(shape)
 
 

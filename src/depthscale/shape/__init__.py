@@ -4,6 +4,15 @@ convention) and what a layout is (`layout.py`: every degree including ep, the di
 the sequence multiple, the expert shard, the mesh shapes). The model, the runtime, the planner,
 the metrics and the config checks read them here and never restate them."""
 
+from depthscale.shape.layout import EXPERT_SHARD_DIM, MESH_DIMS, Degrees
 from depthscale.shape.model import ModelShape, block_assignment, is_moe_layer, moe_layers
 
-__all__ = ["ModelShape", "block_assignment", "is_moe_layer", "moe_layers"]
+__all__ = [
+    "EXPERT_SHARD_DIM",
+    "MESH_DIMS",
+    "Degrees",
+    "ModelShape",
+    "block_assignment",
+    "is_moe_layer",
+    "moe_layers",
+]

@@ -91,9 +91,7 @@ class ModelShape:
         blocks = ()
         if cfg.residual != "standard":
             blocks = tuple(
-                block_assignment(
-                    cfg.residual, n_sub, cfg.attnres_block_size, cfg.attnres_n_blocks
-                )
+                block_assignment(cfg.residual, n_sub, cfg.attnres_block_size, cfg.attnres_n_blocks)
             )
         return cls(
             n_layers=cfg.n_layers,
@@ -215,7 +213,9 @@ class ModelShape:
     def idle_params(self) -> int:
         """Parameters a token does not use: in every MoE layer, the routed experts it is not
         sent to."""
-        return len(self.moe_layers) * (self.n_experts - self.moe_top_k) * 3 * self.dim * self.moe_ffn
+        return (
+            len(self.moe_layers) * (self.n_experts - self.moe_top_k) * 3 * self.dim * self.moe_ffn
+        )
 
     def active_params(self) -> int:
         """Parameters a token uses: an MoE layer's router, k routed and the shared experts."""
