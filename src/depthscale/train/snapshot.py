@@ -5,7 +5,7 @@ API (for the goodput planner and benchmarks/recovery.py):
     snaps = Snapshots(cfg, checkpointer)     # enabled when a keeper serves this node (supervised)
     snaps.enabled, snaps.every, snaps.root   # root: /dev/shm/depthscale-<uid>-<run hash>/
     path, tier = snaps.resolve_resume()      # tier: "memory" | "disk" | None; every rank agrees
-    snaps.after_step(run)                    # the loop's hooks.Run: saves every snapshot_every
+    snaps.after_step(trainer, logger.event)  # saves every snapshot_every steps, logs them
     snaps.last_blocking_s                    # seconds training waited for the latest snapshot
     snaps.report(heartbeat, path, stats)     # the tier and bytes read go to the supervisor
     snapshot_dir(run_path)                   # where a run's snapshots live (keeper.py owns it)
@@ -44,6 +44,7 @@ drills run); elsewhere the memory tier fails verification, named, and disk is us
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,14 +140,13 @@ class Snapshots:
 
     # ------------------------------------------------------------------ saving
 
-    def after_step(self, run: Any) -> None:
-        """Snapshot every `every` steps (not the last: a checkpoint follows); log finished ones
-        (`run`: the loop's `hooks.Run`, for its trainer and metrics logger)."""
+    def after_step(self, trainer: Any, event: Callable[[int, str, dict], None]) -> None:
+        """Snapshot every `every` steps (not the last: a checkpoint follows); log each finished
+        one through `event(step, kind, fields)` (the metrics logger's)."""
         if self.memory is None:
             return
-        trainer = run.trainer
         for kind, fields in self.memory.events():
-            run.event(trainer.step, kind.replace("checkpoint", "snapshot"), fields)
+            event(trainer.step, kind.replace("checkpoint", "snapshot"), fields)
         step = trainer.step
         if step % self.every or step >= self.cfg.train.steps:
             return
@@ -156,4 +156,5 @@ class Snapshots:
         if faults.corrupts(step):
             self.memory.wait()
             if trainer.env.is_main:
-                run.say(f"injected fault: flipped a byte of {path / corrupt_checkpoint(path)}")
+                name = corrupt_checkpoint(path)
+                console.say(f"depthscale: injected fault: flipped a byte of {path / name}")

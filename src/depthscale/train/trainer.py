@@ -51,6 +51,7 @@ from depthscale.train.optim import build_optimizer
 from depthscale.train.peer_loss import describe as describe_lost_peer
 from depthscale.train.peer_loss import is_peer_loss
 from depthscale.train.schedule import lr_at, set_lr
+from depthscale.train.snapshot import Snapshots
 from depthscale.train.step_metrics import HostVote, PendingMetrics
 from depthscale.train.stop import StopSignals
 from depthscale.train.telemetry import Telemetry
@@ -92,8 +93,9 @@ class Trainer:
             self.heartbeat.probe("saving", lambda: self.checkpointer.saving_step)
         self.checkpointer.inject_write_error_at = self.faults.failing_save()
         self.checkpointer.inject_write_delay = self.faults.slow_save()
-        # the newest checkpoint that verifies, of this model (see train/manifest.py)
-        resume_from = self.checkpointer.resolve_resume()
+        self.snapshots = Snapshots(cfg, self.checkpointer)  # in memory, kept by the node's keeper
+        # the newest snapshot or checkpoint that verifies, of this model (train/snapshot.py)
+        resume_from = self.snapshots.resolve_resume()
 
         tokenizing = None
         if self.heartbeat is not None:  # tokenizing in train is progress the supervisor sees
@@ -135,6 +137,7 @@ class Trainer:
             setup.check_same_tokenizer(self.run_dir, self.data.tokenizer)
             self._restore(resume_from)
         startup.mark("checkpoint_load")
+        self.snapshots.report(self.heartbeat, resume_from, self.checkpointer.last_restore)
         self.nan_events: list[dict[str, Any]] = []
         # Written last, once everything above has been checked: a refused or failed start leaves an
         # existing run directory as it was, and creates none.
@@ -499,6 +502,7 @@ class Trainer:
                 ):
                     self.save_checkpoint()
                     saved_at = self.step
+                self.snapshots.after_step(self, logger.event)
                 if bar is not None:
                     bar.update(1)
             self.vote.close()
