@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from depthscale.errors import ConfigError
+from depthscale.shape.model import EXPERTS_KEY
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The dense mesh's dimensions, outermost first."""
@@ -25,9 +26,6 @@ experts: dim 0 already holds ep's split, and a second split of it would be strid
 (`_StridedShard`), which resharding checkpoints across ep handles less well than two plain
 shards. The runtime (`parallel/expert_parallel.py`) shards on it and the planner
 (`plan/states.py`) counts shards on it."""
-
-EXPERTS_KEY = "model.moe_experts"
-"""The config key of the routed experts per MoE layer, as the rules name it."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ from depthscale.errors import ConfigError
 
 Family = Literal["llama", "gpt"]
 
+EXPERTS_KEY = "model.moe_experts"
+"""The config key of the routed experts per MoE layer, as `from_config` reads it and the rules
+(`shape/layout.py`) name it."""
+
 
 @dataclass(frozen=True)
 class ModelShape:
