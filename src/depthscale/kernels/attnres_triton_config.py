@@ -73,7 +73,7 @@ class Variant:
         return {**dict(self.constexprs), **self.compile_options()}
 
     def describe(self) -> str:
-        """e.g. "_read_grad_logits_kernel[ref=*bf16 S_PAD=4 BLOCK_N=16 BLOCK_D=64 ALIGNED=True w8 s1]"."""
+        """e.g. "_merge_fwd_kernel[o_ptr=*bf16 p_ptr=*bf16 h_ptr=*bf16 BLOCK_N=8 ... w4 s1]"."""
         data = " ".join(f"{k}={v}" for k, v in self.pointers if not v.startswith(("*fp32", "*i64")))
         consts = " ".join(f"{k}={v}" for k, v in self.constexprs)
         return f"{self.kernel}[{data} {consts} w{self.num_warps} s{self.num_stages}]".replace(
