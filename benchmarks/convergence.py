@@ -197,13 +197,16 @@ def overrides(args, job: Job, steps: int, run_dir: Path, eval_every: int) -> lis
     return [item for key, value in values.items() for item in (f"--{key}", str(value))]
 
 
-def train(args, job: Job, steps: int, eval_every: int, work: Path) -> RunResult:
-    """One `depthscale train` run (or the finished one already in `work`)."""
+def train(args, job: Job, steps: int, eval_every: int, work: Path) -> RunResult | None:
+    """One `depthscale train` run (or the finished one already in `work`; with --collect, None
+    for a run that has not finished)."""
     run_dir = work / job.name / f"steps{steps}"
     done = run_dir / "result.json"
     if done.is_file():
         saved = json.loads(done.read_text())
         return RunResult(job=job, **{k: v for k, v in saved.items() if k != "job"})
+    if args.collect:
+        return None
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "depthscale", "train", "-c", str(BASE_CONFIG)]
     cmd += overrides(args, job, steps, run_dir, eval_every)
@@ -383,6 +386,11 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--png", default="")
     ap.add_argument("--note", default="")
+    ap.add_argument(
+        "--collect",
+        action="store_true",
+        help="train nothing: report the finished runs of --work-dir",
+    )
     ap.add_argument("--commit", default="", help="the commit of a `git archive` export run here")
     args = ap.parse_args()
     if not args.lr and ("standard" not in args.residuals or "adamw" not in args.optims):
@@ -414,7 +422,9 @@ def main() -> None:
     print(f"convergence: {steps} steps per run ({calibration or 'given'})", file=sys.stderr)
 
     with ThreadPoolExecutor(args.workers) as pool:
-        sweep = list(pool.map(lambda j: train(args, j, steps, eval_every, work), sweep_jobs))
+        sweep = [
+            r for r in pool.map(lambda j: train(args, j, steps, eval_every, work), sweep_jobs) if r
+        ]
         lr = args.lr or best_lr({r.job.lr: r.final_bpb for r in sweep})
         print(f"convergence: lr {lr:g}", file=sys.stderr)
         jobs = [
@@ -423,8 +433,9 @@ def main() -> None:
         ]  # fmt: skip
         rest = [j for j in jobs if j not in set(sweep_jobs)]
         done = list(pool.map(lambda j: train(args, j, steps, eval_every, work), rest))
-    by_job = {r.job: r for r in [*sweep, *done]}
-    results = [by_job[j] for j in jobs]
+    by_job = {r.job: r for r in [*sweep, *done] if r is not None}
+    results = [by_job[j] for j in jobs if j in by_job]
+    missing = [j.name for j in [*sweep_jobs, *jobs] if j not in by_job]
 
     result = {
         "benchmark": "convergence",
@@ -443,6 +454,7 @@ def main() -> None:
         "lr_at_sweep_edge": None if args.lr else lr in (min(args.lrs), max(args.lrs)),
         "seeds": args.seeds,
         "variants": summarise(results, args.residuals),
+        "missing_runs": missing,
         "runs": [
             {"name": r.job.name, "final_val_bpb": r.final_bpb, "final_train_loss": r.final_train_loss,
              "wall_s": r.wall_s, "val_bpb_curve": r.val}
