@@ -47,13 +47,14 @@ def _setup(residual: str, dims_kw: dict, chunks: int, offload: bool = False, **m
     this rank's rows of the batch and the parallel plan."""
     dims_kw = dict(dims_kw)
     virtual = dims_kw.pop("pp_virtual", 1)
+    ulysses = dims_kw.pop("cp_ulysses", 1)
     dims = ParallelDims(**dims_kw).validate(dist.get_world_size())
     cfg = _config(residual, chunks, model_kw.pop("n_layers", 2))
     for name, value in model_kw.items():
         setattr(cfg.model, name, value)
     for name, value in dims_kw.items():
         setattr(cfg.parallel, name, value)
-    cfg.parallel.pp_virtual = virtual
+    cfg.parallel.pp_virtual, cfg.parallel.cp_ulysses = virtual, ulysses
     cfg.train.offload_params = offload
     mesh = cached_mesh(dims)
     torch.manual_seed(0)
@@ -369,6 +370,24 @@ def test_pipeline_composes_with_context_parallel(dist_pool, residual, dims_kw, t
     the loss on the last stage summed over the cp group. Losses, gradients, updated parameters and
     gradient norms within the model's fp32 bound of one process over 3 SGD steps."""
     _check_plan_run(dist_pool(4).run(_through_plan, residual, dims_kw, tie), residual)
+
+
+@pytest.mark.parametrize(
+    "dims_kw,tie",
+    [
+        ({"cp": 4, "cp_ulysses": 4}, True),  # 4 heads, 2 KV heads repeated over 4 members
+        ({"cp": 4, "cp_ulysses": 2}, False),  # hybrid: Ulysses pairs, a ring of 2 across
+        ({"pp": 2, "cp": 2, "cp_ulysses": 2}, False),
+        ({"tp": 2, "cp": 2, "cp_ulysses": 2}, True),  # 2 heads and 1 KV head per tp rank
+        ({"dp_shard": 2, "cp": 2, "cp_ulysses": 2}, False),  # FSDP over dp_shard × cp
+    ],
+)
+def test_ulysses_and_hybrid_context_parallel_match_single_process(dist_pool, dims_kw, tie):
+    """Ulysses (`parallel.cp_ulysses` = cp) and hybrid (2 Ulysses × 2 ring) context parallelism
+    through the trainer's `ParallelPlan`, alone and with pp, tp and FSDP, Block AttnRes: losses,
+    gradients, updated parameters and gradient norms within the model's fp32 bound of one
+    process over 3 SGD steps."""
+    _check_plan_run(dist_pool(4).run(_through_plan, "block", dims_kw, tie), "block")
 
 
 @pytest.mark.slow

@@ -61,7 +61,8 @@ def _alone(model: Transformer, tokens, labels, packing: DocumentPacking) -> torc
 
 
 def _step(dims_kw: dict, window: int, mask_eos_target: bool):
-    dims = ParallelDims(**dims_kw).validate(dist.get_world_size())
+    sizes = {k: v for k, v in dims_kw.items() if k != "cp_ulysses"}  # a split of cp
+    dims = ParallelDims(**sizes).validate(dist.get_world_size())
     cfg = _config(dims_kw, window)
     torch.manual_seed(0)
     ref = Transformer(cfg.model)
@@ -86,8 +87,14 @@ def _step(dims_kw: dict, window: int, mask_eos_target: bool):
 
 @pytest.mark.parametrize(
     "dims_kw,window,mask_eos_target",
-    [({"cp": 2}, 0, False), ({"cp": 2}, 5, False), ({"pp": 2}, 5, False), ({"tp": 2}, 0, True)],
-    ids=["cp-zigzag", "cp-zigzag-window", "pp-window", "tp-eos-mask"],
+    [
+        ({"cp": 2}, 0, False),
+        ({"cp": 2}, 5, False),
+        ({"pp": 2}, 5, False),
+        ({"tp": 2}, 0, True),
+        ({"cp": 2, "cp_ulysses": 2}, 5, False),
+    ],
+    ids=["cp-zigzag", "cp-zigzag-window", "pp-window", "tp-eos-mask", "cp-ulysses-window"],
 )
 def test_a_packed_step_equals_its_documents_alone(dist_pool, dims_kw, window, mask_eos_target):
     bound = fp32_model_bound(_config(dims_kw, window).model, SEQ, BATCH)

@@ -415,6 +415,44 @@ def test_pipeline_run_resumes_where_it_stopped(tmp_path):
     assert resumed == {k: straight[k] for k in (3, 4)}
 
 
+@pytest.mark.slow  # two 2-process runs, 45 s
+def test_a_ring_checkpoint_resumes_under_ulysses(tmp_path):
+    """A ring run (cp = 2, Block AttnRes, AdamW) resumed from its step-2 checkpoint as Ulysses
+    (`parallel.cp_ulysses = 2`: the same parameters and FSDP shards over cp, attention by
+    all-to-alls) logs the losses of the uninterrupted ring run at steps 3 and 4, to the model's
+    fp32 bound (the layouts sum attention in other orders; tests/tolerances.py)."""
+    from depthscale.config import Config
+    from tolerances import fp32_model_bound
+
+    common = [
+        *TINY,
+        *("--nproc", "2", "--parallel.cp", "2", "--model.residual", "block"),
+        *("--model.attnres_n_blocks", "2", "--optim.schedule", "constant"),
+        *("--optim.warmup_steps", "0", "--logging.log_every", "1", "--logging.progress", "false"),
+        *("--train.eval_every", "0", "--data.max_bytes", "300000", "--checkpoint.every", "2"),
+    ]
+
+    def losses(run: str, *extra: str) -> dict[int, float]:
+        out = cli("train", *common, *extra, "--train.run_dir", str(tmp_path / run), cwd=tmp_path)
+        rows = [ln.split() for ln in out.stdout.splitlines() if ln.startswith("step")]
+        return {int(w[1].split("/")[0]): float(w[4]) for w in rows if "loss" in w}
+
+    ring = losses("ring", "--train.steps", "4")
+    step2 = tmp_path / "ring" / "checkpoints" / "step_00000002"
+    ulysses = losses(
+        "ulysses", "--train.steps", "4", "--parallel.cp_ulysses", "2",
+        "--checkpoint.resume", str(step2),
+    )  # fmt: skip
+    assert sorted(ulysses) == [3, 4]
+    cfg = Config()
+    cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads = 32, 2, 2
+    cfg.model.residual, cfg.model.attnres_n_blocks = "block", 2
+    bound = fp32_model_bound(cfg.model, 32, 4)  # TINY's rows
+    for step in (3, 4):  # the printed loss rounds too: half its last digit
+        gap = abs(ulysses[step] - ring[step])
+        assert gap <= max(bound * ring[step], 5e-5), (step, ring, ulysses)
+
+
 def test_a_profile_window_is_written_for_the_steps_and_ranks_asked(tmp_path, one_process_run):
     """`--logging.profile_steps 2-3 --logging.profile_ranks 1` on two ranks: rank 1 writes a
     Chrome trace of steps 2-3 (ops and shapes) and says where; rank 0 writes none; a run without

@@ -88,6 +88,25 @@ def test_lists_of_tables_load_round_trip_and_override(tmp_path):
             r"train.micro_batch_size=5 × data-parallel ranks \(1\) must divide train.batch_size=16",
         ),
         ("", ["--model.n_kv_heads", "3"], r"model.n_kv_heads=3 must divide model.n_heads=4"),
+        ("", ["--parallel.cp_ulysses", "0"], r"parallel.cp_ulysses=0 must be >= 1"),
+        (
+            "",
+            ["--parallel.cp", "4", "--parallel.cp_ulysses", "3"],
+            r"parallel.cp_ulysses=3 must divide parallel.cp=4; allowed: a divisor of 4",
+        ),
+        (
+            "",
+            ["--parallel.cp", "8", "--parallel.cp_ulysses", "8", "--parallel.tp", "2"],
+            r"parallel.cp_ulysses=8 must divide the query heads per tp rank \(model.n_heads=4 / "
+            r"parallel.tp=2 = 2\)",
+        ),
+        (
+            "",
+            ["--model.dim", "96", "--model.n_heads", "12", "--model.n_kv_heads", "4"]
+            + ["--parallel.cp", "3", "--parallel.cp_ulysses", "3"],
+            r"parallel.cp_ulysses=3 and the KV heads per tp rank \(model.n_kv_heads=4 / "
+            r"parallel.tp=1 = 4\) must divide one another",
+        ),
         ("", ["--data.seq_len", "8192"], r"data.seq_len=8192 exceeds model.max_seq_len=4096"),
         (
             "",

@@ -327,30 +327,13 @@ def _check_moe(m) -> None:
 
 
 def _check_ulysses_layout(m, p) -> None:
-    """parallel.cp_ulysses: a factor of cp that splits each tp rank's heads (`parallel/ulysses.py`);
-    KV heads fewer than the Ulysses degree are repeated, so they must divide it."""
-    u = p.cp_ulysses
-    if u == 1:
-        return
-    if p.cp % u:
-        raise ConfigError(
-            f"parallel.cp_ulysses={u} must divide parallel.cp={p.cp}; allowed: a divisor of {p.cp}"
-        )
-    if m.n_heads % p.tp or m.kv_heads % p.tp:
-        return  # tensor parallelism's own rule reports it (`check_layout`)
-    heads, kv = m.n_heads // p.tp, m.kv_heads // p.tp
-    if heads % u:
-        raise ConfigError(
-            f"parallel.cp_ulysses={u} must divide the query heads per tp rank (model.n_heads="
-            f"{m.n_heads} / parallel.tp={p.tp} = {heads}); allowed: a common divisor of {heads} "
-            f"and parallel.cp={p.cp}"
-        )
-    if kv % u and u % kv:
-        raise ConfigError(
-            f"parallel.cp_ulysses={u} and the KV heads per tp rank (model.n_kv_heads={m.kv_heads} "
-            f"/ parallel.tp={p.tp} = {kv}) must divide one another (fewer KV heads are repeated "
-            f"over the Ulysses group); allowed: cp_ulysses a multiple or a divisor of {kv}"
-        )
+    """parallel.cp_ulysses: a factor of cp that splits each tp rank's heads
+    (`parallel/ulysses_layout.py`)."""
+    from depthscale.parallel.ulysses_layout import ulysses_problem
+
+    problem = ulysses_problem(m.n_heads, m.kv_heads, p.tp, p.cp, p.cp_ulysses)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_muon(o: Any) -> None:

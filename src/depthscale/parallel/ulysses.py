@@ -16,6 +16,10 @@ members puts the gathered tokens in that order, and the tokens' positions travel
 * 1 < u < cp (hybrid): the ring over the ring group with the declared zigzag layout of r ranks, on
   the local heads — causal balance, windows, documents and the planning are the ring's own.
 
+With packed documents the rows may be laid out by attention work instead (`cp_balance.py`): the
+members' positions are then gathered once per micro-batch (kept in the documents' cache), the
+gathered tokens sorted by position, and the hybrid's ring plans from them per call.
+
 After attention one all-to-all sends each member's tokens of this head group back
 (`shard_sequence`), and the output is [B, H, T_local, d] again. Both all-to-alls are
 `expert_parallel.all_to_all` (an autograd Function whose backward is the transposed exchange).
@@ -37,25 +41,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from depthscale.model.documents import Documents
 from depthscale.model.layers import sdpa_attention
 from depthscale.model.transformer import Transformer
-from depthscale.parallel.context_parallel import RingAttention, RingStats
+from depthscale.parallel.context_parallel import RingAttention, RingStats, ring_attention
 from depthscale.parallel.expert_parallel import all_to_all
 from depthscale.parallel.mesh import cp_groups
 from depthscale.parallel.sequence_layout import positions_for, shard_sequence, unshard_sequence
-
-
-def kv_heads_sent(kv_heads: int, ulysses: int) -> int:
-    """K/V heads each rank sends through the exchange: its own, or each repeated so that every
-    member of the group gets one (fewer KV heads than members)."""
-    return kv_heads if kv_heads % ulysses == 0 else ulysses
+from depthscale.parallel.tp_comm import all_gather_blocks
+from depthscale.parallel.ulysses_layout import kv_heads_sent
 
 
 class UlyssesAttention:
     """The attention function of a layer under Ulysses (or hybrid) context parallelism.
 
     `group`: this rank's Ulysses group (u ranks); `ring_group`: its ring across the groups (None:
-    pure Ulysses); `cp_rank`, `cp`: where this rank sits in the whole cp group, whose zigzag
-    sharding the caller uses (`SequenceShard`); the positions passed in must be
-    `positions_for(T·cp, cp_rank, cp, 'zigzag')` (checked on CPU)."""
+    pure Ulysses); `cp_rank`, `cp`: where this rank sits in the whole cp group, whose sharding the
+    caller makes (`SequenceShard`): zigzag (`positions_for(T·cp, cp_rank, cp, 'zigzag')`, checked
+    on CPU), or with packed documents any layout, whose positions are gathered."""
 
     def __init__(
         self,
@@ -95,15 +95,18 @@ class UlyssesAttention:
         seq_len = T * self.cp
         if q_pos is None or (k_pos is not q_pos and not torch.equal(q_pos, k_pos)):
             raise ValueError(
-                "Ulysses attention is self-attention over the sharded sequence: pass "
-                "positions_for(seq_len, cp_rank, cp_size, 'zigzag') as the positions"
+                "Ulysses attention is self-attention over the sharded sequence: pass the global "
+                "positions of the local tokens (positions_for(seq_len, cp_rank, cp_size, mode))"
             )
-        if q_pos.device.type == "cpu" and not torch.equal(
+        order = None
+        if documents is not None:  # the batch's own layout (`cp_balance`): its tokens' order
+            order = self._order(q_pos, documents)
+        elif q_pos.device.type == "cpu" and not torch.equal(
             q_pos, positions_for(seq_len, self.cp_rank, self.cp, "zigzag")
         ):
             raise ValueError(
-                "Ulysses attention was set up for zigzag sharding: pass positions_for(seq_len, "
-                "cp_rank, cp_size, 'zigzag') as the positions"
+                "Ulysses attention without packed documents takes zigzag sharding: pass "
+                "positions_for(seq_len, cp_rank, cp_size, 'zigzag') as the positions"
             )
         H, Hkv = q.shape[1], k.shape[1]
         if H % u or (Hkv % u and u % Hkv):
@@ -116,28 +119,57 @@ class UlyssesAttention:
             k = k.repeat_interleave(sent // Hkv, dim=1)
             v = v.repeat_interleave(sent // Hkv, dim=1)
         hq, hkv = H // u, k.shape[1] // u
-        q, k, v = _to_heads((q, k, v), u, self.group).split((hq, hkv, hkv), dim=1)
-        if self.ring is None:
+        merged = _to_heads((q, k, v), u, self.group, None if order is None else order[0])
+        q, k, v = merged.split((hq, hkv, hkv), dim=1)
+        if self.ring is None:  # the whole row, in order
             y = sdpa_attention(q, k, v, None, None, window, documents)
-        else:
+        elif order is None:  # the ring's zigzag chunks of r = cp / u ranks
             r, ring_rank = self.cp // u, self.cp_rank // u
             pos = positions_for(seq_len, ring_rank, r, "zigzag", q.device)
             y = self.ring(q, k, v, pos, pos, window, documents)
-        return _to_sequence(y, u, self.group)
+        else:  # the group's tokens of a balanced layout: the ring plans for them per call
+            ring = self.ring
+            y = ring_attention(
+                q, k, v, order[2], order[2], window, ring.group, ring.stats, ring.kv_tile,
+                documents=documents,
+            )  # fmt: skip
+        return _to_sequence(y, u, self.group, None if order is None else order[1])
+
+    def _order(self, q_pos: Tensor, documents: Documents) -> tuple[Tensor, Tensor, Tensor]:
+        """(order, inverse, positions): the group's tokens, as the exchange delivers them (member
+        by member), sorted by position, the inverse permutation, and the sorted positions. One
+        all-gather of the members' positions per batch, kept in the documents' cache (every
+        layer and backward reuse it)."""
+        key = ("ulysses order", id(self))
+        hit = documents.cache.get(key)
+        if hit is None:
+            gathered, _ = all_gather_blocks(q_pos, self.group)  # synchronous
+            flat = gathered.flatten()
+            order = flat.argsort()
+            hit = (order, order.argsort(), flat[order])
+            documents.cache[key] = hit
+        return hit
 
 
-def _to_heads(xs: tuple[Tensor, ...], u: int, group: ProcessGroup) -> Tensor:
+def _to_heads(
+    xs: tuple[Tensor, ...], u: int, group: ProcessGroup, order: Tensor | None = None
+) -> Tensor:
     """Sequence-sharded [B, h·u, T, d] tensors → [B, Σh, u·T, d] in one all-to-all: head group g
-    of each to member g, the members' tokens in sequence order (the group's zigzag chunks, merged
-    into the ring's)."""
+    of each to member g, the members' tokens in sequence order — the group's zigzag chunks merged
+    into the ring's (`unshard_sequence`), or, for another layout, sorted by `order`."""
     parts = torch.cat([x.unflatten(1, (u, -1)) for x in xs], 2).movedim(1, 0)  # [u, B, Σh, T, d]
     got = all_to_all(parts.contiguous(), [1] * u, [1] * u, group)
+    if order is not None:
+        return got.movedim(0, 2).flatten(2, 3).index_select(2, order)
     return unshard_sequence(list(got.unbind(0)), dim=2, mode="zigzag")
 
 
-def _to_sequence(y: Tensor, u: int, group: ProcessGroup) -> Tensor:
+def _to_sequence(y: Tensor, u: int, group: ProcessGroup, inverse: Tensor | None = None) -> Tensor:
     """Inverse of `_to_heads` for the output: [B, h, u·T, d] → [B, h·u, T, d]."""
-    parts = torch.stack([shard_sequence(y, i, u, 2, "zigzag") for i in range(u)])
+    if inverse is not None:
+        parts = y.index_select(2, inverse).unflatten(2, (u, -1)).movedim(2, 0)
+    else:
+        parts = torch.stack([shard_sequence(y, i, u, 2, "zigzag") for i in range(u)])
     got = all_to_all(parts.contiguous(), [1] * u, [1] * u, group)
     return got.movedim(0, 1).flatten(1, 2)
 

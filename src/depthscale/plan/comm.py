@@ -34,6 +34,7 @@ import math
 from collections import Counter
 
 from depthscale.parallel.pipeline.schedules import split_layers
+from depthscale.parallel.ulysses_layout import kv_heads_sent, ulysses_degrees
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import hop_tensors
 from depthscale.plan.states import (
@@ -124,14 +125,7 @@ def rank_payload(
 
     cp = group(lay, "cp")
     if cp:
-        kv = lay.micro_batch * 2 * spec.kv_dim // lay.tp * e  # K and V per token
-        sent, received = ring_units(lay.cp, seq, spec.sliding_window, cp_rank)
-        block = m * layers * seq // (2 * lay.cp) * kv  # one key chunk, every layer and micro-batch
-        behind = ring_units(lay.cp, seq, spec.sliding_window, (cp_rank - 1) % lay.cp)[1]
-        # K,V forward and again in backward; the gradients of the blocks a rank received move
-        # on around the ring, so it receives what the rank behind it received
-        out["send", cp] += (2 * sent + received) * block
-        out["recv", cp] += (2 * received + behind) * block
+        out += cp_payload(spec, lay, seq, m * layers, cp_rank, e)
         if last:
             out["all_reduce", cp] += m * 16
 
@@ -163,6 +157,64 @@ def rank_payload(
         moe_layers = sum(1 for c in mine for i in ranges[c] if i in spec.moe_layers)
         out += moe_payload(spec, lay, held, m * moe_layers, tokens // lay.tp, e)
     return out
+
+
+CP_STYLES = {"ring": "a ring over cp", "ulysses": "all-to-alls over cp", "hybrid": "both"}
+
+
+def cp_style(lay: Layout) -> str:
+    """'ring', 'ulysses' or 'hybrid' (Ulysses groups inside, a ring across them)."""
+    return "ring" if lay.ulysses == 1 else "ulysses" if lay.ulysses == lay.cp else "hybrid"
+
+
+def cp_payload(
+    spec: ModelShape, lay: Layout, seq: int, passes: int, cp_rank: int, e: int
+) -> Counter:
+    """Attention's traffic under context parallelism, `passes` = layers on this rank ×
+    micro-batches (`parallel/ulysses.py`, `context_parallel.py`). Ulysses (degree u > 1): per pass
+    one all-to-all of q, k, v (KV heads repeated up to u where fewer: `kv_heads_sent`) and one of
+    the output, each of the local tokens' full (tp-local) heads; backward sends both again,
+    recompute the forward's. The ring over the cp / u groups: a key/value block (this rank's
+    KV heads after the exchange) travels as far as the farthest ring rank that needs it;
+    backward sends it again, and each rank passes the gradients of the blocks it received on."""
+    out: Counter = Counter()
+    cp, u = group(lay, "cp"), lay.ulysses
+    r, hd = lay.cp // u, spec.head_dim
+    heads, kv = spec.n_heads // lay.tp, kv_heads_sent(spec.kv_heads // lay.tp, u)
+    if u > 1:
+        tokens = lay.micro_batch * seq // lay.cp
+        forwards = 2 if lay.recompute != "none" else 1
+        exchanged = tokens * (2 * heads + 2 * kv) * hd * e  # q, k, v in; the output back
+        out["all_to_all", cp] += passes * (forwards + 1) * exchanged
+    if r > 1:
+        kv_token = lay.micro_batch * 2 * kv // u * hd * e  # K and V per token, this rank's heads
+        me = cp_rank // u
+        sent, received = ring_units(r, seq, spec.sliding_window, me)
+        block = passes * seq // (2 * r) * kv_token  # one key chunk, every pass
+        behind = ring_units(r, seq, spec.sliding_window, (me - 1) % r)[1]
+        # K,V forward and again in backward; the gradients of the blocks a rank received move
+        # on around the ring, so it receives what the rank behind it received
+        out["send", cp] += (2 * sent + received) * block
+        out["recv", cp] += (2 * received + behind) * block
+    return out
+
+
+def cp_choice(spec: ModelShape, lay: Layout, seq: int, batch: int, bf16: bool) -> dict:
+    """Each CP style this layout allows ({label: wire bytes per step of the fullest cp rank}) and
+    the one chosen: the fewest bytes (the ring on a tie: it needs no all-to-all)."""
+    e, cp = 2 if bf16 else 4, group(lay, "cp")
+    passes = batch // (lay.dp * lay.micro_batch) * -(-spec.n_layers // lay.pp)  # fullest stage
+    options = {}
+    for u in ulysses_degrees(spec.n_heads, spec.kv_heads, lay.tp, lay.cp):
+        option = lay.with_(ulysses=u)
+        payloads = [cp_payload(spec, option, seq, passes, c, e) for c in range(lay.cp)]
+        # on the wire: what a rank sends, and all but its own share of an all-to-all
+        worst = max(p["send", cp] + p["all_to_all", cp] * (u - 1) / u for p in payloads)
+        label = cp_style(option) + (f" {u}×{lay.cp // u}" if 1 < u < lay.cp else "")
+        options[label] = (u, worst)
+    chosen = min(options, key=lambda k: (options[k][1], options[k][0]))
+    return {"chosen": chosen, "ulysses": options[chosen][0],
+            "options": {k: b for k, (_, b) in options.items()}}  # fmt: skip
 
 
 def moe_payload(spec: ModelShape, lay: Layout, held, passes: int, tokens: int, e: int) -> Counter:

@@ -40,6 +40,9 @@ class Layout:
     ends: int = 0
     """Layers the first and last pipeline stage hold fewer than the others
     (`parallel.pp_ends_fewer_layers`): they also run the embedding and the head."""
+    ulysses: int = 1
+    """Ulysses degree of cp (`parallel.cp_ulysses`): 1 a ring, cp Ulysses, between the hybrid
+    (last: the search builds layouts by position)."""
 
     @property
     def degrees(self) -> Degrees:
@@ -71,6 +74,8 @@ class Layout:
             parts.append(f"v={self.v}")
         if self.cp > 1:
             parts.append(f"cp={self.cp}")
+        if self.ulysses > 1:
+            parts.append(f"ulysses={self.ulysses}")
         if self.dp_shard > 1:
             parts.append(f"fsdp={self.dp_shard}")
         if self.dp_replicate > 1:
@@ -97,7 +102,13 @@ class Layout:
         return replace(self, **changes)
 
 
-_ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate", "mb": "micro_batch", "rc": "recompute"}
+_ALIASES = {
+    "cp_ulysses": "ulysses",
+    "fsdp": "dp_shard",
+    "dp": "dp_replicate",
+    "mb": "micro_batch",
+    "rc": "recompute",
+}
 _INT = {f.name for f in fields(Layout) if f.type in ("int", int)}
 _BOOL = {"cache", "offload", "zero1", "zero3"}
 
@@ -133,6 +144,7 @@ _PARALLEL_SIZES = {
     "pp": "pp",
     "pp_virtual": "v",
     "cp": "cp",
+    "cp_ulysses": "ulysses",
     "dp_shard": "dp_shard",
     "dp_replicate": "dp_replicate",
     "ep": "ep",

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from depthscale.plan import goodput
-from depthscale.plan.comm import dim_sizes, rank_payload, wire_bytes
+from depthscale.plan.comm import cp_choice, cp_style, dim_sizes, rank_payload, wire_bytes
 from depthscale.plan.estimate import Estimate, Workload, estimate
 from depthscale.plan.frameworks import FRAMEWORKS, Framework
 from depthscale.plan.hardware import Cluster, cluster
@@ -62,15 +62,26 @@ def run(req: PlanRequest) -> dict:
 
     def row(e: Estimate) -> dict:
         out = _row(e, req)
+        lay = e.layout
+        if e.ok and fw.ours and lay.cp > 1:  # ring, Ulysses or hybrid: the fewest bytes
+            choice = cp_choice(req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16")
+            if lay.ulysses == 1:  # not set by the layout asked for: the planner's choice
+                lay = lay.with_(ulysses=choice["ulysses"])
+                out["label"], out["layout"] = lay.label(), lay.to_json()  # and its launch
+            out["cp_style"] = {
+                "chosen": choice["chosen"] if lay.ulysses == choice["ulysses"] else cp_style(lay),
+                "ulysses": lay.ulysses,
+                "wire_gb_per_step": {k: b / 1e9 for k, b in choice["options"].items()},
+            }
         if e.ok and fw.ours and req.spec.family == "llama":
             payload = rank_payload(
-                req.spec, e.layout, req.seq, req.batch, req.dtype == "bfloat16",
+                req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16",
                 reduce_bytes=fw.reduce_bytes,
             )  # fmt: skip
             out["bytes_per_group_gb"] = {
                 f"{op} {grp}": b / 1e9 for (op, grp), b in sorted(payload.items()) if b
             }
-            out["wire_gb"] = wire_bytes(payload, dim_sizes(e.layout)) / 1e9
+            out["wire_gb"] = wire_bytes(payload, dim_sizes(lay)) / 1e9
         if e.ok and e.layout.cache and e.layout.pp > 1 and req.spec.attnres:
             off = estimate(w, c, e.layout.with_(cache=False), fw, req.gpus)
             out["cache_saves_gib"] = (off.peak_bytes - e.peak_bytes) / GiB
@@ -261,6 +272,10 @@ def format_table(report: dict) -> str:
             line += f" {r['days']:7.2f}"
         if r.get("fits_without_cache") is False:
             line += "  (fits only with the AttnRes cache)"
+        if "cp_style" in r:  # the CP style and each option's wire bytes per step (cp ranks)
+            c = r["cp_style"]
+            options = ", ".join(f"{k} {gb:.3g} GB" for k, gb in c["wire_gb_per_step"].items())
+            line += f"  cp: {c['chosen']} ({options})"
         lines.append(line)
     if report.get("rejected_examples"):
         lines += ["", "rejected (one example per reason; counts below):"]
