@@ -130,6 +130,29 @@ def test_layout_parsing_names_bad_keys_and_values():
             parse_layout(bad)
 
 
+def test_plan_prices_and_chooses_the_cp_style():
+    """With cp > 1 each style the heads allow is priced (wire bytes per step of the fullest cp
+    rank) and the cheapest is the layout's, launched with parallel.cp_ulysses; a Ulysses degree
+    the heads or cp refuse is a one-line error naming the key."""
+    from depthscale.plan.comm import cp_choice
+    from depthscale.plan.report import PlanRequest, run
+    from depthscale.shape import ModelShape
+
+    spec = ModelShape.from_config(ModelConfig(dim=1024, n_layers=4, n_heads=16, n_kv_heads=4))
+    ask = dict(spec=spec, gpus=8, cluster="h100", seq=32768, batch=8)
+    row = run(PlanRequest(**ask, layout="cp=8"))["layouts"][0]
+    style = row["cp_style"]
+    assert set(style["wire_gb_per_step"]) == {"ring", "hybrid 2×4", "hybrid 4×2", "ulysses"}
+    cheapest = min(style["wire_gb_per_step"], key=style["wire_gb_per_step"].get)
+    assert style["chosen"] == cheapest != "ring"  # 16 heads over 8 ranks: Ulysses moves less
+    assert row["layout"]["ulysses"] == style["ulysses"] and "ulysses=" in row["label"]
+    # few heads: only the ring and the degrees that divide them
+    two = ModelShape.from_config(ModelConfig(dim=256, n_layers=4, n_heads=2))
+    assert set(cp_choice(two, Layout(cp=8), 32768, 8, True)["options"]) == {"ring", "hybrid 2×4"}
+    with pytest.raises(ValueError, match=r"--layout: parallel.cp_ulysses=3 must divide .*cp=8"):
+        run(PlanRequest(**ask, layout="cp=8,ulysses=3"))
+
+
 def test_cli_plans_a_config(tmp_path, capsys):
     cfg = tmp_path / "m.toml"
     cfg.write_text("[model]\nvocab_size = 32000\ndim = 1024\nn_layers = 8\nn_heads = 16\n"

@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from depthscale.parallel.ulysses_layout import ulysses_problem
 from depthscale.plan import goodput
 from depthscale.plan.comm import cp_choice, cp_style, dim_sizes, rank_payload, wire_bytes
 from depthscale.plan.estimate import Estimate, Workload, estimate
@@ -89,7 +90,12 @@ def run(req: PlanRequest) -> dict:
         return out
 
     if req.layout:
-        est = estimate(w, c, parse_layout(req.layout), fw, req.gpus)
+        asked = parse_layout(req.layout)
+        s = req.spec
+        problem = ulysses_problem(s.n_heads, s.kv_heads, asked.tp, asked.cp, asked.ulysses)
+        if problem:
+            raise ValueError(f"--layout: {problem}")
+        est = estimate(w, c, asked, fw, req.gpus)
         return {
             **header,
             "seconds": time.perf_counter() - started,
