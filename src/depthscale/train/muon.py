@@ -287,7 +287,9 @@ class _Redistribution:
         self._all_to_all(arriving, counts, [len(self.owned)] * size, per_owner)
         arriving = arriving.view(size, len(self.owned))
         self.recv_splits = arriving.sum(1).tolist()
-        where = torch.cat([_global_index(params[i]).reshape(-1) for i in self.send_order])
+        where = torch.cat(
+            [_global_index(params[i], self.shapes[i]).reshape(-1) for i in self.send_order]
+        )
         index = torch.empty(sum(self.recv_splits), dtype=torch.int64, device=device)
         self._all_to_all(index, where, self.recv_splits, self.send_splits)
         sizes = [_numel(self.shapes[i]) for i in self.owned]
