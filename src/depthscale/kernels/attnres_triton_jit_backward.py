@@ -4,8 +4,8 @@ chunked d, unspecialised scalars, proved alignment, the address table, fp32 scra
 own fresh copy of that module). The math is in `attnres_triton.py`, the launch plan in
 `attnres_triton_config.read_backward_launch`.
 
-Rows of every tile are (source, token) pairs: 16 rows hold 16 // BLOCK_N sources (a "group") of a
-BLOCK_N-token block, so a small block (large rows: many sources, many queries, wide d) still
+Rows of every tile are (source, token) pairs: 16 rows hold 16 // block_n sources (a "group") of a
+block_n-token block, so a small block (large rows: many sources, many queries, wide d) still
 gives 16-row tiles, `tl.dot`-sized, and ≥ 4 elements per thread (vector loads).
 """
 
@@ -18,12 +18,12 @@ import depthscale.kernels.attnres_triton_jit as jit
 
 
 @triton.jit
-def _pairs(table, group, block, N, m, d, ref, BLOCK_N: tl.constexpr):
+def _pairs(table, group, block, N, m, d, ref, block_n):
     """The 16 (source, token) rows of `group` in token block `block`: each row's source, token,
     validity, source base pointer (16-byte aligned, `jit._addresses`) and row offset."""
     ps = tl.arange(0, 16)
-    src = group * (16 // BLOCK_N) + ps // BLOCK_N
-    tok = block * BLOCK_N + ps % BLOCK_N
+    src = group * (16 // block_n) + ps // block_n
+    tok = block * block_n + ps % block_n
     ok = (src < m) & (tok < N)
     bases, _ = jit._addresses(table, 0, src, m, ref)
     return src, tok, ok, bases, tok.to(tl.int64) * d
@@ -39,19 +39,19 @@ def _pair_tile(bases, row_off, ok, cols, d, ALIGNED: tl.constexpr):
     return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
-_READ_BACKWARD_RUNTIME = ["N", "zn", "d", "m", "S", "part", "n_parts", "n_groups", "n_chunks",
-                          "n_blocks", "n_lanes", "eps"]  # fmt: skip
+_READ_BACKWARD_RUNTIME = ["N", "zn", "d", "m", "S", "block_n", "part", "n_parts", "n_groups",
+                          "n_chunks", "n_blocks", "n_lanes", "eps"]  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_READ_BACKWARD_RUNTIME)
 def _read_backward_kernel(table, ref, w_ptr, lse_ptr, dlse_ptr, part_ptr, wt_ptr, lane_ptr,
                           sync_ptr, N: tl.int32, zn: tl.int32, d: tl.int32, m: tl.int32,
-                          S: tl.int32, part: tl.int32, n_parts: tl.int32, n_groups: tl.int32,
+                          S: tl.int32, block_n: tl.int32, part: tl.int32, n_parts: tl.int32, n_groups: tl.int32,
                           n_chunks: tl.int32, n_blocks: tl.int32, n_lanes: tl.int32,
                           eps: tl.float32, S_PAD: tl.constexpr, DW_ROWS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, LOGIT_D: tl.constexpr, GRAD_D: tl.constexpr,
+                          LOGIT_D: tl.constexpr, GRAD_D: tl.constexpr,
                           ALIGNED: tl.constexpr):  # fmt: skip
-    """The read's backward for BLOCK_N-token blocks, each source and upstream gradient row read
+    """The read's backward for block_n-token blocks, each source and upstream gradient row read
     from HBM once. Tickets name work items as in `jit._read_forward_kernel`; token block b's items
     are, in ticket order:
     - n_parts · n_groups logits items (part k, group: columns [k·part, (k+1)·part)), part-major so
@@ -78,20 +78,20 @@ def _read_backward_kernel(table, ref, w_ptr, lse_ptr, dlse_ptr, part_ptr, wt_ptr
     zn = jit._aligned(zn, 16, True)
     if j < n_logits:
         _logits_part(table, ref, w_ptr, part_ptr, block, j % n_groups, j // n_groups, N, zn, d,
-                     m, S, jit._aligned(part, LOGIT_D, True), S_PAD, BLOCK_N, LOGIT_D,
+                     m, S, block_n, jit._aligned(part, LOGIT_D, True), S_PAD, LOGIT_D,
                      ALIGNED)  # fmt: skip
         tl.debug_barrier()  # every thread's partials stored before the release below
         if tl.atomic_add(sync_ptr + 1 + block, 1, sem="acq_rel") == n_logits - 1:
-            _weights(lse_ptr, dlse_ptr, part_ptr, wt_ptr, block, N, zn, d, m, S, n_parts, eps,
-                     S_PAD, BLOCK_N)  # fmt: skip
+            _weights(lse_ptr, dlse_ptr, part_ptr, wt_ptr, block, N, zn, d, m, S, block_n, n_parts,
+                     eps, S_PAD)  # fmt: skip
             tl.debug_barrier()
             tl.atomic_xchg(sync_ptr + 1 + n_blocks + block, 1, sem="release")
     else:
         while tl.atomic_add(sync_ptr + 1 + n_blocks + block, 0, sem="acquire") == 0:
             pass
         chunk = j - n_logits
-        dw = _gradients(table, ref, w_ptr, wt_ptr, block, chunk, N, zn, d, m, S, n_groups,
-                        S_PAD, DW_ROWS, BLOCK_N, GRAD_D, ALIGNED)  # fmt: skip
+        dw = _gradients(table, ref, w_ptr, wt_ptr, block, chunk, N, zn, d, m, S, block_n,
+                        n_groups, S_PAD, DW_ROWS, GRAD_D, ALIGNED)  # fmt: skip
         lane = block % n_lanes
         turn = block // n_lanes
         turns = sync_ptr + 1 + 2 * n_blocks + lane * n_chunks + chunk
@@ -112,13 +112,12 @@ def _read_backward_kernel(table, ref, w_ptr, lse_ptr, dlse_ptr, part_ptr, wt_ptr
 
 
 @triton.jit
-def _logits_part(table, ref, w_ptr, part_ptr, block, group, k, N, zn, d, m, S, part,
-                 S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_D: tl.constexpr,
-                 ALIGNED: tl.constexpr):  # fmt: skip
+def _logits_part(table, ref, w_ptr, part_ptr, block, group, k, N, zn, d, m, S, block_n, part,
+                 S_PAD: tl.constexpr, LOGIT_D: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
     """Partial w_s · v, do_s · v and Σ v² of the group's rows over columns [k·part, (k+1)·part).
     The upstream tiles are read one query at a time ([16, LOGIT_D] rows of the block's tokens),
     each query's dot added to its row of P."""
-    src, tok, ok, bases, row_off = _pairs(table, group, block, N, m, d, ref, BLOCK_N)
+    src, tok, ok, bases, row_off = _pairs(table, group, block, N, m, d, ref, block_n)
     qs = tl.arange(0, S_PAD)
     dot = tl.zeros((S_PAD, 16), tl.float32)
     p = tl.zeros((S_PAD, 16), tl.float32)
@@ -143,14 +142,15 @@ def _logits_part(table, ref, w_ptr, part_ptr, block, group, k, N, zn, d, m, S, p
 
 
 @triton.jit
-def _weights(lse_ptr, dlse_ptr, part_ptr, wt_ptr, block, N, zn, d, m, S, n_parts, eps,
-             S_PAD: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _weights(lse_ptr, dlse_ptr, part_ptr, wt_ptr, block, N, zn, d, m, S, block_n, n_parts, eps,
+             S_PAD: tl.constexpr):  # fmt: skip
     """Per token of the block, from the parts (summed in part order): a_si = exp(z_si − lse_s),
     g_si = a_si (P_si − D_s + dlse_s) r_i with D_s = Σ_i a_si P_si, c_i = (Σ_s g_si z_si) r_i / d,
     into the [m, 2·S_PAD + 1, zn] scratch (a rows, g rows, c). The first pass leaves z in part 0's
     dot rows, P in the g rows and r in the c row for the second. lse and dlse: [S, N] fp32."""
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    lanes = tl.arange(0, 16)  # the block's tokens, 16 wide whatever block_n
+    rows = block * block_n + lanes
+    row_ok = (lanes < block_n) & (rows < N)
     qs = tl.arange(0, S_PAD)
     sq_at = qs[:, None].to(tl.int64) * N + rows[None, :]
     sq_ok = (qs[:, None] < S) & row_ok[None, :]
@@ -159,11 +159,11 @@ def _weights(lse_ptr, dlse_ptr, part_ptr, wt_ptr, block, N, zn, d, m, S, n_parts
     n_rows = 2 * S_PAD + 1
     at = qs[:, None] * zn + rows[None, :]
     ok = row_ok[None, :]
-    D = tl.zeros((S_PAD, BLOCK_N), tl.float32)
+    D = tl.zeros((S_PAD, 16), tl.float32)
     for i in range(m):
-        dot = tl.zeros((S_PAD, BLOCK_N), tl.float32)
-        p = tl.zeros((S_PAD, BLOCK_N), tl.float32)
-        sq = tl.zeros((BLOCK_N,), tl.float32)
+        dot = tl.zeros((S_PAD, 16), tl.float32)
+        p = tl.zeros((S_PAD, 16), tl.float32)
+        sq = tl.zeros((16,), tl.float32)
         for k in range(n_parts):
             slot = part_ptr + (k * m + i) * n_rows * zn
             dot += jit._scratch(slot, at, ok)
@@ -191,9 +191,9 @@ def _weights(lse_ptr, dlse_ptr, part_ptr, wt_ptr, block, N, zn, d, m, S, n_parts
 
 
 @triton.jit
-def _gradients(table, ref, w_ptr, wt_ptr, block, chunk, N, zn, d, m, S, n_groups,
-               S_PAD: tl.constexpr, DW_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-               GRAD_D: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+def _gradients(table, ref, w_ptr, wt_ptr, block, chunk, N, zn, d, m, S, block_n, n_groups,
+               S_PAD: tl.constexpr, DW_ROWS: tl.constexpr, GRAD_D: tl.constexpr,
+               ALIGNED: tl.constexpr):  # fmt: skip
     """dv_i = Σ_s a_si do_s + Σ_s g_si w_s − c_i v_i (+ the chained gradient) over one chunk for
     the block's rows, group by group, one query at a time for the upstream tiles; returns the
     block's [DW_ROWS, GRAD_D] share of dw_s = Σ_rows g_si v_i. Where DW_ROWS ≥ 16 (S_PAD ≥ 4,
@@ -209,7 +209,7 @@ def _gradients(table, ref, w_ptr, wt_ptr, block, chunk, N, zn, d, m, S, n_groups
         w = tl.load(w_ptr + qs[:, None] * d + cols[None, :], mask=q_ok[:, None] & col_ok[None, :],
                     other=0.0, eviction_policy="evict_last")  # fmt: skip
     for group in range(n_groups):
-        src, tok, ok, bases, row_off = _pairs(table, group, block, N, m, d, ref, BLOCK_N)
+        src, tok, ok, bases, row_off = _pairs(table, group, block, N, m, d, ref, block_n)
         weights = wt_ptr + src * n_rows * zn + tok  # [16]: each row's a, g, c column
         c = jit._scratch(weights + 2 * S_PAD * zn, 0, ok)
         v = _pair_tile(bases, row_off, ok, cols, d, ALIGNED)

@@ -142,8 +142,8 @@ def read_backward(
                        device=device)  # fmt: skip
     table = address_table([*sources, *d_srcs, *d_ups, *d_outs], device)
     _launch(plan.variant, plan.grid, table, src0, w_pad, lse, d_lse, parts, weights, lanes, sync,
-            N, zn, d, m, S, plan.part, plan.n_parts, plan.n_groups, plan.n_chunks, plan.n_blocks,
-            plan.n_lanes, eps)  # fmt: skip
+            N, zn, d, m, S, plan.block_n, plan.part, plan.n_parts, plan.n_groups, plan.n_chunks,
+            plan.n_blocks, plan.n_lanes, eps)  # fmt: skip
     return lanes.sum(0)[:S], d_srcs
 
 
