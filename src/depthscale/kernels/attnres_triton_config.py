@@ -4,8 +4,8 @@ through `kernels/aot.py`) both call, so the test compiles exactly what a GPU wou
 
 A variant is (kernel, data dtype, S_PAD, BLOCK_N, BLOCK_D, ALIGNED, warps, stages) — never d, N or
 m, which are runtime arguments: over d ∈ {1024 … 16384}, S ∈ 1…32 and two dtypes there are a few
-dozen variants, each a small kernel that compiles in about a second. (The backward's launch plan
-picks its BLOCK_N from m, S and d among `BACKWARD_BLOCKS`; every one is in the grid.)
+dozen variants, each a small kernel that compiles in about a second. (The backward's tokens per block,
+picked by its launch plan from m, S and d, are a runtime argument too.)
 
 Tile sizes (`_FORWARD_TILES`, `_BACKWARD_TILES`, `_MERGE_FWD`, `_MERGE_BWD`) were chosen from
 ptxas's register counts and the PTX's access widths, and the AOT test holds every variant to them
