@@ -15,8 +15,8 @@ tests) `@triton.jit` makes interpreter functions, which cannot be compiled. Noth
 each call compiles into a temporary cache directory and removes it.
 
 `python -m depthscale.kernels.aot [90 80]` prints one JSON line per grid variant and architecture;
-benchmarks/results/attnres_triton_aot.jsonl holds its output for Triton 3.9 (the one-launch forward,
-vector accesses: `global_loads` / `global_stores` per access form).
+benchmarks/results/attnres_triton_aot.jsonl holds its output for Triton 3.9 (the one-launch forward and
+backward, vector accesses: `global_loads` / `global_stores` per access form).
 """
 
 from __future__ import annotations
