@@ -28,11 +28,15 @@ are chosen so that all runs (sweep, then the rest, `--workers` at a time) fit in
 Results of finished runs are kept in `--work-dir` and reused when the same command is run again
 (an interrupted run resumes from its checkpoint), so Muon can be added to a finished AdamW run.
 
-Budget used for the committed results (benchmarks/results/convergence_cpu-2core_2026-12-07.json):
-the issue asks for 1-2 hours of the 2-core machine; that session had about one hour of wall time,
-at `nice -n 19` beside seven other jobs, so the run got a fraction of the two cores and its token
-count is correspondingly small (the JSON records the steps, tokens and wall time). The full budget:
-run on an otherwise idle machine with e.g. `--budget-minutes 90 --workers 2 --threads 1`.
+Budget used for the committed results (benchmarks/results/convergence_cpu-2core_2026-12-07.json,
+.png): the issue asks for 1-2 hours of the whole 2-core machine; that session had one hour of wall
+time at `nice -n 19` beside seven other CPU-heavy jobs. `--budget-minutes 62` measured 5.1 s per
+step (full AttnRes, two side by side) and chose 102 steps of 8 x 128 tokens (104,448 tokens per
+run, 24 layers, d = 128); the AdamW runs took 06:48-07:29 UTC, the Muon runs (its commit landed
+meanwhile) were added with `--optims muon --lr 0.0015`, and `--collect` wrote the joint JSON. The
+full budget, on an otherwise idle machine:
+    python benchmarks/convergence.py --budget-minutes 90 --optims adamw,muon --workers 2 \
+        --threads 1 --out RESULT.json --png CURVES.png
 
 Prints one JSON object (and writes it to --out): per run the val curve, final val bpb, tokens,
 FLOPs and wall time; per variant (residual, optimizer) the mean final val bpb over seeds with its
@@ -471,7 +475,7 @@ def main() -> None:
     if args.png:
         plot(results, sweep, Path(args.png), f"{args.layers} layers, d={args.dim}: "
              f"{result['tokens_per_run']:,} tokens per run, {len(args.seeds)} seeds")  # fmt: skip
-        result["png"] = args.png
+        result["png"] = Path(args.png).name
     print_result(result, args.out or None)
 
 
