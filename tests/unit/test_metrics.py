@@ -139,7 +139,19 @@ def test_throughput_window_rate_and_mfu():
     assert rate["tokens_per_s"] == pytest.approx(800.0)
     assert rate["tflops"] == pytest.approx(800 * 1e6 / 1e12)
     assert rate["mfu"] == pytest.approx(800 * 1e6 / 1e9)
-    assert Throughput(1e6, 0.0).rate() == {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": None}
+    assert Throughput(1e6, 0.0).rate() == {
+        "tokens_per_s": 0.0, "tflops": 0.0, "mfu": None, "hfu": None
+    }  # fmt: skip
+
+
+def test_hfu_counts_what_recompute_runs_again_and_raises_the_peak_by_it():
+    tp = Throughput(flops_per_token=1e6, peak_flops=1e9, hardware_flops_per_token=1.5e6)
+    tp.update(400, 1.0)
+    rate = tp.rate()
+    assert rate["mfu"] == pytest.approx(0.4) and rate["hfu"] == pytest.approx(0.6)
+    tp.update(400, 0.0001)  # 800 tokens in ~1 s: HFU past 1 raises the peak, MFU follows it
+    rate = tp.rate()
+    assert rate["hfu"] == 1.0 and rate["mfu"] == pytest.approx(1 / 1.5)
 
 
 def _tb_scalars(run_dir, tag):

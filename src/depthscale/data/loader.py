@@ -252,6 +252,10 @@ class PackedBatches:
             windows = np.arange(b * self.batch_size, (b + 1) * self.batch_size)
             yield self._gather(windows[rows])
 
+    def metrics(self, state: dict[str, Any]) -> dict[str, float]:
+        """Metrics of the stream at `state` beyond the trainer's own: none for one stream."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,

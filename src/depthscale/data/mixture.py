@@ -158,6 +158,10 @@ class MixedBatches:
 
     # ------------------------------------------------------------------ state
 
+    def metrics(self, state: dict[str, Any]) -> dict[str, float]:
+        """`tokens/<name>` and `epoch/<name>` of every source at `state`."""
+        return mixture_metrics(state, self.seq_len)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "order": ORDER,

@@ -76,6 +76,16 @@ class Prefetcher:
     def state_dict(self) -> dict[str, Any]:
         return dict(self._state)
 
+    def metrics(self) -> dict[str, float]:
+        """The stream's own metrics at the position training consumed (a mixture's tokens and
+        epochs per source; none for one stream)."""
+        return self.loader.metrics(self._state)
+
+    def exclude(self, position: tuple[int, int]) -> None:
+        """Never serve the batch at `position` again (one the NaN guard found non-finite on
+        every try); passed over as if consumed."""
+        self.loader.skip.add(position)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.close()
         self.loader.load_state_dict(state)

@@ -214,10 +214,14 @@ class Throughput:
         window: int = 20,
         n_devices: int = 1,
         peak_source: str = "",
+        hardware_flops_per_token: float | None = None,
     ) -> None:
+        """`hardware_flops_per_token`: what the hardware runs per token, recomputation included
+        (HFU's numerator; default: the model's, no recomputation)."""
         if window < 1 or n_devices < 1:
             raise ValueError(f"Throughput: window={window} and n_devices={n_devices} must be >= 1")
         self.flops_per_token = flops_per_token
+        self.hardware_flops_per_token = hardware_flops_per_token or flops_per_token
         self.peak_flops = peak_flops
         self.peak_source = peak_source
         self.n_devices = n_devices
@@ -240,21 +244,20 @@ class Throughput:
         self._samples.append((tokens, seconds))
 
     def rate(self) -> dict[str, float | None]:
-        """{tokens_per_s, tflops, mfu} over the window; mfu is None when the peak is unknown (<= 0)
-        and at most 1."""
+        """{tokens_per_s, tflops, mfu, hfu} over the window (tflops: model FLOPs per device);
+        mfu and hfu are None when the peak is unknown (<= 0), and hfu (what the hardware ran,
+        recomputation included) is at most 1: the peak is raised by it."""
         tokens = sum(t for t, _ in self._samples)
         seconds = sum(s for _, s in self._samples)
         tokens_per_s = tokens / seconds if seconds > 0 else 0.0
         flops = tokens_per_s * self.flops_per_token / self.n_devices
+        hardware = tokens_per_s * self.hardware_flops_per_token / self.n_devices
+        out = {"tokens_per_s": tokens_per_s, "tflops": flops / 1e12, "mfu": None, "hfu": None}
         if self.peak_flops <= 0:
-            return {"tokens_per_s": tokens_per_s, "tflops": flops / 1e12, "mfu": None}
-        if flops > self.peak_flops:
-            self._raise_peak(flops)
-        return {
-            "tokens_per_s": tokens_per_s,
-            "tflops": flops / 1e12,
-            "mfu": flops / self.peak_flops,
-        }
+            return out
+        if hardware > self.peak_flops:
+            self._raise_peak(hardware)
+        return out | {"mfu": flops / self.peak_flops, "hfu": hardware / self.peak_flops}
 
     def _raise_peak(self, flops: float) -> None:
         if not self._raised:

@@ -29,6 +29,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from depthscale.errors import ConfigError
 
@@ -201,6 +202,16 @@ class FaultPlan:
 
     def corrupts(self, step: int) -> bool:
         return self._at("corrupt", step) is not None
+
+    def corrupt_after_save(self, step: int, path: os.PathLike, wait, is_main: bool) -> None:
+        """`corrupt@STEP`: once the checkpoint of `step` is on disk (`wait`), rank 0 flips a
+        byte of it."""
+        if not self.corrupts(step):
+            return
+        wait()
+        if is_main:
+            name = corrupt_checkpoint(path)
+            print(f"depthscale: injected fault: flipped a byte of {Path(path) / name}", flush=True)
 
 
 def bad_diag_nodes(faults: tuple[Fault, ...], diagnostic_run: int) -> list[str]:

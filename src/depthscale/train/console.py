@@ -83,3 +83,13 @@ def format_step(step: int, total: int, m: dict[str, float]) -> str:
     if m.get("mfu") is not None:
         parts.append(f"mfu {100 * m['mfu']:.1f}%")
     return " | ".join(parts)
+
+
+def announce(cfg: Config, total: int, active: int, device, run_dir: Path, step: int) -> None:
+    """The run's one-line header: parameters (active ones under MoE), residual, device."""
+    shown = f" ({active / 1e6:.2f}M active)" if active != total else ""
+    say(
+        f"depthscale: {total / 1e6:.2f}M parameters{shown}, residual={cfg.model.residual}, "
+        f"device={device}, dtype={cfg.train.dtype}, run_dir={run_dir}"
+        + (f", resumed at step {step}" if step else "")
+    )

@@ -378,3 +378,15 @@ def retained_bytes(fn: Callable[[], object]) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     return sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+def offloading_for(
+    stats: OffloadStats | None, n_layers: int, parallel
+) -> contextlib.AbstractContextManager:
+    """Activation offload around one forward (`train.offload_activations`), or nothing. A pipeline
+    stage runs one of this rank's chunks per forward: backward brings back a layer's worth of
+    activations ahead of use, so the count is the layers of one chunk."""
+    if stats is None:
+        return contextlib.nullcontext()
+    chunks = parallel.pp_virtual if parallel.pp > 1 else 1
+    return offload_activations(stats, layers=max(1, n_layers // chunks))

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from depthscale.errors import TrainingError
 from depthscale.observe import spans
 
 SKIPPED = "skipped_batches.json"
@@ -113,3 +115,83 @@ def record_skipped(run_dir: Path, step: int, position: tuple[int, int]) -> None:
     tmp = file.with_suffix(".tmp")
     tmp.write_text(json.dumps(records, indent=1))
     tmp.replace(file)
+
+
+def not_finite_error(steps: list[int], lr: float) -> TrainingError:
+    """The run stops: step `steps[0]` (and the later ones listed) had a non-finite loss or
+    gradient and nothing replays it (`resilience.nan_replay=false`)."""
+    later = f" and {len(steps) - 1} later step(s)" if len(steps) > 1 else ""
+    return TrainingError(
+        f"the loss or gradient is not finite at step {steps[0]} (lr {lr:.3g}){later}; nothing "
+        "was updated or saved from it. Lower optim.lr, raise optim.warmup_steps, keep "
+        "train.grad_clip > 0, or set resilience.nan_replay=true to replay and skip bad "
+        "batches"
+    )
+
+
+class NanGuard:
+    """The step's update under the guard: a non-finite loss or gradient on any rank
+    (`finite_flag`) updates nothing, and the step is replayed once on the same batch; still
+    non-finite, PersistentNonFinite. Without replay (`resilience.nan_replay=false`) and with an
+    optimizer that skips on the device (fused AdamW), the flag is read only with the metrics:
+    the step reads nothing."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        replay: bool,
+        apply_update: Callable[[], None],
+        refuse: Callable[[list[int]], Exception],
+        on_event: Callable[[int, str, str], None],
+    ) -> None:
+        self.optimizer, self.replay = optimizer, replay
+        self.apply_update, self.refuse, self.on_event = apply_update, refuse, on_event
+
+    def update(
+        self,
+        attempt: Callable[[], tuple[Tensor, Tensor]],
+        step: int,
+        position: tuple[int, int] | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Run `attempt` (forward and backward: loss share, gradient norm) and the update;
+        returns the loss share, the gradient norm and the finite flag."""
+        for first_try in (True, False):
+            total, grad_norm = attempt()
+            flag = finite_flag(total, grad_norm)
+            early = EarlyRead(flag) if self.replay else None
+            skips_on_device = skip_if_not_finite(self.optimizer, flag)
+            if skips_on_device:  # launched now, a no-op on the device if the flag is 0
+                self.apply_update()
+                if not self.replay:
+                    break  # the flag is read with the metrics, on the next log step
+            # the guard's one read per step; where the update skips itself, it is already queued
+            if early.true() if early is not None else flag.item() > 0:
+                if not skips_on_device:
+                    self.apply_update()
+                break
+            self.optimizer.zero_grad(set_to_none=True)
+            if not self.replay:
+                raise self.refuse([step])
+            if not first_try:
+                raise PersistentNonFinite(step, position)
+            self.on_event(step, "transient", "non-finite loss or gradient; replaying the step")
+        if not first_try:
+            self.on_event(step, "transient", "the replay was finite: a transient fault")
+        return total, grad_norm, flag
+
+
+def roll_back_to(bad: PersistentNonFinite, run_dir: Path, checkpointer, resume: str, is_main: bool):
+    """Where a run goes back to when the batch of `bad.step` stays non-finite: the batch is
+    recorded in the run directory (never trained on again) and the newest verified checkpoint
+    returned, once every save in flight is on disk; none is a TrainingError."""
+    if is_main:
+        record_skipped(run_dir, bad.step, bad.position)
+    checkpointer.wait()
+    path = checkpointer.resolve_resume() if resume != "none" else None
+    if path is None:
+        raise TrainingError(
+            f"{bad}; its batch (data position {bad.position}) is recorded in "
+            f"{run_dir / SKIPPED} and will be skipped, but there is no verified checkpoint to "
+            "roll back to: start the run again (a supervised run restarts by itself)"
+        )
+    return path

@@ -177,3 +177,49 @@ def _sign(err: BaseException) -> str:
             return str(seen).splitlines()[0][:200]
         seen = seen.__cause__ or seen.__context__
     return str(err).splitlines()[0][:160]
+
+
+def peers_timed_out(err: BaseException) -> bool:
+    """A collective or message that timed out or lost its peer (gloo and NCCL word it so)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    text = str(err)
+    return any(s in text for s in ("Timed out", "timed out", "Connection closed by peer",
+                                   "Connection reset by peer"))  # fmt: skip
+
+
+def timeout_names(parallel, shortened: bool) -> str:
+    """The process-group timeouts in force: until the first step completes, the world group and
+    the store still have the start-up one."""
+    name = f"parallel.timeout_s={parallel.timeout_s:g}"
+    if not shortened:
+        name += f"; world group: parallel.setup_timeout_s={parallel.setup_timeout_s:g}"
+    return name
+
+
+def peer_failure(
+    err: BaseException, rank: int, step: int, telemetry, run_dir: Path, timeouts: str
+) -> PeersFailed | None:
+    """The one-line error a step's failure becomes when it is about the peers, or None.
+
+    A peer gone: one line naming it (under plain torchrun every surviving rank prints its own;
+    gloo's error says only an address and a paragraph of advice), its hang dump still written,
+    silently. A collective timed out: a hang seen from here, the hang analysis reads every dump.
+    """
+    if is_peer_loss(err):
+        telemetry.on_error(err, say=False)
+        recorder = telemetry.recorder
+        in_flight = recorder.in_flight() if recorder is not None else []
+        line = describe(err, rank, step, in_flight, run_dir)
+        return PeersFailed(f"{line} (`depthscale trace hang --run {run_dir}`: every rank's view)")
+    if peers_timed_out(err):
+        telemetry.on_error(err)
+        return PeersFailed(
+            f"rank {rank}: waiting for its peers failed at step {step} "
+            f"({str(err).splitlines()[0][-160:]}); every rank that could wrote its hang "
+            f"dump: `depthscale trace hang --run {run_dir}` names the rank the "
+            f"others waited for ({timeouts})"
+        )
+    return None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -10,14 +11,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from depthscale.config import Config, ConfigError
+from depthscale.config import Config, ConfigError, to_toml
 from depthscale.data.agreement import check_ranks_agree, data_identity
 from depthscale.data.eval_sets import attach_eval_sets
 from depthscale.data.loader import DataBundle, build_data
 from depthscale.errors import CheckpointError
+from depthscale.observe import flight_recorder, startup
 from depthscale.observe.metrics import detect_peak_flops
+from depthscale.parallel.parallelize import Layout, init_layout
 from depthscale.parallel.startup import leader_first
+from depthscale.resilience.diagnostics import DIAGNOSE_ENV, diagnose_in_group
+from depthscale.resilience.faults import FaultPlan, parse_faults
+from depthscale.resilience.heartbeat import Heartbeat
 from depthscale.train.console import say
+from depthscale.train.host import expandable_segments, keep_freed_host_memory
 
 
 def resolve_device(name: str) -> torch.device:
@@ -122,3 +129,44 @@ def peak_flops(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[f
     if cfg.logging.peak_tflops > 0:
         return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
     return detect_peak_flops(device, dtype)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def start_runtime(
+    cfg: Config, heartbeat: Heartbeat | None
+) -> tuple[Layout, FaultPlan, torch.dtype]:
+    """Everything before data and model, in the order it must happen: host memory and allocator
+    settings (before the first CUDA allocation), the NCCL flight recorder (read when the first
+    NCCL group is made), the process groups, the injected faults, a restart's diagnostics, then
+    numerics and seeds."""
+    device = resolve_device(cfg.train.device)
+    if cfg.train.keep_host_memory is True or (
+        cfg.train.keep_host_memory == "auto" and device.type == "cpu"
+    ):
+        keep_freed_host_memory()
+    expandable_segments(device.type)
+    if device.type == "cuda":
+        flight_recorder.configure_nccl(cfg.run_path)
+    layout = init_layout(cfg, device)
+    faults = FaultPlan(parse_faults(cfg.resilience.faults), layout.env.rank)
+    if heartbeat is not None:
+        heartbeat.update(coords=layout.dims.coordinates(layout.env.rank))
+        if os.environ.get(DIAGNOSE_ENV) and layout.env.world_size > 1:  # a restart after a fault
+            diagnose_in_group(cfg.run_path / "checkpoints", heartbeat.publish_diagnostics)
+            startup.mark("diagnose")
+    apply_tf32(cfg.train.tf32, layout.device)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    seed_everything(cfg.train.seed)
+    return layout, faults, DTYPES[cfg.train.dtype]
+
+
+def write_run_files(run_dir: Path, cfg: Config, tokenizer) -> None:
+    """The run directory's config.toml and tokenizer (rank 0), written once every start-up check
+    has passed: a refused or failed start leaves an existing run directory as it was, and creates
+    none."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    tokenizer.save(run_dir / "tokenizer")

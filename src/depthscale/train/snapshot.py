@@ -49,7 +49,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from depthscale.resilience.faults import corrupt_checkpoint
 from depthscale.resilience.keeper import SNAPSHOT_DIR_ENV
 from depthscale.train import console
 from depthscale.train.checkpoint import Checkpointer
@@ -153,8 +152,4 @@ class Snapshots:
         faults = trainer.faults  # drills: slowsave@S and corrupt@S reach a snapshot of step S too
         self.memory.inject_write_delay = faults.slow_save()
         path = self.memory.save(step, trainer.model, trainer.optimizer, trainer.trainer_state())
-        if faults.corrupts(step):
-            self.memory.wait()
-            if trainer.env.is_main:
-                name = corrupt_checkpoint(path)
-                console.say(f"depthscale: injected fault: flipped a byte of {path / name}")
+        faults.corrupt_after_save(step, path, self.memory.wait, trainer.env.is_main)

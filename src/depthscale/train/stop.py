@@ -44,3 +44,14 @@ class StopSignals:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+
+def stopped_line(received: signal.Signals | None, step: int, latest) -> str:
+    """What a run stopped by a signal says last: which signal, and where it resumes."""
+    name = received.name if received is not None else "a signal on another rank"
+    where = (
+        f"checkpoint {latest}; run the same command to resume"
+        if latest is not None
+        else "no checkpoint saved (checkpoint.on_signal=false)"
+    )
+    return f"depthscale: stopped by {name} after step {step}; {where}"
