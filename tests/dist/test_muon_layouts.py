@@ -33,7 +33,7 @@ from depthscale.model.transformer import Transformer
 from depthscale.parallel.mesh import ParallelDims
 from depthscale.parallel.parallelize import parallelize
 from depthscale.plan.layout import Layout
-from depthscale.plan.muon import update_scale
+from depthscale.shape.muon import update_scale
 from depthscale.plan.muon_states import muon_state_bytes, muon_step_work
 from depthscale.shape import ModelShape
 from depthscale.train.muon import _shard_key

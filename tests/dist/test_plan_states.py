@@ -16,8 +16,8 @@ from depthscale.parallel.mesh import ParallelDims
 from depthscale.parallel.parallelize import dp_rank_and_size, parallelize
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import peak_in_flight
-from depthscale.shape import ModelShape
 from depthscale.plan.states import rank_state_bytes
+from depthscale.shape import ModelShape
 from depthscale.train.optim import build_optimizer
 
 BATCH, SEQ, VOCAB = 8, 16, 70

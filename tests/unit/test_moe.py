@@ -269,7 +269,9 @@ def test_the_planner_counts_moe_parameters():
     # a token skips E - k of each MoE layer's routed experts: their share of the experts' weights
     routed = [m.experts for m in model.modules() if isinstance(m, moe.MoE)]
     idle = sum(
-        sum(p.numel() for p in e.parameters()) * (cfg.moe_experts - cfg.moe_top_k) // cfg.moe_experts
+        sum(p.numel() for p in e.parameters())
+        * (cfg.moe_experts - cfg.moe_top_k)
+        // cfg.moe_experts
         for e in routed
     )
     assert len(routed) == 2 and spec.idle_params() == idle

@@ -9,9 +9,9 @@ import torch
 from depthscale.config import Config, OptimConfig, load_config
 from depthscale.model.transformer import Transformer
 from depthscale.plan.layout import Layout
-from depthscale.plan.muon import assign_owners, is_muon_matrix, ns_flops, update_scale
 from depthscale.plan.muon_states import muon_state_bytes, muon_step_work
 from depthscale.shape import ModelShape
+from depthscale.shape.muon import assign_owners, is_muon_matrix, ns_flops, update_scale
 from depthscale.train.muon import Muon, newton_schulz
 from depthscale.train.optim import build_optimizer
 from depthscale.train.schedule import set_lr

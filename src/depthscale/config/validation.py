@@ -328,8 +328,8 @@ def _check_moe(m) -> None:
 
 def _check_ulysses_layout(m, p) -> None:
     """parallel.cp_ulysses: a factor of cp that splits each tp rank's heads
-    (`parallel/ulysses_layout.py`)."""
-    from depthscale.parallel.ulysses_layout import ulysses_problem
+    (`shape/ulysses.py`)."""
+    from depthscale.shape.ulysses import ulysses_problem
 
     problem = ulysses_problem(m.n_heads, m.kv_heads, p.tp, p.cp, p.cp_ulysses)
     if problem:
@@ -338,7 +338,7 @@ def _check_ulysses_layout(m, p) -> None:
 
 def _check_muon(o: Any) -> None:
     """Muon's keys, checked whatever optim.name (a config switched to muon later stays valid)."""
-    from depthscale.plan.muon import MAX_NS_STEPS
+    from depthscale.shape.muon import MAX_NS_STEPS
 
     if not 0.0 <= o.muon_momentum < 1.0:
         raise ConfigError(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")

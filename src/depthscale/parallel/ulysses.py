@@ -46,7 +46,7 @@ from depthscale.parallel.expert_parallel import all_to_all
 from depthscale.parallel.mesh import cp_groups
 from depthscale.parallel.sequence_layout import positions_for, shard_sequence, unshard_sequence
 from depthscale.parallel.tp_comm import all_gather_blocks
-from depthscale.parallel.ulysses_layout import kv_heads_sent
+from depthscale.shape.ulysses import kv_heads_sent
 
 
 class UlyssesAttention:

@@ -34,7 +34,6 @@ import math
 from collections import Counter
 
 from depthscale.parallel.pipeline.schedules import split_layers
-from depthscale.parallel.ulysses_layout import kv_heads_sent, ulysses_degrees
 from depthscale.plan.layout import Layout
 from depthscale.plan.pipeline import hop_tensors
 from depthscale.plan.states import (
@@ -44,6 +43,7 @@ from depthscale.plan.states import (
     rank_params,
 )
 from depthscale.shape import EXPERT_SHARD_DIM, MESH_DIMS, ModelShape
+from depthscale.shape.ulysses import kv_heads_sent, ulysses_degrees
 
 DIMS = MESH_DIMS
 

@@ -1,6 +1,6 @@
 """Muon in the planner: a rank's optimizer states, the bytes its redistribution moves per step and
 its Newton–Schulz FLOPs, from the same parameter table, sharding and owner rule the optimizer
-uses (`plan.states`, `plan.muon`; `train/muon.py` is what they model).
+uses (`plan.states`, `shape.muon`; `train/muon.py` is what they model).
 
 - States: one fp32 momentum buffer per Muon matrix, laid out as the parameter; the AdamW part's two
   fp32 moments and a 0-d fp32 step per parameter.
@@ -19,7 +19,6 @@ yet (ValueError): the optimizer handles them, the planner does not place their o
 from __future__ import annotations
 
 from depthscale.plan.layout import Layout
-from depthscale.plan.muon import assign_owners, is_muon_matrix, ns_flops
 from depthscale.plan.states import (
     Param,
     StateBytes,
@@ -28,6 +27,7 @@ from depthscale.plan.states import (
     local_numel,
     rank_params,
 )
+from depthscale.shape.muon import assign_owners, is_muon_matrix, ns_flops
 
 
 def _split_over(p: Param, lay: Layout) -> tuple[str, ...]:

@@ -6,7 +6,6 @@ import json
 import time
 from dataclasses import dataclass
 
-from depthscale.parallel.ulysses_layout import ulysses_problem
 from depthscale.plan import goodput
 from depthscale.plan.comm import cp_choice, cp_style, dim_sizes, rank_payload, wire_bytes
 from depthscale.plan.estimate import Estimate, Workload, estimate
@@ -16,6 +15,7 @@ from depthscale.plan.layout import parse_layout
 from depthscale.plan.memory import rank_params
 from depthscale.plan.search import SIMULATED, search
 from depthscale.shape import ModelShape
+from depthscale.shape.ulysses import ulysses_problem
 
 GiB = 2**30
 

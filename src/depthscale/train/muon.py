@@ -9,12 +9,12 @@ Per matrix W (m×n) with gradient G, as `torch.optim.Muon`:
     O = NS₅(U)                           (quintic Newton–Schulz: ≈ the orthogonal factor of U)
     W ← W·(1 - lr·wd) - lr·0.2·√max(m, n)·O
 
-The 0.2·√max(m, n) scale (Moonlight's RMS matching, `plan.muon.update_scale`) gives O the RMS of
+The 0.2·√max(m, n) scale (Moonlight's RMS matching, `shape.muon.update_scale`) gives O the RMS of
 an AdamW update, so AdamW's learning rate and weight decay carry over. Newton–Schulz runs in bf16
 on CUDA (as torch's) and fp32 on CPU, tall matrices transposed. A 3-D expert stack is a batch of
 matrices, each expert orthogonalised on its own (one batched iteration). Q, K and V are separate
 parameters of the model, so each is its own matrix (as in torch, Moonlight and Kimi K2); a fused
-QKV would mix three maps' spectra. The other parameters (`plan.muon.is_muon_matrix`) take the
+QKV would mix three maps' spectra. The other parameters (`shape.muon.is_muon_matrix`) take the
 non-adaptive groups of `LAMB`, which are AdamW.
 
 Distributed (FSDP2, HSDP, TP, cp, EP; PP per stage, its optimizer holding the stage's
@@ -22,7 +22,7 @@ parameters): a matrix whose DTensor is split over mesh dimensions needs all of i
 all-gathering every matrix on every rank repeats the Newton–Schulz work once per shard. Instead
 the matrices split over the same mesh dimensions (one *shard group*, replicas excluded: HSDP's
 replicas each orthogonalise their own copy) get owners balanced by Newton–Schulz FLOPs
-(`plan.muon.assign_owners`); each step one all-to-all brings every rank's shards of the momentum
+(`shape.muon.assign_owners`); each step one all-to-all brings every rank's shards of the momentum
 updates to their owners (in the Newton–Schulz dtype), the owners orthogonalise, and one all-to-all
 returns each rank its shard of every update (`_Redistribution`). Where each local element sits in
 the whole matrix comes from DTensor itself (a local shard of the global indices), so any
@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from depthscale.observe import spans
-from depthscale.plan.muon import (
+from depthscale.shape.muon import (
     MAX_NS_STEPS,
     NS_COEFFICIENTS,
     NS_STEPS,

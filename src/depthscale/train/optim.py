@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from depthscale.config import OptimConfig
-from depthscale.plan.muon import is_muon_matrix
+from depthscale.shape.muon import is_muon_matrix
 from depthscale.train.lamb import LAMB, NormFn
 from depthscale.train.muon import Muon
 
@@ -110,7 +110,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 def muon_groups(
     model: nn.Module, groups: list[dict[str, Any]], cfg: OptimConfig
 ) -> list[dict[str, Any]]:
-    """Muon's groups from `param_groups`' ones: the hidden matrices (`plan.muon.is_muon_matrix`)
+    """Muon's groups from `param_groups`' ones: the hidden matrices (`shape.muon.is_muon_matrix`)
     in one Muon group with the matrices' weight decay, the rest AdamW groups as before, at
     `optim.muon_adamw_lr` (0: optim.lr). Each group's `lr_scale` is its lr over optim.lr, which
     the schedule keeps (`schedule.set_lr`)."""
