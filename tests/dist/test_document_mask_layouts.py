@@ -1,6 +1,7 @@
 """Document masking (`data.document_mask`) in every layout: a training step through the trainer's
 `ParallelPlan` on packed rows gives the loss and gradients of running each document alone in one
-process — under ring attention (cp = 2, zigzag, with and without a sliding window), pipeline stages
+process — under ring attention (cp = 2: zigzag, and chunks balanced over the documents with a
+sliding window), Ulysses (cp_ulysses = 2, window), pipeline stages
 (pp = 2) and tensor parallelism (tp = 2, with the EOS-target loss mask).
 
 fp32 tolerances (tests/tolerances.py): the layout and the per-document runs sum in other orders
@@ -61,7 +62,8 @@ def _alone(model: Transformer, tokens, labels, packing: DocumentPacking) -> torc
 
 
 def _step(dims_kw: dict, window: int, mask_eos_target: bool):
-    sizes = {k: v for k, v in dims_kw.items() if k != "cp_ulysses"}  # a split of cp
+    # cp_ulysses (a split of cp) and cp_balance (its chunk order) are no degrees
+    sizes = {k: v for k, v in dims_kw.items() if k not in ("cp_ulysses", "cp_balance")}
     dims = ParallelDims(**sizes).validate(dist.get_world_size())
     cfg = _config(dims_kw, window)
     torch.manual_seed(0)
@@ -88,13 +90,13 @@ def _step(dims_kw: dict, window: int, mask_eos_target: bool):
 @pytest.mark.parametrize(
     "dims_kw,window,mask_eos_target",
     [
-        ({"cp": 2}, 0, False),
+        ({"cp": 2, "cp_balance": "zigzag"}, 0, False),
         ({"cp": 2}, 5, False),
         ({"pp": 2}, 5, False),
         ({"tp": 2}, 0, True),
         ({"cp": 2, "cp_ulysses": 2}, 5, False),
     ],
-    ids=["cp-zigzag", "cp-zigzag-window", "pp-window", "tp-eos-mask", "cp-ulysses-window"],
+    ids=["cp-zigzag", "cp-balanced-window", "pp-window", "tp-eos-mask", "cp-ulysses-window"],
 )
 def test_a_packed_step_equals_its_documents_alone(dist_pool, dims_kw, window, mask_eos_target):
     bound = fp32_model_bound(_config(dims_kw, window).model, SEQ, BATCH)
