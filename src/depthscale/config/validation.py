@@ -22,9 +22,24 @@ if TYPE_CHECKING:
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field checks; raises ConfigError naming the key and what is allowed."""
-    m, d, t, o, p = cfg.model, cfg.data, cfg.train, cfg.optim, cfg.parallel
+    """Cross-field checks; raises ConfigError naming the key and what is allowed. The order is
+    the order a user meets them: ranges, then the sections, the degrees (the batch rules divide
+    by them), the model's shape, memory modes, the batch, the optimizer, logging, the rest."""
     _check_fields(cfg)
+    _check_ranges(cfg)
+    _check_sections(cfg)
+    _check_degrees(cfg)
+    _check_model_shape(cfg)
+    _check_memory_modes(cfg)
+    _check_batch(cfg)
+    _check_optim(cfg)
+    _check_logging(cfg)
+    _check_overlap_and_resume(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Keys that must be positive or non-negative."""
     _positive(
         cfg,
         "model.dim",
@@ -73,6 +88,10 @@ def validate(cfg: Config) -> Config:
         "resilience.node_lost_s",
         "resilience.local_nodes",
     )
+
+
+def _check_sections(cfg: Config) -> None:
+    """Resilience, evaluation tasks, the mixture and the document masks."""
     _check_resilience(cfg)
     _check_eval_tasks(cfg)
     _check_mixture(cfg)
@@ -81,6 +100,11 @@ def validate(cfg: Config) -> Config:
             "data.mask_eos_target needs data.document_mask = true (it masks the loss of packed "
             "documents)"
         )
+
+
+def _check_degrees(cfg: Config) -> None:
+    """Every parallel size >= 1 and the expert degree's rules (shape/layout.py)."""
+    m, p = cfg.model, cfg.parallel
     # the parallel sizes first: the batch rules below divide by them
     for name in (
         "dp_replicate",
@@ -98,6 +122,11 @@ def validate(cfg: Config) -> Config:
         if getattr(p, name) < 1:
             raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
     Degrees.of(p).check_experts(m.moe_experts)
+
+
+def _check_model_shape(cfg: Config) -> None:
+    """Heads, RoPE, the Ulysses split, the sequence, AttnRes blocks, MoE."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
     if m.dim % m.n_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} must divide model.dim={m.dim}; "
@@ -126,6 +155,11 @@ def validate(cfg: Config) -> Config:
             f"model.attnres_block_size={m.attnres_block_size} exceeds the number of "
             f"sublayers ({m.n_sublayers}); allowed: 1..{m.n_sublayers}"
         )
+
+
+def _check_memory_modes(cfg: Config) -> None:
+    """Parameter and activation offload against the layout and recompute."""
+    t, p = cfg.train, cfg.parallel
     if t.offload_params and Degrees.of(p).shard == 1:
         raise ConfigError(
             "train.offload_params=true offloads FSDP2's sharded states, so it needs FSDP: "
@@ -146,6 +180,11 @@ def validate(cfg: Config) -> Config:
             "recompute keeps (GEMM and attention outputs) lives in the recompute cache, which "
             "offload cannot move; allowed with offload: recompute 'none', 'sublayer' or 'full'"
         )
+
+
+def _check_batch(cfg: Config) -> None:
+    """The batch over the data-parallel ranks, and the held-out split."""
+    t, d = cfg.train, cfg.data
     dp = cfg.dp_degree
     if t.micro_batch_size and t.batch_size % (dp * t.micro_batch_size):
         raise ConfigError(
@@ -159,6 +198,11 @@ def validate(cfg: Config) -> Config:
         )
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+
+
+def _check_optim(cfg: Config) -> None:
+    """The schedule's fractions, Adam's betas, Muon's keys, the warmup."""
+    o, t = cfg.optim, cfg.train
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     if not 0.0 < o.decay_fraction <= 1.0:
@@ -167,13 +211,18 @@ def validate(cfg: Config) -> Config:
         if not 0.0 <= getattr(o, beta) < 1.0:
             raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
     _check_muon(o)
+    if o.warmup_steps > t.steps:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
+
+
+def _check_logging(cfg: Config) -> None:
+    """The MFU alarm, the profiler's window and ranks, W&B."""
+    t = cfg.train
     if cfg.logging.mfu_alarm >= 1:
         raise ConfigError(
             f"logging.mfu_alarm={cfg.logging.mfu_alarm} must be in [0, 1) "
             "(a fraction of the best MFU; 0 = off)"
         )
-    if o.warmup_steps > t.steps:
-        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
     window = profile_window_steps(cfg.logging.profile_steps)
     if window is not None and window[1] > t.steps:
         raise ConfigError(
@@ -185,6 +234,11 @@ def validate(cfg: Config) -> Config:
             "logging.wandb=true needs the wandb package, which is not installed; allowed: "
             "pip install 'depthscale[wandb]', or logging.wandb=false"
         )
+
+
+def _check_overlap_and_resume(cfg: Config) -> None:
+    """Blockwise FFN chunks under tp overlap, pipeline micro-batches, the resume path."""
+    m, p = cfg.model, cfg.parallel
     if m.ffn_chunk_size and p.tp > 1 and m.ffn_chunk_size % p.tp_overlap_chunks:
         raise ConfigError(
             f"model.ffn_chunk_size={m.ffn_chunk_size} under tensor parallelism runs the MLP on "
@@ -198,7 +252,6 @@ def validate(cfg: Config) -> Config:
             f"checkpoint.resume={cfg.checkpoint.resume!r} does not exist; "
             "allowed: 'auto', 'none' or an existing checkpoint directory"
         )
-    return cfg
 
 
 def profile_window_steps(text: str) -> tuple[int, int] | None:
