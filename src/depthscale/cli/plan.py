@@ -57,6 +57,8 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         intervals=(cfg.checkpoint.snapshot_every, cfg.checkpoint.every)
         if cfg.checkpoint.every
         else None,
+        optimizer=cfg.optim.name,
+        muon_ns_steps=cfg.optim.muon_ns_steps,
     )
     if args.memory_recoverable is not None:
         request.memory_recoverable = args.memory_recoverable

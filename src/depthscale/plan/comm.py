@@ -302,9 +302,18 @@ def ring_units(cp: int, seq: int, window: int, rank: int) -> tuple[int, int]:
     return sent, received
 
 
+def muon_payload(lay: Layout, sent_bytes: int) -> Counter:
+    """Muon's redistribution per step (`plan.muon_states.muon_plan`'s `sent_bytes`, counted as
+    `train/muon.py` counts them: what a rank sends to the other ranks), on the group that splits
+    its matrices: dp_shard × cp and tp."""
+    grp = group(lay, "dp_shard", "cp", "tp")
+    return Counter({("muon_all_to_all", grp): sent_bytes}) if grp and sent_bytes else Counter()
+
+
 def wire_bytes(payload: Counter, sizes: dict[str, int]) -> float:
     """Bytes on the wire per rank for ring algorithms: (n−1)/n of an all-gather or
-    reduce-scatter, 2·(n−1)/n of an all-reduce, all of a send."""
+    reduce-scatter, 2·(n−1)/n of an all-reduce, all of a send and of Muon's all-to-all (its
+    payload is already what leaves the rank)."""
     total = 0.0
     for (op, grp), b in payload.items():
         n = math.prod(sizes[d] for d in grp.split("+"))
@@ -312,6 +321,6 @@ def wire_bytes(payload: Counter, sizes: dict[str, int]) -> float:
             total += 2 * (n - 1) / n * b
         elif op in ("all_gather", "reduce_scatter"):
             total += (n - 1) / n * b
-        elif op == "send":
+        elif op in ("send", "muon_all_to_all"):
             total += b
     return total

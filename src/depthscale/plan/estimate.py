@@ -19,6 +19,7 @@ from depthscale.plan.hardware import Cluster
 from depthscale.plan.kernels import UnfusedAttention
 from depthscale.plan.layout import Layout
 from depthscale.plan.memory import RankParams, memory, rank_params
+from depthscale.plan.muon_states import MuonPlan
 from depthscale.plan.pipeline import chunk_layers, closed_form, hop_tensors, pipeline_time
 from depthscale.shape import ModelShape
 
@@ -124,10 +125,19 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
 
 
 def estimate(
-    w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int, simulate: bool = True
+    w: Workload,
+    c: Cluster,
+    lay: Layout,
+    fw: Framework,
+    gpus: int,
+    simulate: bool = True,
+    muon: MuonPlan | None = None,
 ) -> Estimate:
     """Predict one layout. `simulate=False` takes the pipeline's closed form (the search's first
-    pass) instead of simulating its schedule."""
+    pass) instead of simulating its schedule. `muon` (plan.muon_states.muon_plan): the optimizer
+    is Muon; its states replace the moments, and its Newton–Schulz time (the fullest rank's
+    FLOPs at the cluster's bf16 GEMM rate) adds to the step, not overlapped: it runs between
+    the gradient reduction and the parameter update."""
     est = Estimate(lay)
     reason = check(w, c, lay, fw, gpus)
     if reason:
@@ -212,7 +222,11 @@ def estimate(
         optimizer = 2 * opt_bytes / c.host_bw
 
     est.step_s = makespan + exposed_dp + optimizer
+    if muon is not None:
+        est.times["muon_ns_s"] = muon.ns_flops / (c.peak("bfloat16") * c.gemm_efficiency)
+        est.step_s += est.times["muon_ns_s"]
     est.times = {
+        **est.times,
         "pipeline_s": makespan,
         "dp_exposed_s": exposed_dp,
         "optimizer_s": optimizer,
@@ -226,6 +240,8 @@ def estimate(
         "pp": 2 * sum(hop_bytes) / max(lay.pp, 1) * m if lay.pp > 1 else 0.0,
         "dp": dp_bytes,
     }
+    if muon is not None:  # the redistribution's all-to-alls (plan.comm.muon_payload)
+        est.comm["muon"] = muon.sent_bytes
     if s.moe:  # expert parallelism's all-to-alls, rows out and back (balanced routing)
         est.comm["ep"] = experts.all_to_all_bytes(s, lay, tokens, e, m * params.moe_layers)
     peak = c.peak(w.dtype)
@@ -234,6 +250,8 @@ def estimate(
     est.tokens_per_s = w.batch * w.seq / est.step_s
 
     est.memory = memory(s, w.seq, lay, fw, est.peak_in_flight, m, params, tokens, e)
+    if muon is not None and est.memory["optimizer"]:  # offloaded states count on the host
+        est.memory["optimizer"] = muon.optimizer_bytes
     if est.peak_bytes > c.usable_bytes():
         est.ok = False
         est.reason = f"OOM by {(est.peak_bytes - c.usable_bytes()) / 2**30:.1f} GiB"

@@ -14,9 +14,12 @@ uses (`plan.states`, `shape.muon`; `train/muon.py` is what they model).
 
 Expert-parallel stacks sharded over an expert-shard group (dp_shard × cp > ep) are not modelled
 yet (ValueError): the optimizer handles them, the planner does not place their owners.
+`muon_plan` takes the fullest rank's numbers for `depthscale plan` (plan.estimate, plan.comm).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from depthscale.plan.layout import Layout
 from depthscale.plan.states import (
@@ -108,3 +111,30 @@ def muon_step_work(
             else:
                 out["to_owners"] += mine * ns_bytes
     return out
+
+
+@dataclass(frozen=True)
+class MuonPlan:
+    """The fullest rank's Muon costs in a layout (each the maximum over ranks)."""
+
+    optimizer_bytes: int
+    """Muon momentum and the AdamW part's moments and steps (`muon_state_bytes`)."""
+    sent_bytes: int
+    """Bytes the redistribution sends to other ranks per step (to and from owners)."""
+    ns_flops: int
+    """Newton–Schulz FLOPs per step."""
+
+
+def muon_plan(spec, lay: Layout, ns_bytes: int = 2, ns_steps: int = 5) -> MuonPlan:
+    """`muon_state_bytes` and `muon_step_work` over every (pp, tp, shard) rank of the layout,
+    each at its maximum: replicas repeat a shard rank. ValueError where Muon is not modelled."""
+    opt = sent = flops = 0
+    for pp_rank in range(lay.pp):
+        for tp_rank in range(lay.tp):
+            for shard_rank in range(lay.shard):
+                states = muon_state_bytes(spec, lay, pp_rank, tp_rank, shard_rank)
+                work = muon_step_work(spec, lay, pp_rank, tp_rank, shard_rank, ns_bytes, ns_steps)
+                opt = max(opt, states.optimizer)
+                sent = max(sent, work["to_owners"] + work["from_owners"])
+                flops = max(flops, work["ns_flops"])
+    return MuonPlan(opt, sent, flops)

@@ -7,14 +7,23 @@ import time
 from dataclasses import dataclass
 
 from depthscale.plan import goodput
-from depthscale.plan.comm import cp_choice, cp_style, dim_sizes, rank_payload, wire_bytes
+from depthscale.plan.comm import (
+    cp_choice,
+    cp_style,
+    dim_sizes,
+    muon_payload,
+    rank_payload,
+    wire_bytes,
+)
 from depthscale.plan.estimate import Estimate, Workload, estimate
 from depthscale.plan.frameworks import FRAMEWORKS, Framework
 from depthscale.plan.hardware import Cluster, cluster
-from depthscale.plan.layout import parse_layout
+from depthscale.plan.layout import Layout, parse_layout
 from depthscale.plan.memory import rank_params
+from depthscale.plan.muon_states import MuonPlan, muon_plan
 from depthscale.plan.search import SIMULATED, search
 from depthscale.shape import ModelShape
+from depthscale.shape.muon import NS_STEPS
 from depthscale.shape.ulysses import ulysses_problem
 
 GiB = 2**30
@@ -40,6 +49,9 @@ class PlanRequest:
     """The share of failures the memory tier survives."""
     intervals: tuple[int, int] | None = None
     """The config's (checkpoint.snapshot_every, checkpoint.every) in steps: their goodput too."""
+    optimizer: str = "adamw"
+    """The config's optim.name: 'muon' plans its states, redistribution and Newton–Schulz."""
+    muon_ns_steps: int = NS_STEPS
 
 
 def run(req: PlanRequest) -> dict:
@@ -60,9 +72,49 @@ def run(req: PlanRequest) -> dict:
     w = Workload(req.spec, req.seq, req.batch, req.dtype)
     header = _header(req, c, fw.name)
     started = time.perf_counter()
+    plans_muon = req.optimizer == "muon" and fw.ours and req.spec.family == "llama"
+    if req.optimizer == "muon" and not plans_muon:
+        raise ValueError(
+            f"optim.name muon is planned for --framework depthscale and depthscale's own model, "
+            f"not {fw.name} / family {req.spec.family!r}"
+        )
+
+    muon_plans: dict[tuple, MuonPlan] = {}
+
+    def muon_of(lay: Layout) -> MuonPlan:
+        """`muon_plan`, once per placement of the parameters (rows often share one)."""
+        key = (lay.tp, lay.pp, lay.v, lay.ends, lay.cp, lay.dp_shard, lay.ep)
+        if key not in muon_plans:
+            placed = Layout(tp=lay.tp, pp=lay.pp, v=lay.v, ends=lay.ends, cp=lay.cp,
+                            dp_shard=lay.dp_shard, ep=lay.ep)  # fmt: skip
+            muon_plans[key] = muon_plan(req.spec, placed, ns_steps=req.muon_ns_steps)
+        return muon_plans[key]
+
+    def with_muon(e: Estimate) -> tuple[Estimate, dict]:
+        """The layout re-estimated with Muon (the search ranks with AdamW's states); a layout
+        of the search that Muon's model does not cover keeps its estimate and says why (one
+        asked for with --layout is an error)."""
+        try:
+            m = muon_of(e.layout)
+        except ValueError as err:
+            if req.layout:
+                raise ValueError(f"--layout {req.layout} with optim.name muon: {err}") from None
+            return e, {"not_modelled": str(err)}
+        e = estimate(w, c, e.layout, fw, req.gpus, muon=m)
+        return e, {
+            "optimizer_gb": m.optimizer_bytes / 1e9,
+            "redistribution_bytes": m.sent_bytes,
+            "ns_flops": m.ns_flops,
+            "ns_s": e.times["muon_ns_s"],
+        }
 
     def row(e: Estimate) -> dict:
+        muon = None
+        if plans_muon and e.ok:
+            e, muon = with_muon(e)
         out = _row(e, req)
+        if muon is not None:
+            out["muon"] = muon
         lay = e.layout
         if e.ok and fw.ours and lay.cp > 1:  # ring, Ulysses or hybrid: the fewest bytes
             choice = cp_choice(req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16")
@@ -79,6 +131,8 @@ def run(req: PlanRequest) -> dict:
                 req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16",
                 reduce_bytes=fw.reduce_bytes,
             )  # fmt: skip
+            if muon and "redistribution_bytes" in muon:
+                payload += muon_payload(lay, muon["redistribution_bytes"])
             out["bytes_per_group_gb"] = {
                 f"{op} {grp}": b / 1e9 for (op, grp), b in sorted(payload.items()) if b
             }
@@ -245,6 +299,15 @@ def _efficiency_line(efficiencies: dict) -> str:
     return "efficiencies " + "; ".join(parts)
 
 
+def _muon_words(m: dict) -> str:
+    if "not_modelled" in m:
+        return f"optimizer: muon not modelled here ({m['not_modelled']}; AdamW's estimate)"
+    return (
+        f"optimizer: muon, NS {m['ns_s'] * 1e3:.3g} ms, redistribution "
+        f"{m['redistribution_bytes'] / 1e9:.3g} GB, states {m['optimizer_gb']:.3g} GB"
+    )
+
+
 def format_table(report: dict) -> str:
     m = report["model"]
     lines = [
@@ -282,6 +345,8 @@ def format_table(report: dict) -> str:
             c = r["cp_style"]
             options = ", ".join(f"{k} {gb:.3g} GB" for k, gb in c["wire_gb_per_step"].items())
             line += f"  cp: {c['chosen']} ({options})"
+        if "muon" in r:
+            line += "  " + _muon_words(r["muon"])
         lines.append(line)
     if report.get("rejected_examples"):
         lines += ["", "rejected (one example per reason; counts below):"]
