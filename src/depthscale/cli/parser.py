@@ -23,12 +23,29 @@ depthscale diagnose --nproc 4 --run runs/tiny
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: one sub-parser per command, each built by its own function."""
     parser = argparse.ArgumentParser(
         prog="depthscale", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"depthscale {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _add_train,
+        _add_generate,
+        _add_trace,
+        _add_diagnose,
+        _add_plan,
+        _add_eval,
+        _add_tokenize,
+        _add_lm_eval,
+        _add_convert,
+    ):
+        add(sub)
+    return parser
 
+
+def _add_train(sub) -> None:
+    """`depthscale train`: a config and its overrides, launch and fault options."""
     train = sub.add_parser(
         "train",
         help="train a model from a TOML config",
@@ -52,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/fault-tolerance.md)",
     )
 
+
+def _add_generate(sub) -> None:
+    """`depthscale generate`: sampling from a run."""
     gen = sub.add_parser("generate", help="sample text from a trained run (KV-cache decoding)")
     gen.add_argument(
         "--run", required=True, help="run directory (holds config.toml, tokenizer/, checkpoints/)"
@@ -63,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=_non_negative_int, default=0)
     gen.add_argument("--checkpoint", help="a step_* directory (default: the newest in the run)")
 
+
+def _add_trace(sub) -> None:
+    """`depthscale trace`: timelines, stragglers, hangs, depth weights, schedules."""
     trace = sub.add_parser(
         "trace",
         help="diagnostics of a run: the merged timeline, stragglers, hangs; AttnRes depth "
@@ -102,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         "RUN/trace/stragglers.png; depth: RUN/depth_trace.png, with a .json beside it)",
     )
 
+
+def _add_diagnose(sub) -> None:
+    """`depthscale diagnose`: the node health checks."""
     diag = sub.add_parser(
         "diagnose",
         help="check collectives, neighbour links, memory copies and the checkpoint disk on N local "
@@ -130,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diag.add_argument("--json", action="store_true", help="print the report as JSON")
 
+
+def _add_plan(sub) -> None:
+    """`depthscale plan`: the layout search, calibration and goodput."""
     plan = sub.add_parser(
         "plan",
         help="predict memory, communication, step time and MFU of layouts; pick the fastest",
@@ -191,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
 
+
+def _add_eval(sub) -> None:
+    """`depthscale eval`: multiple-choice tasks on a run."""
     ev = sub.add_parser(
         "eval", help="score multiple-choice tasks (local JSONL) on a run: acc, acc_norm"
     )
@@ -207,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ev.add_argument("--json", help="also write the results to this file")
 
+
+def _add_tokenize(sub) -> None:
+    """`depthscale tokenize`: offline shards."""
     tok = sub.add_parser(
         "tokenize",
         help="tokenize text corpora offline into shards (parallel, resumable); train with "
@@ -223,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress", type=_bool, default=True, help="the progress bar (true/false; default true)"
     )
 
+
+def _add_lm_eval(sub) -> None:
+    """`depthscale lm-eval`: every argument is the harness's."""
     sub.add_parser(
         "lm-eval",
         add_help=False,  # --help is the harness's
@@ -230,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(pip install 'depthscale[lm-eval]'); every argument is the harness's",
     )
 
+
+def _add_convert(sub) -> None:
+    """`depthscale convert`: Hugging Face ⇄ depthscale."""
     conv = sub.add_parser("convert", help="convert between Hugging Face and depthscale runs")
     conv.add_argument("direction", choices=["hf-to-ds", "ds-to-hf"])
     conv.add_argument(
@@ -243,7 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="5GB",
         help="ds-to-hf: weights past this size go into numbered shards and an index (default 5GB)",
     )
-    return parser
 
 
 def _version() -> str:
