@@ -171,6 +171,32 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"], chunks=cfg.parallel.tp_overlap_chunks)
         for stage in stages:  # the embedding and head are new modules now
             stage.register_modules()
+    experts, expert_units = _apply_experts(model, mesh, dims, cfg, device)
+    _apply_context(model, mesh, dims, cfg)
+    whole = _apply_data_parallel(
+        model, mesh, dims, cfg, device, stages, experts, expert_units, dtype
+    )
+    return ParallelPlan(
+        model,
+        mesh,
+        dims,
+        stages,
+        cfg.grad_accum_steps,
+        dtype,
+        defer_reduce_scatter=cfg.parallel.fsdp_defer_reduce_scatter,
+        replicated=whole,
+        tp_chunks=cfg.parallel.tp_overlap_chunks,
+        experts=experts,
+        balancing=Balancing(
+            cfg.parallel.cp_balance, cfg.model.sliding_window, cfg.parallel.cp_balance_chunk
+        ),
+    )
+
+
+def _apply_experts(model, mesh, dims: ParallelDims, cfg: Config, device):
+    """Expert parallelism (experts split over ep ranks, FSDP over the expert mesh where there is
+    one) and the MoE balance's reduction scope; returns the expert shards and FSDP's expert
+    units."""
     experts, expert_units = None, []
     if cfg.parallel.ep > 1:
         from depthscale.parallel import expert_parallel as ep
@@ -187,6 +213,11 @@ def parallelize(
         from depthscale.parallel.expert_parallel import apply_balance_scope
 
         apply_balance_scope(model, mesh, dims, cfg.model.moe_balance_scope)
+    return experts, expert_units
+
+
+def _apply_context(model, mesh, dims: ParallelDims, cfg: Config) -> None:
+    """Context parallelism: Ulysses groups with the ring across, or the ring alone."""
     if dims.cp > 1 and cfg.parallel.cp_ulysses > 1:
         from depthscale.parallel.ulysses import apply_ulysses
 
@@ -196,6 +227,13 @@ def parallelize(
 
         # as `SequenceShard` cuts: zigzag, or balanced over each batch's documents
         apply_context_parallel(model, mesh["cp"], layout=cfg.parallel.cp_balance)
+
+
+def _apply_data_parallel(
+    model, mesh, dims: ParallelDims, cfg: Config, device, stages, experts, expert_units, dtype
+) -> list:
+    """FSDP2 over dp_shard × cp (HSDP with replicas), or DDP for plain replicas; materialises
+    the model's shards on `device`. Returns the names of what the replicas hold whole."""
     offload = cfg.train.offload_params
     sharded = dims.shard > 1
     # Plain replicas (no tp, no pipeline) take DDP's bucketed reducer (`apply_ddp`); everything
@@ -239,21 +277,7 @@ def parallelize(
             from depthscale.parallel.data_parallel import apply_ddp
 
             whole = _names(model, apply_ddp(model, mesh["dp_replicate"]))
-    return ParallelPlan(
-        model,
-        mesh,
-        dims,
-        stages,
-        cfg.grad_accum_steps,
-        dtype,
-        defer_reduce_scatter=cfg.parallel.fsdp_defer_reduce_scatter,
-        replicated=whole,
-        tp_chunks=cfg.parallel.tp_overlap_chunks,
-        experts=experts,
-        balancing=Balancing(
-            cfg.parallel.cp_balance, cfg.model.sliding_window, cfg.parallel.cp_balance_chunk
-        ),
-    )
+    return whole
 
 
 def _named(model: nn.Module, names: list[str]) -> list[nn.Parameter]:
