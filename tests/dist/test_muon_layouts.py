@@ -13,6 +13,12 @@ perturbation δ of the Newton–Schulz input moves its output by about δ (the i
 singular values in [0, 1] onto ≈ 1 with bounded slope around the matrix's spectrum); so per step a
 parameter moves by at most lr·scale·(a few ulps of O, |O| ≤ 1.2) plus its own rounding, and the
 bound is 64·u·(lr·scale + |p|) per step, summed over the steps.
+
+bf16 (the trainer's mixed precision, as on CPU: autocast, FSDP's bf16 compute parameters, fp32
+master weights, momentum and Newton–Schulz): free-running loss curves against one process's, with
+`test_bf16_layouts`' derived bound — the one-process bf16 curve's distance from its fp32 twin
+measures what bf16 rounding does to this Muon curve, and a layout is another draw of the same
+roundings.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from harness import cached_mesh, small_config
+from test_bf16_layouts import _config as bf16_config
+from test_bf16_layouts import _curve, tolerance
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -33,9 +41,9 @@ from depthscale.model.transformer import Transformer
 from depthscale.parallel.mesh import ParallelDims
 from depthscale.parallel.parallelize import parallelize
 from depthscale.plan.layout import Layout
-from depthscale.shape.muon import update_scale
 from depthscale.plan.muon_states import muon_state_bytes, muon_step_work
 from depthscale.shape import ModelShape
+from depthscale.shape.muon import update_scale
 from depthscale.train.muon import _shard_key
 from depthscale.train.optim import build_optimizer
 from tolerances import U32, check
@@ -215,3 +223,35 @@ def test_muon_state_resumes_at_another_layout(dist_pool, tmp_path):
         assert n > 0 and fp32
         for name, err in r["err"].items():
             check(err, r["bound"][name], name)
+
+
+def _bf16_curves(dims_kw: dict) -> dict:
+    """On every rank: Muon's bf16 loss curve at the layout (the trainer's path: meta model,
+    `parallelize`, autocast), and one process's bf16 and fp32 curves."""
+
+    def config(kw: dict):
+        cfg = bf16_config("block", kw)
+        cfg.optim.name = "muon"
+        return cfg
+
+    dims = ParallelDims(**dims_kw)
+    one = ParallelDims()
+    return {
+        "layout": _curve(config(dims_kw), cached_mesh(dims), dims),
+        "bf16": _curve(config({}), None, one),
+        "fp32": _curve(config({}), None, one, dtype="float32"),
+    }
+
+
+def test_muon_bf16_loss_curve_matches_one_process(dist_pool):
+    """dp_shard = 2 in bf16: Muon's redistribution under FSDP's mixed precision follows one
+    process's bf16 curve within the derived bound, and the run learns (so the bound is tight)."""
+    results = dist_pool(2).run(_bf16_curves, {"dp_shard": 2})
+    r = results[0]
+    assert all(x == r for x in results), "ranks disagree on the global loss"
+    bounds = tolerance(r["bf16"], r["fp32"])
+    for k, (a, b, bound) in enumerate(zip(r["layout"], r["bf16"], bounds)):
+        assert abs(a - b) <= bound, f"step {k + 1}: |layout − one process| = {abs(a - b):.3g}"
+    learned = r["bf16"][0] - r["bf16"][-1]
+    assert learned > 1.0, f"the one-process Muon run learned only {learned:.3g}"
+    assert max(bounds) < 0.1 * learned, "the bound would hide a run that trains differently"
