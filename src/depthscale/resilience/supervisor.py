@@ -258,36 +258,12 @@ class Supervisor:
             stalled = 0 if newest > best else stalled + 1
             best = max(best, newest)
             restarts += 1
-            why = None
-            if restarts > self.r.max_restarts:
-                why = f"{restarts - 1} restarts (resilience.max_restarts)"
-            elif stalled > self.r.max_restarts_without_progress:
-                why = (
-                    f"{stalled - 1} restarts in a row without a newer checkpoint "
-                    "(resilience.max_restarts_without_progress)"
-                )
-            elif self.peers is not None and self.nodes.excluded:
-                why = (
-                    f"node(s) {', '.join(self.nodes.excluded)} failed the diagnostics; a "
-                    "multi-node job has no spare: requeue it without them (SLURM --exclude)"
-                )
+            why = self._give_up_reason(restarts, stalled)
             if self.peers is not None:  # node 0 sees rank 0 (progress, diagnostics): it decides
                 why = self.peers.decide(attempt, {"give_up": why})["give_up"]
             if why is not None:
                 return self._give_up(why, attempt)
-            self.log(
-                "restart",
-                f"restarting (attempt {attempt + 1}) from the newest verified checkpoint"
-                + (
-                    f" (the newest saved is of step {best})"
-                    if best
-                    else " (none yet: from the start)"
-                ),
-                attempt=attempt + 1,
-                checkpoint_step=best,
-                restarts=restarts,
-                restarts_without_progress=stalled,
-            )
+            self._log_restart(attempt, best, restarts, stalled)
             pending_breakdown = {
                 "fault": fault.since,
                 "detected": fault.detected_at,
@@ -298,6 +274,34 @@ class Supervisor:
             if self.keeper is not None:  # no group runs: unfinished snapshots can go
                 self.keeper.sweep()
             attempt += 1
+
+    def _give_up_reason(self, restarts: int, stalled: int) -> str | None:
+        """Why this job stops restarting, or None: too many restarts, too many without a newer
+        checkpoint, or (several nodes, no spare) a node excluded by the diagnostics."""
+        if restarts > self.r.max_restarts:
+            return f"{restarts - 1} restarts (resilience.max_restarts)"
+        if stalled > self.r.max_restarts_without_progress:
+            return (
+                f"{stalled - 1} restarts in a row without a newer checkpoint "
+                "(resilience.max_restarts_without_progress)"
+            )
+        if self.peers is not None and self.nodes.excluded:
+            return (
+                f"node(s) {', '.join(self.nodes.excluded)} failed the diagnostics; a "
+                "multi-node job has no spare: requeue it without them (SLURM --exclude)"
+            )
+        return None
+
+    def _log_restart(self, attempt: int, best: int, restarts: int, stalled: int) -> None:
+        newest = f" (the newest saved is of step {best})" if best else " (none yet: from the start)"
+        self.log(
+            "restart",
+            f"restarting (attempt {attempt + 1}) from the newest verified checkpoint{newest}",
+            attempt=attempt + 1,
+            checkpoint_step=best,
+            restarts=restarts,
+            restarts_without_progress=stalled,
+        )
 
     def _launch(self, attempt: int, nodes: list[str], errors: Path) -> Watch:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
