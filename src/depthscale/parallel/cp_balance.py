@@ -161,9 +161,10 @@ def layout_for(
     the lighter most-loaded rank (zigzag on ties)."""
     if balance not in BALANCES:
         raise ValueError(f"unknown cp balance {balance!r}; allowed: {', '.join(BALANCES)}")
-    work = query_work(starts, seq_len, window)
     n = chunk_count(seq_len, cp, min_chunk) if balance == "documents" else 2 * cp
-    chunk_work = work.view(n, -1).sum(1)
+    # numpy from here: host numbers stay host numbers (a torch scalar read looks like a device
+    # read to the host-sync checks, and on a GPU `.numpy()` of a device tensor would fail loudly)
+    chunk_work = query_work(starts, seq_len, window).numpy().reshape(n, -1).sum(1)
 
     def of(chunks: list[list[int]]) -> CpLayout:
         loads = tuple(float(chunk_work[c].sum()) for c in chunks)
@@ -172,7 +173,7 @@ def layout_for(
     zigzag = of(zigzag_chunks(n, cp))
     if balance == "zigzag":
         return zigzag
-    balanced = of(assign(chunk_work, cp))
+    balanced = of(assign(torch.from_numpy(chunk_work), cp))
     return balanced if max(balanced.work) < max(zigzag.work) else zigzag
 
 
