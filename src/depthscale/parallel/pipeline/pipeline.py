@@ -136,10 +136,11 @@ def _unzip(pieces: list[MicroBatch]) -> tuple[list[Tensor], list[Tensor]]:
 
 
 def _where(pieces: list[MicroBatch]) -> dict:
-    """The runtime's `positions` (one for every micro-batch: the same shard of every row) and
-    `documents` (each micro-batch's own)."""
+    """The runtime's `positions` and `documents`, each micro-batch's own (chunks balanced over
+    packed documents give each micro-batch its own layout; zigzag gives them all the same)."""
+    positions = [p.positions for p in pieces]
     documents = [p.documents for p in pieces]
     return {
-        "positions": pieces[0].positions,
+        "positions": None if all(q is None for q in positions) else positions,
         "documents": None if all(d is None for d in documents) else documents,
     }

@@ -119,13 +119,13 @@ class PipelineRuntime:
         shape: tuple[int, int, int],
         dtype: torch.dtype,
         device: torch.device,
-        positions: Tensor | None = None,
+        positions: list[Tensor] | None = None,
         documents: list[Documents] | None = None,
     ) -> tuple[Tensor | None, StepStats]:
         """Run all actions for one optimizer step; returns the summed loss on the last stage's rank.
-        `positions`: the global positions of the tokens in every micro-batch (a sequence shard
-        under context parallelism), passed to every stage; `documents`: each micro-batch's packed
-        documents (every rank has every micro-batch's tokens), passed to every stage too."""
+        `positions`: each micro-batch's global token positions (a sequence shard under context
+        parallelism), passed to every stage; `documents`: each micro-batch's packed documents
+        (every rank has every micro-batch's tokens), passed to every stage too."""
         run = _Step(self, micro_inputs, micro_labels, (*shape,), dtype, device)
         run.positions, run.documents = positions, documents
         with run.stats.timing("step_s", device):
@@ -177,7 +177,7 @@ class _Step:
         self.posted = 0  # groups posted so far this step
         self.stats = StepStats()
         self.total_loss: Tensor | None = None
-        self.positions: Tensor | None = None
+        self.positions: list[Tensor] | None = None
         self.documents: list[Documents] | None = None
         self.phase = "warmup"  # of the compute running: where its waits are counted
 
@@ -239,7 +239,8 @@ class _Step:
             with rt._forward_context(), spans.span("forward", mb=a.microbatch, chunk=a.stage):
                 labels = self.labels[a.microbatch] if stage.spec.is_last else None
                 docs = self.documents[a.microbatch] if self.documents is not None else None
-                out = stage(state_in, labels, self.positions, docs)
+                pos = self.positions[a.microbatch] if self.positions is not None else None
+                out = stage(state_in, labels, pos, docs)
             if stage.spec.is_last:
                 unit.loss = out / self.n_micro
                 loss = unit.loss.detach()
