@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_info, interleaved_times, print_result  # noqa: E402
 
-from depthscale.observe.calibrate import describe, measure_compute  # noqa: E402
+from depthscale.parallel.calibrate import describe, measure_compute  # noqa: E402
 from depthscale.plan.hardware import Cluster  # noqa: E402
 from depthscale.plan.kernels import UnfusedAttention  # noqa: E402
 

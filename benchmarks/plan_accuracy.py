@@ -4,7 +4,7 @@
                                         --rounds 3 --out benchmarks/results/plan_accuracy_cpu.json]
 
 Each pass measures this machine's gloo collectives for jobs of 2 and 4 local ranks
-(`observe.calibrate.measure_links`: latency and bandwidth), then trains every layout
+(`parallel.calibrate.measure_links`: latency and bandwidth), then trains every layout
 (`Trainer.fit`, the trainer's real loop) and right after each run measures the compute rates for
 its rank count (`measure_compute`: GEMM rate by shape, attention, memory bandwidth): this shared
 machine's speed drifts by 20 % and more over the minutes a pass takes, and a rate taken minutes
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_info, run_ranks  # noqa: E402
 
 from depthscale.config import ModelConfig  # noqa: E402
-from depthscale.observe.calibrate import describe, measure_compute, measure_links  # noqa: E402
+from depthscale.parallel.calibrate import describe, measure_compute, measure_links  # noqa: E402
 from depthscale.plan.estimate import Workload, estimate  # noqa: E402
 from depthscale.plan.frameworks import DEPTHSCALE  # noqa: E402
 from depthscale.plan.hardware import Cluster  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from depthscale.observe.calibrate import OPS, measure_cluster
+from depthscale.parallel.calibrate import OPS, measure_cluster
 from depthscale.plan.hardware import load_cluster
 
 

@@ -103,7 +103,8 @@ def _plain_workers(run: Path, *args: str) -> list[subprocess.Popen]:
                 [
                     sys.executable,
                     "-m",
-                    "depthscale.train",
+                    "depthscale",
+                    "train",
                     "-c",
                     CONFIG,
                     *TINY,

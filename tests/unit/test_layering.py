@@ -92,8 +92,6 @@ def _leaf_import(line: int, name: str, found: list[tuple[int, str]]) -> bool:
 def violations(source: str, module: str) -> list[str]:
     """The forbidden imports of one module, as 'module:line imports name (layer → layer)'."""
     parts = module.split(".")
-    if parts[-1] == "__main__":  # an entry point (`python -m depthscale.train`) sits on top
-        return []
     layer = parts[1] if len(parts) > 2 else None
     banned = FORBIDDEN.get(layer, ())
     bad: dict[int, str] = {}  # one per import statement
@@ -129,8 +127,8 @@ def test_subpackages_form_no_import_cycle():
     edges: dict[str, set[str]] = {}
     for module, path in modules.items():
         parts = module.split(".")
-        if len(parts) < 3 or parts[-1] == "__main__":
-            continue  # top-level modules (config, errors) are not layers; entry points sit on top
+        if len(parts) < 3:
+            continue  # top-level modules (config, errors, the `python -m depthscale` entry) are not layers
         found = imported_modules(path.read_text(), module)
         for line, name in found:
             target = name.split(".")

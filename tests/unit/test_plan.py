@@ -274,7 +274,7 @@ def test_ring_traffic_shows_in_full_where_it_does_not_overlap():
 
 
 def test_calibration_fits_and_measured_gemm_curves():
-    from depthscale.observe.calibrate import fit_link
+    from depthscale.parallel.calibrate import fit_link
 
     bw, lat = fit_link([(b, 2e-5 + b / 3e9) for b in (1e3, 1e5, 1e6, 4e6)])
     assert bw == pytest.approx(3e9, rel=1e-9) and lat == pytest.approx(2e-5, rel=1e-6)
@@ -292,7 +292,7 @@ def test_calibration_fits_and_measured_gemm_curves():
 
 
 def test_calibration_takes_each_rate_from_the_slowest_rank():
-    from depthscale.observe.calibrate import _slowest
+    from depthscale.parallel.calibrate import _slowest
 
     fast = {"gemm_samples": [(64.0, 100.0), (256.0, 200.0)], "peak": 200.0,
             "attention_efficiency": 0.5, "memory_bw": 8.0}  # fmt: skip
@@ -306,7 +306,7 @@ def test_calibration_takes_each_rate_from_the_slowest_rank():
 
 
 def test_calibration_times_shapes_in_interleaved_rounds():
-    from depthscale.observe.calibrate import _interleaved_medians
+    from depthscale.parallel.calibrate import _interleaved_medians
 
     order: list[str] = []
     seconds = _interleaved_medians(
@@ -320,7 +320,7 @@ def test_calibration_times_shapes_in_interleaved_rounds():
 def test_calibration_samples_short_calls_over_a_window():
     """With more ranks than cores a call shorter than a time slice reads a whole core; a window
     of back-to-back calls reads the share a rank gets. The result stays seconds per call."""
-    from depthscale.observe.calibrate import _interleaved_medians
+    from depthscale.parallel.calibrate import _interleaved_medians
 
     calls = []
 
@@ -337,7 +337,7 @@ def test_collectives_are_charged_what_they_add_between_bursts_of_compute(monkeyp
     """A collective is timed as a step meets it: each call after a burst of compute, and charged
     what the loop of both takes over the loop of the bursts alone (a clock the calls advance
     makes the arithmetic exact); a call that reads as free costs a microsecond, not less."""
-    from depthscale.observe import calibrate
+    from depthscale.parallel import calibrate
 
     clock = [0.0]
     calls: list[str] = []

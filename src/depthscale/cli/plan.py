@@ -17,7 +17,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     if args.calibrate:
         import json
 
-        from depthscale.observe.calibrate import measure_cluster
+        from depthscale.parallel.calibrate import measure_cluster
 
         out = Path(args.calibrate)
         check_output("--calibrate", out)

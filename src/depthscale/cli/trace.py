@@ -48,7 +48,7 @@ def _depth(args: argparse.Namespace) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from depthscale.observe.schedule_plot import plot_timeline
+    from depthscale.parallel.pipeline.schedule_plot import plot_timeline
     from depthscale.parallel.pipeline.schedules import build_schedule, simulate
 
     try:

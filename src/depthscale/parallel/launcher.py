@@ -1,6 +1,6 @@
 """`depthscale train --nproc N`: start N local workers through torchrun's own machinery.
 
-Equivalent to `torchrun --standalone --nproc-per-node N -m depthscale.train ARGS`. The standalone
+Equivalent to `torchrun --standalone --nproc-per-node N -m depthscale train ARGS`. The standalone
 rendezvous picks a free port, so concurrent jobs on one host never collide on 29500.
 
 Failures are reported once. Each worker writes the message of the error that ended it into a
@@ -125,7 +125,7 @@ class _FirstStopSignal:
 
 
 def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
-    """Run `python -m depthscale.train TRAIN_ARGS` on `nproc` local workers; returns the exit code
+    """Run `python -m depthscale train TRAIN_ARGS` on `nproc` local workers; returns the exit code
     (0 when every worker succeeded) after printing a failing worker's message once."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -140,7 +140,8 @@ def launch(nproc: int, train_args: list[str], max_restarts: int = 0) -> int:
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--module",
-        "depthscale.train",
+        "depthscale",
+        "train",
         *train_args,
     ]
     with tempfile.TemporaryDirectory(prefix="depthscale-errors-") as directory:

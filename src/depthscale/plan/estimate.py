@@ -22,10 +22,8 @@ from depthscale.plan.memory import RankParams, memory, rank_params
 from depthscale.plan.muon_states import MuonPlan
 from depthscale.plan.pipeline import chunk_layers, closed_form, hop_tensors, pipeline_time
 from depthscale.shape import ModelShape
+from depthscale.shape.model import ELEMENTWISE_PASSES
 
-ELEMENTWISE_PASSES = 2.0
-"""Memory-bound traffic of a forward per byte it keeps for backward (each written once, read once
-by the next op); backward moves twice the forward's."""
 DDP_BUCKET_BYTES = 25 * 2**20
 
 

@@ -345,7 +345,7 @@ class Supervisor:
             }
             for rank in range(self.nproc)
         }
-        args = {rank: ("-m", "depthscale.train", *self.train_args) for rank in range(self.nproc)}
+        args = {rank: ("-m", "depthscale", "train", *self.train_args) for rank in range(self.nproc)}
         context = start_processes(
             name="depthscale",
             entrypoint=sys.executable,

@@ -36,6 +36,11 @@ from depthscale.errors import ConfigError
 
 Family = Literal["llama", "gpt"]
 
+ELEMENTWISE_PASSES = 2.0
+"""Memory-bound traffic of a forward per byte it keeps for backward (each written once, read once
+by the next op); backward moves twice the forward's. The planner charges elementwise time with it
+and the calibration (`parallel/calibrate.py`) times the same bytes, so both read it here."""
+
 EXPERTS_KEY = "model.moe_experts"
 """The config key of the routed experts per MoE layer, as `from_config` reads it and the rules
 (`shape/layout.py`) name it."""

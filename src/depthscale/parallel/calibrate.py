@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from depthscale.parallel.host_cpus import threads_per_rank
+from depthscale.shape.model import ELEMENTWISE_PASSES
 
 GEMM_SIDES = (32, 64, 128, 256, 512, 1024)
 """Smallest dimensions measured: [4096 or 8·x] × [x] GEMMs against a wide third dimension, the
@@ -115,8 +116,6 @@ def _elementwise_pass(tokens: int = 8192, dim: int = 256) -> tuple[float, Callab
     RMSNorm and a SiLU-gated product, forward and backward, against ELEMENTWISE_PASSES × (1 + 2)
     times the bytes they keep for backward (fp32: the norm's input, rsqrt, x̂ and output; the
     gate's input and silu)."""
-    from depthscale.plan.estimate import ELEMENTWISE_PASSES
-
     x = torch.randn(tokens, dim, requires_grad=True)
     weight = torch.ones(dim, requires_grad=True)
 
