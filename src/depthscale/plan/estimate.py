@@ -144,11 +144,71 @@ def estimate(
     s = w.spec
     m = w.batch // (lay.dp * lay.micro_batch)
     est.microbatches = m
-    sizes = [len(r) for r in chunk_layers(s, lay)]  # layers per chunk (lighter ends: fewer)
     e = 2 if w.dtype == "bfloat16" else 4
     tokens = lay.micro_batch * w.seq // lay.cp  # per micro-batch on one cp rank
+    st = _stage_costs(w, c, lay, fw, tokens, e)
+    makespan, hop_bytes = _makespan(est, w, c, lay, fw, st, m, tokens, e, simulate)
+    dp_bytes, exposed_dp = _exposed_dp(c, lay, fw, st, m)
+    optimizer = _optimizer_seconds(c, lay, fw, st.params)
 
-    # -- compute per micro-batch per layer (an MoE model: the mean over its layer kinds) -------
+    est.step_s = makespan + exposed_dp + optimizer
+    if muon is not None:
+        est.times["muon_ns_s"] = muon.ns_flops / (c.peak("bfloat16") * c.gemm_efficiency)
+        est.step_s += est.times["muon_ns_s"]
+    est.times = {
+        **est.times,
+        "pipeline_s": makespan,
+        "dp_exposed_s": exposed_dp,
+        "optimizer_s": optimizer,
+        "layer_forward_s": st.layer_f,
+        "layer_backward_s": st.layer_b,
+        "tp_exposed_per_layer_s": st.tp_exposed,
+    }
+    rank_layers = st.params.layers  # the first rank's
+    est.comm = {
+        "tp": _tp_bytes(s, lay, fw, tokens, e) * rank_layers * m,
+        "cp": _cp_bytes(w, lay, e) * rank_layers * m,
+        "pp": 2 * sum(hop_bytes) / max(lay.pp, 1) * m if lay.pp > 1 else 0.0,
+        "dp": dp_bytes,
+    }
+    if muon is not None:  # the redistribution's all-to-alls (plan.comm.muon_payload)
+        est.comm["muon"] = muon.sent_bytes
+    if s.moe:  # expert parallelism's all-to-alls, rows out and back (balanced routing)
+        est.comm["ep"] = experts.all_to_all_bytes(s, lay, tokens, e, m * st.params.moe_layers)
+    peak = c.peak(w.dtype)
+    est.mfu = s.model_flops(w.seq) * w.batch / (est.step_s * gpus * peak)
+    est.hfu = s.hardware_flops(w.seq, lay.recompute) * w.batch / (est.step_s * gpus * peak)
+    est.tokens_per_s = w.batch * w.seq / est.step_s
+
+    est.memory = memory(s, w.seq, lay, fw, est.peak_in_flight, m, st.params, tokens, e)
+    if muon is not None and est.memory["optimizer"]:  # offloaded states count on the host
+        est.memory["optimizer"] = muon.optimizer_bytes
+    if est.peak_bytes > c.usable_bytes():
+        est.ok = False
+        est.reason = f"OOM by {(est.peak_bytes - c.usable_bytes()) / 2**30:.1f} GiB"
+    return est
+
+
+@dataclass(frozen=True)
+class _StageCosts:
+    """One micro-batch's times on the busiest rank: per layer, and per pipeline chunk."""
+
+    layer_f: float
+    layer_b: float
+    tp_exposed: float
+    """Tensor-parallel time per layer that compute does not hide (forward + backward)."""
+    f_stage: list[float]
+    b_stage: list[float]
+    fsdp: _Fsdp
+    params: RankParams
+
+
+def _stage_costs(
+    w: Workload, c: Cluster, lay: Layout, fw: Framework, tokens: int, e: int
+) -> _StageCosts:
+    """Compute per micro-batch per layer (an MoE model: the mean over its layer kinds), with the
+    tensor-, context- and FSDP traffic it exposes, summed into each chunk's stage time."""
+    s = w.spec
     f_layer, b_layer, rc_layer, gemm_layer = _layer_times(w, c, lay, fw, tokens, e)
     if s.moe:
         share = len(s.moe_layers) / s.n_layers
@@ -174,86 +234,79 @@ def estimate(
     # stages at the pace of the busiest rank, the last: its chunk's layers and, once per
     # micro-batch, the head and the loss; per micro-batch also the gathers nothing hides (the
     # root's and the first layer's)
+    sizes = [len(r) for r in chunk_layers(s, lay)]  # layers per chunk (lighter ends: fewer)
     f_stage = [n * layer_f + head_f / lay.v + fsdp.root_s + fsdp.layer_f_s for n in sizes]
     b_stage = [n * layer_b + head_b / lay.v + fsdp.layer_b_s for n in sizes]
-    rank_layers = params.layers  # the first rank's
+    return _StageCosts(layer_f, layer_b, tp_f + tp_b, f_stage, b_stage, fsdp, params)
 
-    # -- pipeline ----------------------------------------------------------------------------
+
+def _makespan(
+    est: Estimate,
+    w: Workload,
+    c: Cluster,
+    lay: Layout,
+    fw: Framework,
+    st: _StageCosts,
+    m: int,
+    tokens: int,
+    e: int,
+    simulate: bool,
+) -> tuple[float, list[float]]:
+    """(seconds of the step's forwards and backwards, bytes of each pipeline hop), recording the
+    bubble and the peak micro-batches in flight on `est`."""
+    s = w.spec
     hops = hop_tensors(s, lay)
     hop_bytes = [h * tokens * s.dim * e / lay.tp for h in hops]  # sequence-parallel: 1/tp each
-    pp_inter = lay.tp * lay.cp * lay.dp * lay.pp > c.gpus_per_node and lay.pp > 1
-    hop_time = [c.op_time("p2p", b, lay.pp, pp_inter) for b in hop_bytes]
-    if lay.pp > 1:
-        hop = sum(hop_time) / len(hop_time) if hop_time else 0.0
-        blocking, lat1 = (0.0, hop) if fw.pp_overlap else (2 * hop, 0.0)
-        # (without overlap: a blocking send and receive around every chunk's compute)
-        fs = [f + blocking for f in f_stage]
-        bs = [b + blocking for b in b_stage]
-        if simulate:
-            pipe = pipeline_time(lay.pp, lay.v, m, fs, bs, lat1)
-        else:
-            pipe = closed_form(lay.pp, lay.v, m, max(fs), max(bs), lat1)
-        makespan, est.bubble, est.peak_in_flight = pipe.makespan, pipe.bubble, pipe.peak_in_flight
-    else:
-        makespan = m * (s.n_layers * (layer_f + layer_b) + head_f + head_b)
+    if lay.pp == 1:
         est.peak_in_flight = (1,)
+        head_f, head_b = _head_times(w, c, lay, tokens)
+        return m * (s.n_layers * (st.layer_f + st.layer_b) + head_f + head_b), hop_bytes
+    pp_inter = lay.tp * lay.cp * lay.dp * lay.pp > c.gpus_per_node
+    hop_time = [c.op_time("p2p", b, lay.pp, pp_inter) for b in hop_bytes]
+    hop = sum(hop_time) / len(hop_time) if hop_time else 0.0
+    # without overlap: a blocking send and receive around every chunk's compute
+    blocking, lat1 = (0.0, hop) if fw.pp_overlap else (2 * hop, 0.0)
+    fs = [f + blocking for f in st.f_stage]
+    bs = [b + blocking for b in st.b_stage]
+    if simulate:
+        pipe = pipeline_time(lay.pp, lay.v, m, fs, bs, lat1)
+    else:
+        pipe = closed_form(lay.pp, lay.v, m, max(fs), max(bs), lat1)
+    est.bubble, est.peak_in_flight = pipe.bubble, pipe.peak_in_flight
+    return pipe.makespan, hop_bytes
 
-    # -- data parallel and optimizer ---------------------------------------------------------
-    dp_bytes, dp_time = _dp_comm(c, lay, fw, params)
-    window = sum(b_stage[0 :: lay.pp])  # the last micro-batch's backward on this rank
+
+def _exposed_dp(
+    c: Cluster, lay: Layout, fw: Framework, st: _StageCosts, m: int
+) -> tuple[float, float]:
+    """(bytes, exposed seconds) of the data-parallel reductions, the expert reduction and FSDP's
+    gathers: what the last micro-batch's backward does not hide."""
+    dp_bytes, dp_time = _dp_comm(c, lay, fw, st.params)
+    window = sum(st.b_stage[0 :: lay.pp])  # the last micro-batch's backward on this rank
     exposed_dp = max(dp_time / 8, dp_time - window) if fw.dp_overlap else dp_time
-    expert_bytes, expert_s = experts.expert_reduce(c, lay, params.experts)
+    expert_bytes, expert_s = experts.expert_reduce(c, lay, st.params.experts)
     dp_bytes += expert_bytes
     exposed_dp += expert_s  # after the step's backward, before the optimizer
+    fsdp, rank_layers = st.fsdp, st.params.layers
     dp_bytes += m * (rank_layers * (fsdp.layer_f + fsdp.layer_b) + fsdp.root)
     # a pipeline stage gathers its units once per step, prefetched one unit ahead through the
     # first micro-batch's forward: the first unit's gather shows, and what outruns the compute
     dp_bytes += fsdp.step
     if fw.dp_overlap:
-        exposed_dp += max(fsdp.first_s, fsdp.step_s - rank_layers * layer_f)
+        exposed_dp += max(fsdp.first_s, fsdp.step_s - rank_layers * st.layer_f)
     else:
         exposed_dp += fsdp.step_s
+    return dp_bytes, exposed_dp
+
+
+def _optimizer_seconds(c: Cluster, lay: Layout, fw: Framework, params: RankParams) -> float:
+    """The update's memory-bound pass over weights, grads, master weights and moments (read and
+    written), at HBM speed, or the host's when the states are offloaded."""
     opt_bytes = fw.weight_bytes + fw.grad_bytes + fw.master_bytes + fw.moment_bytes
     opt_bytes *= params.states(lay) if fw.ours else params.total / (lay.dp if lay.zero1 else 1)
-    optimizer = 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
     if lay.offload:
-        optimizer = 2 * opt_bytes / c.host_bw
-
-    est.step_s = makespan + exposed_dp + optimizer
-    if muon is not None:
-        est.times["muon_ns_s"] = muon.ns_flops / (c.peak("bfloat16") * c.gemm_efficiency)
-        est.step_s += est.times["muon_ns_s"]
-    est.times = {
-        **est.times,
-        "pipeline_s": makespan,
-        "dp_exposed_s": exposed_dp,
-        "optimizer_s": optimizer,
-        "layer_forward_s": layer_f,
-        "layer_backward_s": layer_b,
-        "tp_exposed_per_layer_s": tp_f + tp_b,
-    }
-    est.comm = {
-        "tp": _tp_bytes(s, lay, fw, tokens, e) * rank_layers * m,
-        "cp": _cp_bytes(w, lay, e) * rank_layers * m,
-        "pp": 2 * sum(hop_bytes) / max(lay.pp, 1) * m if lay.pp > 1 else 0.0,
-        "dp": dp_bytes,
-    }
-    if muon is not None:  # the redistribution's all-to-alls (plan.comm.muon_payload)
-        est.comm["muon"] = muon.sent_bytes
-    if s.moe:  # expert parallelism's all-to-alls, rows out and back (balanced routing)
-        est.comm["ep"] = experts.all_to_all_bytes(s, lay, tokens, e, m * params.moe_layers)
-    peak = c.peak(w.dtype)
-    est.mfu = s.model_flops(w.seq) * w.batch / (est.step_s * gpus * peak)
-    est.hfu = s.hardware_flops(w.seq, lay.recompute) * w.batch / (est.step_s * gpus * peak)
-    est.tokens_per_s = w.batch * w.seq / est.step_s
-
-    est.memory = memory(s, w.seq, lay, fw, est.peak_in_flight, m, params, tokens, e)
-    if muon is not None and est.memory["optimizer"]:  # offloaded states count on the host
-        est.memory["optimizer"] = muon.optimizer_bytes
-    if est.peak_bytes > c.usable_bytes():
-        est.ok = False
-        est.reason = f"OOM by {(est.peak_bytes - c.usable_bytes()) / 2**30:.1f} GiB"
-    return est
+        return 2 * opt_bytes / c.host_bw
+    return 2 * opt_bytes / (c.hbm_bw * c.memory_efficiency)
 
 
 # ---------------------------------------------------------------------------------------------
