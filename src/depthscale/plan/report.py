@@ -56,93 +56,13 @@ class PlanRequest:
 
 def run(req: PlanRequest) -> dict:
     """Evaluate the request; raises ValueError with a message naming bad input."""
-    if req.gpus < 1:
-        raise ValueError(f"--gpus {req.gpus} must be >= 1")
-    if req.framework not in FRAMEWORKS:
-        raise ValueError(f"--framework {req.framework!r}; allowed: {', '.join(FRAMEWORKS)}")
-    if req.spec.moe and not FRAMEWORKS[req.framework].ours:
-        raise ValueError(
-            f"--framework {req.framework} models the published dense GPT runs, not an MoE model "
-            f"({req.spec.n_experts} experts per MoE layer); allowed: --framework depthscale"
-        )
+    _check_request(req)
     per_day = req.failures_per_day or goodput.failures_per_day(req.gpus)
     goodput.check_failures(per_day, req.memory_recoverable)
-    c = cluster(req.cluster)
-    fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
-    w = Workload(req.spec, req.seq, req.batch, req.dtype)
+    rows = _Rows(req)
+    w, c, fw = rows.w, rows.c, rows.fw
     header = _header(req, c, fw.name)
     started = time.perf_counter()
-    plans_muon = req.optimizer == "muon" and fw.ours and req.spec.family == "llama"
-    if req.optimizer == "muon" and not plans_muon:
-        raise ValueError(
-            f"optim.name muon is planned for --framework depthscale and depthscale's own model, "
-            f"not {fw.name} / family {req.spec.family!r}"
-        )
-
-    muon_plans: dict[tuple, MuonPlan] = {}
-
-    def muon_of(lay: Layout) -> MuonPlan:
-        """`muon_plan`, once per placement of the parameters (rows often share one)."""
-        key = (lay.tp, lay.pp, lay.v, lay.ends, lay.cp, lay.dp_shard, lay.ep)
-        if key not in muon_plans:
-            placed = Layout(tp=lay.tp, pp=lay.pp, v=lay.v, ends=lay.ends, cp=lay.cp,
-                            dp_shard=lay.dp_shard, ep=lay.ep)  # fmt: skip
-            muon_plans[key] = muon_plan(req.spec, placed, ns_steps=req.muon_ns_steps)
-        return muon_plans[key]
-
-    def with_muon(e: Estimate) -> tuple[Estimate, dict]:
-        """The layout re-estimated with Muon (the search ranks with AdamW's states); a layout
-        of the search that Muon's model does not cover keeps its estimate and says why (one
-        asked for with --layout is an error)."""
-        try:
-            m = muon_of(e.layout)
-        except ValueError as err:
-            if req.layout:
-                raise ValueError(f"--layout {req.layout} with optim.name muon: {err}") from None
-            return e, {"not_modelled": str(err)}
-        e = estimate(w, c, e.layout, fw, req.gpus, muon=m)
-        return e, {
-            "optimizer_gb": m.optimizer_bytes / 1e9,
-            "redistribution_bytes": m.sent_bytes,
-            "ns_flops": m.ns_flops,
-            "ns_s": e.times["muon_ns_s"],
-        }
-
-    def row(e: Estimate) -> dict:
-        muon = None
-        if plans_muon and e.ok:
-            e, muon = with_muon(e)
-        out = _row(e, req)
-        if muon is not None:
-            out["muon"] = muon
-        lay = e.layout
-        if e.ok and fw.ours and lay.cp > 1:  # ring, Ulysses or hybrid: the fewest bytes
-            choice = cp_choice(req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16")
-            if lay.ulysses == 1:  # not set by the layout asked for: the planner's choice
-                lay = lay.with_(ulysses=choice["ulysses"])
-                out["label"], out["layout"] = lay.label(), lay.to_json()  # and its launch
-            out["cp_style"] = {
-                "chosen": choice["chosen"] if lay.ulysses == choice["ulysses"] else cp_style(lay),
-                "ulysses": lay.ulysses,
-                "wire_gb_per_step": {k: b / 1e9 for k, b in choice["options"].items()},
-            }
-        if e.ok and fw.ours and req.spec.family == "llama":
-            payload = rank_payload(
-                req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16",
-                reduce_bytes=fw.reduce_bytes,
-            )  # fmt: skip
-            if muon and "redistribution_bytes" in muon:
-                payload += muon_payload(lay, muon["redistribution_bytes"])
-            out["bytes_per_group_gb"] = {
-                f"{op} {grp}": b / 1e9 for (op, grp), b in sorted(payload.items()) if b
-            }
-            out["wire_gb"] = wire_bytes(payload, dim_sizes(lay)) / 1e9
-        if e.ok and e.layout.cache and e.layout.pp > 1 and req.spec.attnres:
-            off = estimate(w, c, e.layout.with_(cache=False), fw, req.gpus)
-            out["cache_saves_gib"] = (off.peak_bytes - e.peak_bytes) / GiB
-            out["fits_without_cache"] = off.ok
-        return out
-
     if req.layout:
         asked = parse_layout(req.layout)
         s = req.spec
@@ -153,7 +73,7 @@ def run(req: PlanRequest) -> dict:
         return {
             **header,
             "seconds": time.perf_counter() - started,
-            "layouts": [row(est)],
+            "layouts": [rows.row(est)],
             **_goodput(req, c, fw, [est], per_day),
         }
     # every row shown is simulated: past the simulated few the closed form would rank them
@@ -167,11 +87,118 @@ def run(req: PlanRequest) -> dict:
         "seconds": time.perf_counter() - started,
         "considered": result.considered,
         "fitting": len(result.ranked),
-        "layouts": [row(e) for e in result.ranked[: req.top]],
+        "layouts": [rows.row(e) for e in result.ranked[: req.top]],
         "rejected_examples": [_row(e, req) for e in _examples(result.rejected)],
         "rejected_by_reason": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
         **_goodput(req, c, fw, result.ranked, per_day),
     }
+
+
+def _check_request(req: PlanRequest) -> None:
+    """What the request asks that the planner cannot model, as one ValueError naming it."""
+    if req.gpus < 1:
+        raise ValueError(f"--gpus {req.gpus} must be >= 1")
+    if req.framework not in FRAMEWORKS:
+        raise ValueError(f"--framework {req.framework!r}; allowed: {', '.join(FRAMEWORKS)}")
+    fw = FRAMEWORKS[req.framework]
+    if req.spec.moe and not fw.ours:
+        raise ValueError(
+            f"--framework {req.framework} models the published dense GPT runs, not an MoE model "
+            f"({req.spec.n_experts} experts per MoE layer); allowed: --framework depthscale"
+        )
+    if req.optimizer == "muon" and not (fw.ours and req.spec.family == "llama"):
+        raise ValueError(
+            f"optim.name muon is planned for --framework depthscale and depthscale's own model, "
+            f"not {fw.name} / family {req.spec.family!r}"
+        )
+
+
+class _Rows:
+    """The report's row of a layout: the estimate's numbers, and for depthscale's own model the
+    optimizer it runs (Muon re-estimated), the context-parallel style, the bytes per group and
+    what the cross-stage cache saves."""
+
+    def __init__(self, req: PlanRequest) -> None:
+        self.req = req
+        self.c = cluster(req.cluster)
+        self.fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
+        self.w = Workload(req.spec, req.seq, req.batch, req.dtype)
+        self.muon = req.optimizer == "muon"
+        self._muon_plans: dict[tuple, MuonPlan] = {}
+
+    def row(self, e: Estimate) -> dict:
+        req, fw = self.req, self.fw
+        muon = None
+        if self.muon and e.ok:
+            e, muon = self._with_muon(e)
+        out = _row(e, req)
+        if muon is not None:
+            out["muon"] = muon
+        lay = e.layout
+        if e.ok and fw.ours and lay.cp > 1:
+            lay = self._cp_style(lay, out)
+        if e.ok and fw.ours and req.spec.family == "llama":
+            payload = rank_payload(
+                req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16",
+                reduce_bytes=fw.reduce_bytes,
+            )  # fmt: skip
+            if muon and "redistribution_bytes" in muon:
+                payload += muon_payload(lay, muon["redistribution_bytes"])
+            out["bytes_per_group_gb"] = {
+                f"{op} {grp}": b / 1e9 for (op, grp), b in sorted(payload.items()) if b
+            }
+            out["wire_gb"] = wire_bytes(payload, dim_sizes(lay)) / 1e9
+        if e.ok and e.layout.cache and e.layout.pp > 1 and req.spec.attnres:
+            off = estimate(self.w, self.c, e.layout.with_(cache=False), fw, req.gpus)
+            out["cache_saves_gib"] = (off.peak_bytes - e.peak_bytes) / GiB
+            out["fits_without_cache"] = off.ok
+        return out
+
+    def _cp_style(self, lay: Layout, out: dict) -> Layout:
+        """Ring, Ulysses or hybrid, whichever moves the fewest bytes; a layout that did not set
+        its Ulysses degree takes the planner's choice (and its launch flag)."""
+        req = self.req
+        choice = cp_choice(req.spec, lay, req.seq, req.batch, req.dtype == "bfloat16")
+        if lay.ulysses == 1:  # not set by the layout asked for: the planner's choice
+            lay = lay.with_(ulysses=choice["ulysses"])
+            out["label"], out["layout"] = lay.label(), lay.to_json()
+        out["cp_style"] = {
+            "chosen": choice["chosen"] if lay.ulysses == choice["ulysses"] else cp_style(lay),
+            "ulysses": lay.ulysses,
+            "wire_gb_per_step": {k: b / 1e9 for k, b in choice["options"].items()},
+        }
+        return lay
+
+    def _muon_of(self, lay: Layout) -> MuonPlan:
+        """`muon_plan`, once per placement of the parameters (rows often share one)."""
+        key = (lay.tp, lay.pp, lay.v, lay.ends, lay.cp, lay.dp_shard, lay.ep)
+        if key not in self._muon_plans:
+            placed = Layout(tp=lay.tp, pp=lay.pp, v=lay.v, ends=lay.ends, cp=lay.cp,
+                            dp_shard=lay.dp_shard, ep=lay.ep)  # fmt: skip
+            self._muon_plans[key] = muon_plan(
+                self.req.spec, placed, ns_steps=self.req.muon_ns_steps
+            )
+        return self._muon_plans[key]
+
+    def _with_muon(self, e: Estimate) -> tuple[Estimate, dict]:
+        """The layout re-estimated with Muon (the search ranks with AdamW's states); a layout
+        of the search that Muon's model does not cover keeps its estimate and says why (one
+        asked for with --layout is an error)."""
+        try:
+            m = self._muon_of(e.layout)
+        except ValueError as err:
+            if self.req.layout:
+                raise ValueError(
+                    f"--layout {self.req.layout} with optim.name muon: {err}"
+                ) from None
+            return e, {"not_modelled": str(err)}
+        e = estimate(self.w, self.c, e.layout, self.fw, self.req.gpus, muon=m)
+        return e, {
+            "optimizer_gb": m.optimizer_bytes / 1e9,
+            "redistribution_bytes": m.sent_bytes,
+            "ns_flops": m.ns_flops,
+            "ns_s": e.times["muon_ns_s"],
+        }
 
 
 def _goodput(
