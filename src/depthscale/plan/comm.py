@@ -78,61 +78,111 @@ def rank_payload(
     out: Counter = Counter()
     m = batch // (lay.dp * lay.micro_batch)
     tokens = lay.micro_batch * seq // lay.cp
-    d = spec.dim
     chunks = lay.pp * lay.v
     mine = list(range(pp_rank, chunks, lay.pp))
     ranges = split_layers(spec.n_layers, chunks, lay.ends)
     layers = sum(len(ranges[c]) for c in mine)
     first, last = 0 in mine, chunks - 1 in mine
     held = rank_params(spec, lay, pp_rank)
-
-    tp = group(lay, "tp")
-    if tp:
-        sublayers = layers * spec.sublayers_per_layer
-        ends = int(first) + int(last)  # the embedding's and the head's pair
-        gathers = scatters = 2 * sublayers + ends
-        if lay.recompute != "none":
-            # recomputation re-gathers every sublayer's input; it stops before the layer's (or,
-            # recomputing sublayer bodies, each body's) last reduce-scatter, whose output
-            # backward does not need
-            gathers += sublayers
-            if lay.recompute in ("selective", "full"):
-                scatters += layers * (spec.sublayers_per_layer - 1)
-        out["all_gather", tp] += m * gathers * tokens * d * e
-        out["reduce_scatter", tp] += m * scatters * tokens * d * e
-        if last:
-            out["all_reduce", tp] += m * 3 * tokens * 4
-        # the gradients tp replicates, as this rank holds them: FSDP's shard (tp × dp_shard),
-        # an expert-parallel rank's experts
-        replicated = sum(local_numel(p, lay, 0, shard_rank) for p in held if p.tp_dim is None)
-        out["all_reduce", tp] += replicated * 4
-
-    pp = group(lay, "pp")
-    if pp:
-        hops = hop_tensors(spec, lay)
-        unit = lay.micro_batch * seq // lay.cp // lay.tp * d * e
-        for c in mine:
-            if c < chunks - 1:
-                out["send", pp] += m * hops[c] * unit
-                out["recv", pp] += m * hops[c] * unit  # the gradient of what it sent
-            if c > 0:
-                out["recv", pp] += m * hops[c - 1] * unit
-                out["send", pp] += m * hops[c - 1] * unit
-        out["all_reduce", pp] += 4
-        if spec.tie_embeddings and (first or last) and not (first and last):
-            tied = next(p for p in held if p.name in ("tok_embeddings.weight", "output.weight"))
-            out["all_reduce", pp] += local_numel(tied, lay, 0, shard_rank) * 4  # its shard
-
+    if group(lay, "tp"):
+        out.update(_tp_payload(spec, lay, held, m, tokens, layers, (first, last), e, shard_rank))
+    if group(lay, "pp"):
+        out.update(_pp_payload(spec, lay, held, m, seq, mine, (first, last), e, shard_rank))
     cp = group(lay, "cp")
     if cp:
         out += cp_payload(spec, lay, seq, m * layers, cp_rank, e)
         if last:
             out["all_reduce", cp] += m * 16
 
+    out.update(_data_payload(spec, lay, held, m, bf16, reduce_bytes))
+    if spec.moe:
+        moe_layers = sum(1 for c in mine for i in ranges[c] if i in spec.moe_layers)
+        out += moe_payload(spec, lay, held, m * moe_layers, tokens // lay.tp, e)
+    return out
+
+
+def _tp_payload(
+    spec: ModelShape,
+    lay: Layout,
+    held: list,
+    m: int,
+    tokens: int,
+    layers: int,
+    ends_held: tuple[bool, bool],
+    e: int,
+    shard_rank: int,
+) -> Counter:
+    """Tensor parallelism's bytes: sequence-parallel gathers and scatters around every sublayer
+    (and again where recomputation re-runs them), the loss's reductions on the last stage, and
+    the gradients tp replicates."""
+    out: Counter = Counter()
+    tp = group(lay, "tp")
+    first, last = ends_held
+    sublayers = layers * spec.sublayers_per_layer
+    ends = int(first) + int(last)  # the embedding's and the head's pair
+    gathers = scatters = 2 * sublayers + ends
+    if lay.recompute != "none":
+        # recomputation re-gathers every sublayer's input; it stops before the layer's (or,
+        # recomputing sublayer bodies, each body's) last reduce-scatter, whose output
+        # backward does not need
+        gathers += sublayers
+        if lay.recompute in ("selective", "full"):
+            scatters += layers * (spec.sublayers_per_layer - 1)
+    out["all_gather", tp] += m * gathers * tokens * spec.dim * e
+    out["reduce_scatter", tp] += m * scatters * tokens * spec.dim * e
+    if last:
+        out["all_reduce", tp] += m * 3 * tokens * 4
+    # the gradients tp replicates, as this rank holds them: FSDP's shard (tp × dp_shard),
+    # an expert-parallel rank's experts
+    replicated = sum(local_numel(p, lay, 0, shard_rank) for p in held if p.tp_dim is None)
+    out["all_reduce", tp] += replicated * 4
+    return out
+
+
+def _pp_payload(
+    spec: ModelShape,
+    lay: Layout,
+    held: list,
+    m: int,
+    seq: int,
+    mine: list[int],
+    ends_held: tuple[bool, bool],
+    e: int,
+    shard_rank: int,
+) -> Counter:
+    """Pipeline parallelism's bytes: each chunk's hops out and in (activations forward, their
+    gradients back), the stop vote, and the tied embedding's gradient between the end stages."""
+    out: Counter = Counter()
+    pp = group(lay, "pp")
+    first, last = ends_held
+    chunks = lay.pp * lay.v
+    hops = hop_tensors(spec, lay)
+    unit = lay.micro_batch * seq // lay.cp // lay.tp * spec.dim * e
+    for c in mine:
+        if c < chunks - 1:
+            out["send", pp] += m * hops[c] * unit
+            out["recv", pp] += m * hops[c] * unit  # the gradient of what it sent
+        if c > 0:
+            out["recv", pp] += m * hops[c - 1] * unit
+            out["send", pp] += m * hops[c - 1] * unit
+    out["all_reduce", pp] += 4
+    if spec.tie_embeddings and (first or last) and not (first and last):
+        tied = next(p for p in held if p.name in ("tok_embeddings.weight", "output.weight"))
+        out["all_reduce", pp] += local_numel(tied, lay, 0, shard_rank) * 4  # its shard
+    return out
+
+
+def _data_payload(
+    spec: ModelShape, lay: Layout, held: list, m: int, bf16: bool, reduce_bytes: int
+) -> Counter:
+    """Data parallelism's bytes: FSDP's gathers and reduce-scatters per unit (dense weights over
+    dp_shard × cp, experts over their shard group), HSDP's or DDP's all-reduce, and the AttnRes
+    parameters FSDP leaves whole."""
+    out: Counter = Counter()
     shard = group(lay, "dp_shard", "cp")
     data = group(lay, "dp_replicate", "dp_shard", "cp")
     if lay.shard > 1:
-        e_param = e if bf16 else 4
+        e_param = 2 if bf16 else 4
         gathers = 1 if lay.pp > 1 and not lay.zero3 else m * 2
         scatters = 1 if lay.pp > 1 else m
         g = reduce_bytes
@@ -153,9 +203,6 @@ def rank_payload(
     if data and spec.attnres:
         queries = sum(math.prod(p.shape) for p in held if not p.fsdp)
         out["all_reduce", data] += queries * 4
-    if spec.moe:
-        moe_layers = sum(1 for c in mine for i in ranges[c] if i in spec.moe_layers)
-        out += moe_payload(spec, lay, held, m * moe_layers, tokens // lay.tp, e)
     return out
 
 

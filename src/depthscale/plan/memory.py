@@ -80,16 +80,49 @@ def memory(
     e: int,
 ) -> dict[str, float]:
     """Bytes on the fullest rank (the first pipeline rank holds the most micro-batches)."""
-    s = spec
+    weights, grads, optim = _state_bytes(lay, fw, params)
+    units = max(in_flight) if in_flight else 1
+    hops = hop_tensors(spec, lay)
+    # received depth states, kept until their backward: the cache receives only missing blocks.
+    # Megatron frees a stage's output once sent (`deallocate_pipeline_outputs`), and what a stage
+    # receives is its first layer's LayerNorm input, in Table 2's count already
+    pipeline = units * (max(hops) if hops else 0) * tokens * spec.dim * e / lay.tp
+    if fw.frees_stage_outputs:
+        pipeline = 0.0
+    return {
+        "weights": weights,
+        "grads": grads,
+        "optimizer": optim,
+        "activations": _activation_bytes(spec, seq, lay, fw, units, microbatches, tokens, e),
+        "pipeline": pipeline,
+        "transient": _transient_bytes(spec, lay, fw, params, tokens, e),
+    }
+
+
+def _state_bytes(lay: Layout, fw: Framework, params: RankParams) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) on the rank: depthscale's FSDP shards (none on the
+    device when offloaded), or Megatron's replicas with its distributed optimizer's shard."""
     if fw.ours:
         states = params.states(lay)
-        weights, grads = states * fw.weight_bytes, states * fw.grad_bytes
-        optim = states * fw.moment_bytes
         if lay.offload:
-            weights = grads = optim = 0.0
-    else:
-        weights, grads = params.total * fw.weight_bytes, params.total * fw.grad_bytes
-        optim = params.total * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
+            return 0.0, 0.0, 0.0
+        return states * fw.weight_bytes, states * fw.grad_bytes, states * fw.moment_bytes
+    optim = params.total * (fw.master_bytes + fw.moment_bytes) / (lay.dp if lay.zero1 else 1)
+    return params.total * fw.weight_bytes, params.total * fw.grad_bytes, optim
+
+
+def _activation_bytes(
+    s: ModelShape,
+    seq: int,
+    lay: Layout,
+    fw: Framework,
+    units: int,
+    microbatches: int,
+    tokens: int,
+    e: int,
+) -> float:
+    """What the first pipeline rank keeps for backward: `units` micro-batches of its chunks in
+    flight (the schedule's peak), plus the embedding's and, without a pipeline, the head's."""
     chunks = lay.pp * lay.v
     ranges = chunk_layers(s, lay)
     mine = [ranges[c] for c in range(0, chunks, lay.pp)]  # the first rank's chunks
@@ -117,7 +150,6 @@ def memory(
         sbh = lay.micro_batch * seq // lay.cp * s.dim
         first_extra = 0.0
         last_extra = 4 * sbh / lay.tp * (1 + s.vocab / s.dim) if lay.pp == 1 else 0.0
-    units = max(in_flight) if in_flight else 1
     if lay.pp > 1 and (lay.ends or s.moe):
         # chunks differ (lighter ends; dense first layers, every k-th MoE): the first rank's
         # live units, chunk by chunk along its order
@@ -127,13 +159,14 @@ def memory(
         acts_bytes = units * per_chunk_bytes[0] + first_extra * math.ceil(units / lay.v)
     if lay.pp == 1:
         acts_bytes += last_extra
-    hops = hop_tensors(s, lay)
-    # received depth states, kept until their backward: the cache receives only missing blocks.
-    # Megatron frees a stage's output once sent (`deallocate_pipeline_outputs`), and what a stage
-    # receives is its first layer's LayerNorm input, in Table 2's count already
-    pipeline = units * (max(hops) if hops else 0) * tokens * s.dim * e / lay.tp
-    if fw.frees_stage_outputs:
-        pipeline = 0.0
+    return acts_bytes
+
+
+def _transient_bytes(
+    s: ModelShape, lay: Layout, fw: Framework, params: RankParams, tokens: int, e: int
+) -> float:
+    """Short-lived peaks: the last stage's fp32 logits and their gradient, and FSDP's gathered
+    weights and unsharded gradients."""
     logits = 2 * tokens * s.vocab / lay.tp * 4  # fp32 logits and their gradient (last stage)
     transient = logits if lay.pp == 1 else 0.0
     if fw.ours and lay.shard > 1:
@@ -145,11 +178,4 @@ def memory(
             transient += gathered + params.total * 4
         else:  # two gathered layers (one prefetched), one unsharded gradient
             transient += layer * (2 * e + 4)
-    return {
-        "weights": weights,
-        "grads": grads,
-        "optimizer": optim,
-        "activations": acts_bytes,
-        "pipeline": pipeline,
-        "transient": transient,
-    }
+    return transient
