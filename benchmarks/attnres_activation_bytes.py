@@ -41,7 +41,7 @@ from depthscale.model.attnres_ops import (  # noqa: E402
     merge_partial_chained,
 )
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
-from depthscale.train.memory import saved_activation_bytes  # noqa: E402
+from depthscale.train.offload import saved_activation_bytes  # noqa: E402
 
 EPS = 1e-6
 

@@ -30,7 +30,7 @@ from _common import device_info, interleaved_times  # noqa: E402
 from depthscale.config import ModelConfig, OptimConfig  # noqa: E402
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
 from depthscale.train.host import keep_freed_host_memory  # noqa: E402
-from depthscale.train.memory import saved_activation_bytes  # noqa: E402
+from depthscale.train.offload import saved_activation_bytes  # noqa: E402
 from depthscale.train.optim import build_optimizer  # noqa: E402
 
 

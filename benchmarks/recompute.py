@@ -6,7 +6,7 @@
 For the standard residual and Block AttnRes, and each `train.recompute` mode (none, selective,
 sublayer, full), one model (same weights) runs a forward pass and keeps the loss:
 
-- `kept_mb`: bytes the forward left allocated (`train.memory.retained_bytes`: the profiler's memory
+- `kept_mb`: bytes the forward left allocated (`train.offload.retained_bytes`: the profiler's memory
   events, so recompute caches and checkpoint inputs count too), minus the logits and loss — what
   backward will need. `kept_vs_none` is its ratio to `none`.
 - `step_vs_none`: forward + backward time over `none`'s, median of `--rounds` interleaved rounds
@@ -31,7 +31,7 @@ from _common import device_info, interleaved_times  # noqa: E402
 from depthscale.config import ModelConfig  # noqa: E402
 from depthscale.model.recompute import MODES  # noqa: E402
 from depthscale.model.transformer import Transformer, cross_entropy  # noqa: E402
-from depthscale.train.memory import retained_bytes  # noqa: E402
+from depthscale.train.offload import retained_bytes  # noqa: E402
 
 
 def _model(args, residual: str, mode: str) -> Transformer:

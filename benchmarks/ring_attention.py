@@ -51,8 +51,8 @@ from depthscale.model import attention_tiles  # noqa: E402
 from depthscale.model.layers import Attention, rope_tables, sdpa_attention  # noqa: E402
 from depthscale.parallel import context_parallel as cp_mod  # noqa: E402
 from depthscale.parallel import cp_comm  # noqa: E402
-from depthscale.parallel.ring_plan import RingPlan, Span  # noqa: E402
-from depthscale.train.memory import saved_activation_bytes  # noqa: E402
+from depthscale.parallel.ring_schedule import RingPlan, Span  # noqa: E402
+from depthscale.train.offload import saved_activation_bytes  # noqa: E402
 
 _STAND_INS: dict = {}
 

@@ -39,7 +39,7 @@ from depthscale.model.layers import RMSNorm  # noqa: E402
 from depthscale.model.transformer import cross_entropy  # noqa: E402
 from depthscale.parallel.loss import TokenLoss  # noqa: E402
 from depthscale.parallel.tensor_parallel import ColumnParallelLinear, TPContext  # noqa: E402
-from depthscale.train.memory import saved_activation_bytes  # noqa: E402
+from depthscale.train.offload import saved_activation_bytes  # noqa: E402
 
 
 class _GatherVocab(Function):

@@ -59,7 +59,7 @@ def sanitizer(ctx: Context) -> dict[str, Any]:
 def offload_vs_plain(ctx: Context, s: dict) -> dict[str, Any]:
     from depthscale.config import ModelConfig
     from depthscale.model.transformer import Transformer, cross_entropy
-    from depthscale.train.memory import OffloadStats, offload_activations
+    from depthscale.train.offload import OffloadStats, offload_activations
 
     cfg = ModelConfig(
         vocab_size=s["vocab"], dim=s["dim"], n_layers=s["n_layers"], n_heads=s["n_heads"],
@@ -88,11 +88,11 @@ def offload_vs_plain(ctx: Context, s: dict) -> dict[str, Any]:
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if ctx.cuda else None
         return [p.grad.detach().clone() for p in params], loss.item(), peak
 
-    from depthscale.train import memory
+    from depthscale.train import offload
     from depthscale.train.pinned_pool import SLAB_BYTES
 
     def pinned() -> int:
-        return sum(pool.pinned_bytes for pool in memory._pools.values())
+        return sum(pool.pinned_bytes for pool in offload._pools.values())
 
     ref_grads, ref_loss, ref_peak = step(None)
     stats = OffloadStats()
@@ -117,7 +117,7 @@ def offload_vs_plain(ctx: Context, s: dict) -> dict[str, Any]:
         raise OutOfBounds(f"gradients with offload differ by {err:.2e} > {GRAD_RTOL:.0e}", values)
     if pinned() != pinned_once:
         raise OutOfBounds("pinned host memory grew on the second step: slabs not reused", values)
-    slabs = sum(len(pool.slabs) for pool in memory._pools.values())
+    slabs = sum(len(pool.slabs) for pool in offload._pools.values())
     if pinned_once > stats.bytes + slabs * SLAB_BYTES:
         raise OutOfBounds("more host memory pinned than offloaded plus a slab's tail each", values)
     return values

@@ -4,7 +4,7 @@ Every point-to-point message of a pipeline step and of ring attention (forward a
 recorded on every rank (`p2p.recording`) and replayed as NCCL would run it: no tags, pairing by
 posting order per pair, groups atomic, a unit holding its stream until its partner runs. The replay
 must find no deadlock and pair every message as labelled. The pipeline's recorded posts must also
-be exactly the pure program `p2p_plan.rank_program` builds (which test_p2p_plan checks for more
+be exactly the pure program `p2p_order.rank_program` builds (which test_p2p_order checks for more
 configurations without processes). Gloo itself already runs tag-free: depthscale posts every
 message with tag 0, so these runs and the whole dist suite pair messages in posting order.
 """
@@ -24,7 +24,7 @@ from depthscale.parallel.context_parallel import (
 )
 from depthscale.parallel.nccl_rules import replay
 from depthscale.parallel.pipeline.depth_cache import DepthCache
-from depthscale.parallel.pipeline.p2p_plan import Post, label, rank_program
+from depthscale.parallel.pipeline.p2p_order import Post, label, rank_program
 from depthscale.parallel.pipeline.runtime import PipelineRuntime
 from depthscale.parallel.pipeline.schedules import interleaved_1f1b
 from depthscale.parallel.pipeline.stage import build_stages, split_layers
@@ -99,7 +99,7 @@ def test_pipeline_steps_are_correct_under_nccl_rules(dist_pool, world):
         report = replay(traces)
         assert report.ok, f"pp={world} (virtual, microbatches, cache, layers)={config}:\n{report}"
         assert report.messages > 0
-        assert all(r[i][1] for r in results), f"{config}: posts differ from p2p_plan's program"
+        assert all(r[i][1] for r in results), f"{config}: posts differ from p2p_order's program"
         assert all(r[i][2] == 0 for r in results), f"{config}: send buffers left at step end"
 
 

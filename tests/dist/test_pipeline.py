@@ -24,7 +24,7 @@ from depthscale.parallel.pipeline.stage import (
     tied_embedding_ranks,
 )
 from depthscale.parallel.startup import own_group
-from depthscale.train.memory import OffloadStats, offload_activations
+from depthscale.train.offload import OffloadStats, offload_activations
 from tolerances import check, fp32_model_bound, scaled_err
 
 MICRO, SEQ = 4, 16

@@ -25,7 +25,7 @@ from depthscale.parallel.tensor_parallel import (
     tp_sync_replicated_grads,
 )
 from depthscale.parallel.tp_comm import count_collectives
-from depthscale.train.memory import saved_activation_bytes
+from depthscale.train.offload import saved_activation_bytes
 from tolerances import check, copy_params_, fp32_model_bound
 
 TP = 2

@@ -28,7 +28,7 @@ from depthscale.config import ModelConfig
 from depthscale.observe.timeline import read_rank_files
 from depthscale.observe.trace_format import check_trace
 from depthscale.parallel.pipeline.depth_cache import DepthCache
-from depthscale.parallel.pipeline.p2p_plan import SENDS, Post, rank_program, upstream
+from depthscale.parallel.pipeline.p2p_order import SENDS, Post, rank_program, upstream
 from depthscale.parallel.pipeline.schedules import interleaved_1f1b
 from depthscale.parallel.pipeline.stage import split_layers
 from drill_repeats import DRILL_REPEATS

@@ -14,7 +14,7 @@ import pytest
 
 from depthscale.errors import DepthscaleError
 from depthscale.observe.attempts import supervised_launch, trace_folders
-from depthscale.observe.report import run_report
+from depthscale.observe.trace_report import run_report
 from depthscale.train.telemetry import _archive_previous
 
 DP2 = {r: {"pp": 0, "dp": r, "cp": 0, "tp": 0} for r in range(2)}

@@ -13,7 +13,7 @@ import torch
 from depthscale.model import attention_tiles
 from depthscale.model.attention_dispatch import TilePolicy
 from depthscale.model.layers import attention_mask
-from depthscale.parallel.ring_plan import RingPlan, Span
+from depthscale.parallel.ring_schedule import RingPlan, Span
 from depthscale.parallel.sequence_layout import positions_for
 from tolerances import check, fp32_sum_bound, scaled_err
 

@@ -5,7 +5,7 @@ import torch
 
 from depthscale.config import Config, ConfigError, ModelConfig
 from depthscale.model.layers import SwiGLU
-from depthscale.train.memory import saved_activation_bytes
+from depthscale.train.offload import saved_activation_bytes
 from tolerances import check_close, fp32_sum_bound
 
 # Chunks of tokens run through the same GEMMs in other shapes, so other summation orders

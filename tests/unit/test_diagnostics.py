@@ -9,7 +9,7 @@ import pytest
 from depthscale.errors import ConfigError
 from depthscale.resilience.diagnose import _silent
 from depthscale.resilience.diagnostics import parse_faults
-from depthscale.resilience.report import baseline_values, flag_outliers, format_table
+from depthscale.resilience.verdict import baseline_values, flag_outliers, format_table
 
 NODES = ["nodeA", "nodeA", "nodeB", "nodeB"]
 GIB = 2**30

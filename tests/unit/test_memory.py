@@ -9,7 +9,7 @@ from torch import nn
 
 from depthscale.config import ModelConfig
 from depthscale.model.transformer import Transformer, cross_entropy
-from depthscale.train.memory import (
+from depthscale.train.offload import (
     DEFAULT_MIN_BYTES,
     DEFAULT_PREFETCH,
     OffloadStats,
@@ -324,21 +324,21 @@ def test_each_attnres_block_goes_to_host_once(monkeypatch):
     """Block AttnRes saves every completed block sum again at each later block's phase-1 read: an
     8-layer model (4 blocks) saved the first block sum 8 times. Copies to the host (counted where
     the offloader makes them) happen once per storage, view and version; results unchanged."""
-    from depthscale.train import memory
+    from depthscale.train import offload
 
     model, tokens = _block_model(8), torch.randint(0, 61, (2, 16))
     cross_entropy(model(tokens), tokens).backward()
     ref = _grads(model)
     model.zero_grad()
     copies: dict[tuple, int] = {}
-    to_host = memory._Offloader._to_host
+    to_host = offload._Offloader._to_host
 
     def counted(self, t):
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t._version)
         copies[key] = copies.get(key, 0) + 1
         return to_host(self, t)
 
-    monkeypatch.setattr(memory._Offloader, "_to_host", counted)
+    monkeypatch.setattr(offload._Offloader, "_to_host", counted)
     with offload_activations(min_bytes=0) as stats:
         loss = cross_entropy(model(tokens), tokens)
     assert max(copies.values()) == 1 and len(copies) == stats.tensors
@@ -351,17 +351,17 @@ def test_each_attnres_block_goes_to_host_once(monkeypatch):
 def test_prefetch_by_layer_brings_back_a_layer_ahead(monkeypatch):
     """Given the layers the forward ran, backward's prefetch window is one layer's worth of
     offloaded tensors (here more than the default 2), and backward misses no more than with 2."""
-    from depthscale.train import memory
+    from depthscale.train import offload
 
     model, tokens = _block_model(4), torch.randint(0, 61, (2, 16))
     orders = []
-    offloader = memory._Offloader.__init__
+    offloader = offload._Offloader.__init__
 
     def recorded(self, *args, **kwargs):
         offloader(self, *args, **kwargs)
         orders.append(self)
 
-    monkeypatch.setattr(memory._Offloader, "__init__", recorded)
+    monkeypatch.setattr(offload._Offloader, "__init__", recorded)
     misses = {}
     for layers in (None, 4):
         with offload_activations(min_bytes=0, layers=layers) as stats:

@@ -20,7 +20,7 @@ from depthscale.model.moe import MoE
 from depthscale.model.transformer import Transformer, cross_entropy
 from depthscale.plan import activations
 from depthscale.shape import ModelShape
-from depthscale.train.memory import retained_bytes
+from depthscale.train.offload import retained_bytes
 
 
 def _random_config(rng: random.Random) -> ModelConfig:

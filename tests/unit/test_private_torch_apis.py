@@ -26,7 +26,7 @@ def test_composable_replicate_api():
 
 
 def test_replicated_module_switches_gradient_sync():
-    """parallel/plan.py holds the gradient all-reduce back until a step's last micro-batch with
+    """parallel/step.py holds the gradient all-reduce back until a step's last micro-batch with
     `set_requires_gradient_sync`, which DDP's replicate mixes into the module's class (lazily: no
     process group is needed to check it)."""
     module = replicate_api()(nn.Linear(2, 2), ignored_modules=[])
@@ -43,7 +43,7 @@ def test_device_mesh_flatten():
 
 
 def test_accumulate_grad_node_type():
-    """train/memory.py: activation offload recognises parameters (and their autocast casts) by
+    """train/offload.py: activation offload recognises parameters (and their autocast casts) by
     their AccumulateGrad node."""
     accumulate = torch._C._functions.AccumulateGrad
     w = torch.nn.Parameter(torch.ones(2))

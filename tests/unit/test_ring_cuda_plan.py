@@ -34,7 +34,7 @@ from depthscale.model.layers import attention_mask
 from depthscale.parallel import ring_steps
 from depthscale.parallel.ring_check import ring_vs_sdpa
 from depthscale.parallel.ring_documents import step_tiles
-from depthscale.parallel.ring_plan import RingPlan, Span
+from depthscale.parallel.ring_schedule import RingPlan, Span
 from depthscale.parallel.sequence_layout import positions_for
 from tolerances import check, fp32_sum_bound, scaled_err
 

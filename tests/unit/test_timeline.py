@@ -9,7 +9,6 @@ import random
 import pytest
 
 from depthscale.errors import DepthscaleError
-from depthscale.observe.report import run_report
 from depthscale.observe.spans import trace_path
 from depthscale.observe.timeline import (
     align_clocks,
@@ -19,6 +18,7 @@ from depthscale.observe.timeline import (
     write_timeline,
 )
 from depthscale.observe.trace_format import check_trace
+from depthscale.observe.trace_report import run_report
 
 MS = 1_000_000
 

@@ -12,7 +12,7 @@ from depthscale.cli.output_paths import check_output
 
 def run(args: argparse.Namespace) -> int:
     from depthscale.resilience.diagnose import diagnose
-    from depthscale.resilience.report import format_table
+    from depthscale.resilience.verdict import format_table
 
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     check_output("--run", Path(args.run), directory=True)

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "schedule":
         return _schedule(args)
     if args.what in ("timeline", "stragglers", "hang"):
-        from depthscale.observe.report import run_report
+        from depthscale.observe.trace_report import run_report
 
         out = Path(args.out) if args.out else None
         return run_report(args.what, Path(args.run), out, args.step)

@@ -177,7 +177,7 @@ def tile_path(
 
 @dataclass(frozen=True)
 class TilePolicy:
-    """How the ring cuts a step's keys into kernel calls (`parallel/ring_plan.py` plans by it).
+    """How the ring cuts a step's keys into kernel calls (`parallel/ring_schedule.py` plans by it).
 
     Bounded (the default): runs of at most `kv_tile` consecutive keys, each with the rows that see
     it — what a materialised score tile (the reference) needs. Whole: a kernel that tiles

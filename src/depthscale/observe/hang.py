@@ -15,7 +15,7 @@ The rule is MegaScale's (§5.2), made precise as a wait-for graph:
 A rank that died is often waited for by nobody: a vanished gloo peer makes the others' next
 collective fail at once, before any of them waits in it. Its silence is then explained from the
 supervisor's records, its peers' errors and where its trace ends (`observe/deaths.py`), filled in
-by the caller (`observe/report.py`), which also picks the attempt to read (`observe/attempts.py`).
+by the caller (`observe/trace_report.py`), which also picks the attempt to read (`observe/attempts.py`).
 
 Where a dump carries torch's Flight Recorder state (`observe/flight_recorder.py`: gloo and NCCL in
 torch 2.13), a blocked collective is taken from it — also one FSDP issued inside torch, which no

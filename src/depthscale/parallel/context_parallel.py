@@ -17,7 +17,7 @@ the fp32 LSE) and recomputes each block's probabilities from the saved LSE. dQ a
 each block's dK/dV accumulate in **fp32** while travelling with the block, and reach the owner once,
 so rounding does not grow with the ring size.
 
-What is skipped (causal masking, sliding windows, padding) is planned in `ring_plan.py` from every
+What is skipped (causal masking, sliding windows, padding) is planned in `ring_schedule.py` from every
 rank's positions: derived from the declared sharding (`RingAttention(layout=...)`, what
 `apply_context_parallel` installs for the trainer — one plan per shape for the whole run, no
 communication), or gathered per call (`ring_attention`: one small all-gather of int64 positions,
@@ -28,7 +28,7 @@ never of K/V):
   padding keys are seen by nobody). Bidirectional attention (`causal=False`) skips only by window.
   Inside a computed pair only keys some local query sees are used, and each tile only with the
   query rows that see it — for zigzag that skips exactly the masked chunk pairs, on the diagonal
-  block too. How a step is cut into tiles is the backend's `TilePolicy` (`ring_plan.py`): on
+  block too. How a step is cut into tiles is the backend's `TilePolicy` (`ring_schedule.py`): on
   CUDA's flash op a step's keys go to one kernel call (zigzag's diagonal block is one causal call,
   every other block one unmasked call, a contiguous window's diagonal and halo one call each on
   flash's window arguments), so a step costs one call and one merge — on CPU's flash kernel too
@@ -95,7 +95,7 @@ from depthscale.parallel.cp_balance import LAYOUT_KEY, CpLayout
 from depthscale.parallel.cp_comm import CommStats, Ring
 from depthscale.parallel.loss import TokenLoss
 from depthscale.parallel.ring_documents import step_tiles
-from depthscale.parallel.ring_plan import BOUNDED, CALLS, RingPlan, Span
+from depthscale.parallel.ring_schedule import BOUNDED, CALLS, RingPlan, Span
 from depthscale.parallel.sequence_layout import (
     ShardMode,
     _layout,

@@ -26,7 +26,7 @@ from depthscale.model.transformer import Transformer
 from depthscale.observe import startup
 from depthscale.parallel.cp_balance import Balancing
 from depthscale.parallel.mesh import DistEnv, ParallelDims, dp_mesh, flat, init_distributed
-from depthscale.parallel.plan import ParallelPlan
+from depthscale.parallel.step import ParallelPlan
 from depthscale.shape import EXPERT_SHARD_DIM, ModelShape
 
 

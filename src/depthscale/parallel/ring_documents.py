@@ -1,6 +1,6 @@
 """Packed documents on the ring (`data.document_mask` under context parallelism).
 
-The ring plan (`ring_plan.py`) says which keys each query may see by position — causal, window,
+The ring plan (`ring_schedule.py`) says which keys each query may see by position — causal, window,
 padding — once per shape for the whole run. Packed documents narrow that per batch: a key is seen
 only from its own document. Every rank holds the documents of the *full* rows (`Documents`), so
 nothing more travels: a tile's mask is looked up by its rows' and keys' global positions.
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from depthscale.model.attention_tiles import TileMask, additive_bias, fused
 from depthscale.model.documents import Documents
-from depthscale.parallel.ring_plan import RingPlan, Tile
+from depthscale.parallel.ring_schedule import RingPlan, Tile
 
 
 class DocumentTile(NamedTuple):

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from depthscale.model import attention_tiles
 from depthscale.parallel.ring_documents import DocumentTile
-from depthscale.parallel.ring_plan import Index
+from depthscale.parallel.ring_schedule import Index
 
 
 def merge(out: Tensor, lse: Tensor, rows: Index, out_b: Tensor, lse_b: Tensor) -> None:

@@ -32,7 +32,7 @@ from depthscale.parallel.host_cpus import threads_per_rank
 from depthscale.parallel.launcher import ERROR_DIR_ENV, quiet_elastic_logs, read_worker_errors
 from depthscale.resilience.diagnostics import FAULT_ENV, NODE_ENV, node_id, parse_faults
 from depthscale.resilience.diagnostics_worker import JOINED, PROGRESS_DIR, ROWS_FILE, write_json
-from depthscale.resilience.report import (
+from depthscale.resilience.verdict import (
     MIN_FREE_BYTES,
     SLOW_FACTOR,
     Failure,

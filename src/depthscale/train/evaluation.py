@@ -16,7 +16,7 @@ from depthscale.data.loader import DataBundle
 from depthscale.evaluation.downstream import DownstreamTasks
 from depthscale.evaluation.multiple_choice import read_task
 from depthscale.observe import spans
-from depthscale.parallel.plan import ContextFactory, ParallelPlan
+from depthscale.parallel.step import ContextFactory, ParallelPlan
 
 
 class Evaluator:

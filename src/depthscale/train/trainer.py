@@ -33,7 +33,6 @@ from depthscale.train.checkpoint import Checkpointer, is_model_only
 from depthscale.train.evaluation import Evaluator
 from depthscale.train.hooks import Hooks, Run
 from depthscale.train.hooks.defaults import default_hooks
-from depthscale.train.memory import OffloadStats, offloading_for
 from depthscale.train.nan_guard import (
     NanGuard,
     PersistentNonFinite,
@@ -42,6 +41,7 @@ from depthscale.train.nan_guard import (
     read_skipped,
     roll_back_to,
 )
+from depthscale.train.offload import OffloadStats, offloading_for
 from depthscale.train.optim import build_optimizer
 from depthscale.train.peer_loss import peer_failure, timeout_names
 from depthscale.train.schedule import lr_at, set_lr

@@ -4,7 +4,7 @@ MegaScale-style decoupling: a receive is posted early and waited on only when th
 it starts; a send does not hold up the compute after it. A sent buffer is freed once the send is
 known complete: polled after every compute (NCCL reports completion) or, since gloo reports it only
 to a wait, when a later message from the same peer proves the receive was posted there — at the
-latest at the end of the step. When each message is posted comes from `p2p_plan`: every rank posts
+latest at the end of the step. When each message is posted comes from `p2p_order`: every rank posts
 its sends and receives as groups, in one global order all ranks agree on, so the same code runs
 under NCCL (no tags, pairing by posting order) as under gloo. A hop carries one tensor [n, micro_batch, seq, dim]:
 the partial sum and the depth-state blocks the receiver lacks, packed so each hop is a single
@@ -26,7 +26,7 @@ from depthscale.model.documents import Documents
 from depthscale.observe import spans
 from depthscale.parallel import p2p
 from depthscale.parallel.pipeline.depth_cache import DepthCache
-from depthscale.parallel.pipeline.p2p_plan import (
+from depthscale.parallel.pipeline.p2p_order import (
     SENDS,
     Post,
     consumed_receive,
@@ -105,7 +105,7 @@ class PipelineRuntime:
         self.steps = 0  # steps run: names this step's messages (every rank runs the same steps)
         self.last_stats: StepStats | None = None
         self.forward_context: Callable[[], contextlib.AbstractContextManager] | None = None
-        """Entered around every training stage forward, e.g. `train.memory.offload_activations`
+        """Entered around every training stage forward, e.g. `train.offload.offload_activations`
         to keep what a micro-batch saves for backward in host memory while it is in flight."""
 
     def _empty_hop(self, a: Action) -> bool:

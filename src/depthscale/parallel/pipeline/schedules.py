@@ -239,7 +239,7 @@ def simulate(
     the embedding, the last the head).
 
     Messages are matched by what they carry, with sends that never block: this checks the
-    schedule's dependencies, not how NCCL would run its messages — `p2p_plan` orders those and
+    schedule's dependencies, not how NCCL would run its messages — `p2p_order` orders those and
     `nccl_rules.replay` checks them."""
     ranks = len(schedule)
     n_stages = _n_stages(schedule)

@@ -1,4 +1,4 @@
-"""When the pipeline posts its messages (`p2p_plan`): every rank's program, for every listed
+"""When the pipeline posts its messages (`p2p_order`): every rank's program, for every listed
 layout, schedule and cache setting, replays under NCCL's rules without a deadlock and with every
 message paired as intended — checked here without processes; tests/dist/test_nccl_rules.py shows
 the runtime posts exactly these groups, and replays what it really waits on."""
@@ -8,7 +8,7 @@ import pytest
 from depthscale.config import ModelConfig
 from depthscale.parallel.nccl_rules import replay
 from depthscale.parallel.pipeline.depth_cache import DepthCache
-from depthscale.parallel.pipeline.p2p_plan import (
+from depthscale.parallel.pipeline.p2p_order import (
     Post,
     Run,
     label,
