@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from depthscale.cli import main
-from depthscale.data.sources import write_bin
+from depthscale.data.token_files import write_bin
 from training_output import wait_for_step
 
 CONFIG = str(Path("configs/tiny.toml").resolve())

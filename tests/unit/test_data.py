@@ -6,14 +6,14 @@ import torch
 
 from depthscale.config import DataConfig
 from depthscale.data import loader
-from depthscale.data.encode import token_dtype
 from depthscale.data.loader import (
     PackedBatches,
     build_data,
     split_stream,
     tokenize_corpus,
 )
-from depthscale.data.sources import iter_documents, stdlib_files, write_bin
+from depthscale.data.sources import iter_documents, stdlib_files
+from depthscale.data.token_files import token_dtype, write_bin
 from depthscale.data.tokenizer import ByteTokenizer, train_bpe
 from depthscale.errors import DataError
 
@@ -209,7 +209,7 @@ def test_a_worker_that_dies_is_named_with_its_job_at_once(tmp_path):
     import signal
     import time
 
-    from depthscale.data.sources import check_stream
+    from depthscale.data.formats import check_stream
     from depthscale.data.worker_pool import WorkerDied, WorkerPool
 
     damaged = tmp_path / "d.jsonl.gz"

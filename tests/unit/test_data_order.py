@@ -8,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from depthscale.data.encode import write_npy_stream
 from depthscale.data.loader import PackedBatches
 from depthscale.data.order import WindowOrder
+from depthscale.data.token_files import write_npy_stream
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 1000, 4097, 65_537])

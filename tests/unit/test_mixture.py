@@ -185,7 +185,7 @@ def test_max_bytes_caps_each_text_source_and_start_up_says_what_it_leaves_out(tm
 
     from depthscale.config import DataConfig, DataSource
     from depthscale.data.loader import build_data
-    from depthscale.data.sources import write_bin
+    from depthscale.data.token_files import write_bin
 
     (tmp_path / "web.jsonl").write_text(json.dumps({"text": "w" * 3000}) + "\n")
     (tmp_path / "small.jsonl").write_text(json.dumps({"text": "s" * 500}) + "\n")

@@ -189,10 +189,9 @@ class DataStage:
 @dataclass
 class DataConfig:
     path: str = "stdlib"
-    """Corpus: 'stdlib' (the running Python's standard library source); text: a .txt, .jsonl,
-    .jsonl.gz, .jsonl.zst (`pip install 'depthscale[zstd]'`) or .parquet (`depthscale[parquet]`)
-    file or a directory of them; tokens: a .bin of `data.sources.write_bin`, a Megatron
-    IndexedDataset (PREFIX.bin with PREFIX.idx beside it), or an OLMo / Dolma .npy token array."""
+    """Corpus: 'stdlib' (the running Python's standard library source), a file of any format of
+    the table in `data/formats.py` (text, or tokens another trainer wrote; docs/data.md,
+    "Formats"), a directory of them, or a `depthscale tokenize` directory."""
     tokenizer: str = "byte"
     """'byte', 'bpe' (trained on the corpus with HF tokenizers and cached), or a path to a tokenizer.json."""
     eos_token: str = ""
@@ -209,7 +208,7 @@ class DataConfig:
     Start-up says how much of the corpus a cap leaves out."""
     bin_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Element type of a pre-tokenized .bin file, or of a raw (headerless) Dolma .npy. auto: the
-    one its sidecar `NAME.bin.json` records (written by `data.sources.write_bin`) or the .npy
+    one its sidecar `NAME.bin.json` records (written by `data.token_files.write_bin`) or the .npy
     header says; a file with neither needs it set. A Megatron .idx records its own."""
     cache_dir: str = ""
     """Where tokenized corpora and trained tokenizers are cached; '' = ~/.cache/depthscale."""

@@ -39,6 +39,17 @@ def cache_key(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def files_identity(cfg: DataConfig, files: list[Path], tokens: bool) -> dict[str, Any]:
+    """What decides the content of a corpus of `files` (their paths, sizes and mtimes, the text
+    cap and field, a token file's declared width): a cache key's input."""
+    return {
+        "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "max_bytes": cfg.max_bytes,
+        "jsonl_field": cfg.jsonl_field,
+        "bin_dtype": cfg.bin_dtype if tokens else None,
+    }
+
+
 @contextlib.contextmanager
 def atomic_path(target: Path) -> Iterator[Path]:
     """Yield a temporary sibling of `target` to write; rename it onto `target` on success."""

@@ -1,23 +1,18 @@
 """Documents to token ids: the stream every corpus becomes (each document followed by EOS), in
-pieces of about `_CHUNK_CHARS` of text, and the .npy writer that stores one without holding it
-(the tokenization cache, `depthscale tokenize`'s shards)."""
+pieces of about `_CHUNK_CHARS` of text (`token_files.write_npy_stream` stores one without holding
+it: the tokenization cache, `depthscale tokenize`'s shards)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
-from typing import BinaryIO
 
 import numpy as np
 
+from depthscale.data.token_files import token_dtype
 from depthscale.data.tokenizer import ByteTokenizer, Tokenizer
 
 _CHUNK_CHARS = 1 << 22  # documents are encoded in batches of about this much text
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest stream dtype that holds every id: half the memory of uint32 for most vocabs."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def encode_documents(
@@ -32,25 +27,6 @@ def encode_documents(
         if progress is not None:
             progress(len(piece))
         yield piece
-
-
-def write_npy_stream(f: BinaryIO, dtype: np.dtype, pieces: Iterable[np.ndarray]) -> None:
-    """Write pieces as one 1-D .npy array without holding it: the header is written first with
-    length 0 and rewritten at the end (numpy pads headers so that the length can grow in place)."""
-    header = {
-        "descr": np.lib.format.dtype_to_descr(dtype),
-        "fortran_order": False,
-        "shape": (0,),
-    }
-    np.lib.format.write_array_header_1_0(f, header)
-    data_start, n = f.tell(), 0
-    for piece in pieces:
-        f.write(piece.astype(dtype, copy=False).tobytes())
-        n += len(piece)
-    f.seek(0)
-    np.lib.format.write_array_header_1_0(f, header | {"shape": (n,)})
-    if f.tell() != data_start:
-        raise AssertionError("the .npy header changed length")  # numpy reserves room for it
 
 
 def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
@@ -84,4 +60,4 @@ def _encode_chunk(docs: Sequence[str], tokenizer: Tokenizer, dtype: np.dtype) ->
     return out
 
 
-__all__ = ["encode_documents", "token_dtype", "write_npy_stream"]
+__all__ = ["encode_documents"]

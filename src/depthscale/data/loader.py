@@ -22,7 +22,7 @@ import torch
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writes
 from depthscale.data.concat import ConcatTokens
-from depthscale.data.encode import encode_documents, token_dtype, write_npy_stream
+from depthscale.data.encode import encode_documents
 from depthscale.data.mixture import MixedBatches, Stage
 from depthscale.data.order import WindowOrder, rank_rows
 from depthscale.data.sources import (
@@ -32,6 +32,7 @@ from depthscale.data.sources import (
     source_config,
     token_format,
 )
+from depthscale.data.token_files import token_dtype, write_npy_stream
 from depthscale.data.token_stream import token_stream
 from depthscale.data.tokenizer import Tokenizer, build_tokenizer
 from depthscale.data.usage import TextUsage

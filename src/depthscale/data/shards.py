@@ -42,16 +42,11 @@ import numpy as np
 from depthscale.config import DataConfig
 from depthscale.data.cache import atomic_path
 from depthscale.data.concat import ConcatTokens
-from depthscale.data.encode import encode_documents, token_dtype, write_npy_stream
-from depthscale.data.sources import (
-    SHARD_MANIFEST,
-    TEXT_SUFFIXES,
-    check_stream,
-    corpus_files,
-    iter_documents,
-    parquet_file,
-    text_suffix,
-)
+from depthscale.data.encode import encode_documents
+from depthscale.data.formats import check_stream, format_of, has_check, is_part, text_suffixes
+from depthscale.data.sources import SHARD_MANIFEST, corpus_files, iter_documents
+from depthscale.data.text_files import Field
+from depthscale.data.token_files import token_dtype, write_npy_stream
 from depthscale.data.tokenizer import Tokenizer, tokenizer_label
 from depthscale.data.worker_pool import WorkerDied, WorkerPool
 from depthscale.errors import DataError
@@ -83,10 +78,10 @@ def input_files(inputs: list[str], field: str) -> list[Path]:
     for text in inputs:
         found = corpus_files(DataConfig(path=text, jsonl_field=field))
         for f in found:
-            if not text_suffix(f.name):
+            if not is_part(f, "text"):
                 raise DataError(
                     f"{f}: depthscale tokenize reads text; allowed: "
-                    + ", ".join(TEXT_SUFFIXES)
+                    + ", ".join(text_suffixes())
                     + " files or folders of them (token files train as they are)"
                 )
         blank = [f for f in found if _is_empty(f, field)]
@@ -110,12 +105,9 @@ def input_files(inputs: list[str], field: str) -> list[Path]:
 def _is_empty(path: Path, field: str) -> bool:
     """Whether the file holds no text, read no further than its first document (checking on
     the way that `field` is there)."""
-    if path.name.endswith(".parquet"):
-        return parquet_file(path, field, "--field").metadata.num_rows == 0
-    if ".jsonl" in path.name:
-        first = DataConfig(path=str(path), jsonl_field=field, max_bytes=1)
-        return next(iter(iter_documents(first)), None) is None
-    return path.stat().st_size == 0
+    if path.stat().st_size == 0:
+        return True
+    return next(iter(format_of(path).read(path, Field(field, "--field"))), None) is None
 
 
 def _encode_file(job: tuple[int, str, str, Tokenizer, str]) -> dict[str, Any]:
@@ -233,7 +225,7 @@ def tokenize_to_shards(
         spawn = multiprocessing.get_context("spawn")
         with WorkerPool(spawn, min(workers, len(jobs))) if parallel else nullcontext() as pool:
             run = pool.map_unordered if pool is not None else _one_by_one
-            compressed = [Path(job[1]) for job in jobs if job[1].endswith((".gz", ".zst"))]
+            compressed = [Path(job[1]) for job in jobs if has_check(Path(job[1]))]
             for _ in run(check_stream, compressed, lambda path: f"checking {path}"):
                 pass
             out.mkdir(parents=True, exist_ok=True)

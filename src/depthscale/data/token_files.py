@@ -1,4 +1,8 @@
-"""Token files that other trainers write, read document for document without their libraries.
+"""Token files: depthscale's own `.bin`, and those other trainers write, read document for document
+without their libraries (`data/token_parts.py` makes each a training stream).
+
+depthscale's `.bin` (`write_bin`): raw little-endian ids, and beside it `NAME.bin.json` recording
+their type and the vocabulary, so a reader never guesses the width.
 
 Megatron-LM's IndexedDataset: `PREFIX.bin` holds every sequence's tokens back to back, and
 `PREFIX.idx` says where each one is and which sequences make a document (megatron/core/datasets/
@@ -39,10 +43,12 @@ half: 0 below 65,536) are each evidence.
 from __future__ import annotations
 
 import gzip
+import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -79,12 +85,109 @@ class MegatronIndex:
         return len(self.documents) - 1
 
 
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest stream dtype that holds every id: half the memory of uint32 for most vocabs."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def write_npy_stream(f: BinaryIO, dtype: np.dtype, pieces: Iterable[np.ndarray]) -> None:
+    """Write pieces as one 1-D .npy array without holding it: the header is written first with
+    length 0 and rewritten at the end (numpy pads headers so that the length can grow in place)."""
+    header = {
+        "descr": np.lib.format.dtype_to_descr(dtype),
+        "fortran_order": False,
+        "shape": (0,),
+    }
+    np.lib.format.write_array_header_1_0(f, header)
+    data_start, n = f.tell(), 0
+    for piece in pieces:
+        f.write(piece.astype(dtype, copy=False).tobytes())
+        n += len(piece)
+    f.seek(0)
+    np.lib.format.write_array_header_1_0(f, header | {"shape": (n,)})
+    if f.tell() != data_start:
+        raise AssertionError("the .npy header changed length")  # numpy reserves room for it
+
+
+def bin_sidecar(path: Path) -> Path:
+    """`NAME.bin.json`: what a .bin of raw tokens cannot say itself (as Megatron's .idx does)."""
+    return path.with_name(path.name + ".json")
+
+
+def write_bin(path: str | Path, tokens: np.ndarray, vocab_size: int) -> Path:
+    """Write pre-tokenized `tokens` as a .bin (raw little-endian ids) plus its sidecar, which
+    records the element type and vocabulary so a reader never has to guess them."""
+    path = Path(path)
+    dtype = np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise DataError(f"write_bin: token ids must lie in [0, {vocab_size})")
+    np.asarray(tokens).astype(dtype.newbyteorder("<")).tofile(path)
+    meta = {"format": "depthscale-tokens", "dtype": dtype.name, "vocab_size": vocab_size}
+    bin_sidecar(path).write_text(json.dumps(meta) + "\n")
+    return path
+
+
+def bin_dtype(path: Path, setting: str) -> np.dtype:
+    """The element type of the .bin at `path`: its sidecar's, which `data.bin_dtype` (`setting`,
+    if not 'auto') must agree with; without a sidecar, `data.bin_dtype` must say it."""
+    sidecar = bin_sidecar(path)
+    if not sidecar.is_file():
+        if setting == "auto":
+            raise DataError(
+                f"{path} has no sidecar {sidecar.name} recording its token type; set "
+                "data.bin_dtype (allowed: 'uint16', 'uint32') or write the file with "
+                "depthscale.data.token_files.write_bin"
+            )
+        return np.dtype(setting)
+    try:
+        recorded = json.loads(sidecar.read_text())["dtype"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{sidecar}: not a valid token sidecar ({err!r})") from None
+    if recorded not in ("uint16", "uint32"):
+        raise DataError(f"{sidecar}: dtype {recorded!r}; allowed: 'uint16', 'uint32'")
+    if setting not in ("auto", recorded):
+        raise DataError(
+            f"data.bin_dtype={setting!r}, but {sidecar.name} says {path.name} holds "
+            f"{recorded} tokens; allowed: 'auto' or {recorded!r}"
+        )
+    return np.dtype(recorded)
+
+
+def read_bin(path: Path, setting: str) -> np.ndarray:
+    """A .bin file of raw little-endian tokens, memory-mapped (nothing is read yet)."""
+    dtype = bin_dtype(path, setting).newbyteorder("<")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise DataError(
+            f"{path}: {size} bytes is not a whole number of {dtype.name} tokens; "
+            "check data.bin_dtype"
+        )
+    if size == 0:
+        return np.empty(0, dtype)
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    check_width(tokens, path)
+    return tokens
+
+
+MEGATRON_PAIR = (".bin", ".idx")
+"""A Megatron IndexedDataset's two files: PREFIX.bin (the tokens), PREFIX.idx (the index)."""
+
+
 def megatron_pair(path: Path) -> tuple[Path, Path] | None:
     """(PREFIX.bin, PREFIX.idx) when `path` names either file of a Megatron pair (or the prefix
     itself), else None."""
-    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    pair = prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
-    return pair if pair[0].is_file() and pair[1].is_file() else None
+    prefix = path.with_suffix("") if path.suffix in MEGATRON_PAIR else path
+    data, index = (prefix.with_name(prefix.name + s) for s in MEGATRON_PAIR)
+    return (data, index) if data.is_file() and index.is_file() else None
+
+
+def megatron_files(path: Path) -> list[Path]:
+    """The pair `path` (either file) names; an index without its tokens is one line."""
+    pair = megatron_pair(path)
+    if pair is None:
+        data = path.with_suffix(MEGATRON_PAIR[0]).name
+        raise DataError(f"{path}: a Megatron index without its {data}")
+    return list(pair)
 
 
 def read_megatron_index(idx: Path, bin_size: int) -> MegatronIndex:
@@ -336,7 +439,15 @@ def _spread(n: int, at_most: int = _SAMPLE) -> np.ndarray:
 
 
 __all__ = [
+    "bin_dtype",
+    "bin_sidecar",
+    "read_bin",
+    "token_dtype",
+    "write_bin",
+    "write_npy_stream",
+    "megatron_files",
     "MEGATRON_DTYPES",
+    "MEGATRON_PAIR",
     "MEGATRON_MAGIC",
     "MegatronIndex",
     "check_index",
