@@ -18,8 +18,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -180,19 +182,72 @@ HANG_DRILLS = {
 }  # fmt: skip
 
 
-def _hang_drill(tmp_path: Path, kind: str) -> None:
+NOTICE = "waiting for the other workers to stop"
+
+
+def _stopped_children(pid: int) -> list[int]:
+    """The processes `pid` started that are stopped (state T in /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError):
+            continue
+        if int(ppid) == pid and state in ("T", "t"):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _train_ending_the_stopped_rank(tmp_path: Path, *args: str, env: dict):
+    """`train`, except that once the launcher's notice says it waits for the workers to stop, the
+    stopped culprit is SIGKILLed here, as torch's agent does 30 s later. That wait was most of a
+    drill's time, and TORCH_ELASTIC_SHUTDOWN_TIMEOUT does not shorten it: the agent stops a failed
+    group with its default timeout. One drill still waits it out (`test_hang_drill_...`)."""
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "depthscale.cli", "train", "-c",
+        str(Path("configs/tiny.toml").resolve()), *SMALL, *args, "--train.run_dir", str(run),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=dict(os.environ, PYTHONWARNINGS="ignore", **env),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = threading.Timer(TIMEOUT_S, proc.kill)
+    deadline.start()
+    stdout: list[str] = []
+    reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()))
+    reader.start()
+    stderr, killed = [], []
+    for line in proc.stderr:
+        stderr.append(line)
+        if NOTICE in line:
+            killed = _stopped_children(proc.pid)
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    reader.join()
+    deadline.cancel()
+    assert len(killed) == 1, f"stopped workers at the notice: {killed}\n{''.join(stderr)}"
+    return run, subprocess.CompletedProcess(cmd, proc.returncode, "".join(stdout), "".join(stderr))
+
+
+def _hang_drill(tmp_path: Path, kind: str, wait_for_torch: bool = False) -> None:
     """Unsupervised: the peers' own timeouts and hang dumps (supervised, the supervisor acts
     first: tests/faults)."""
     layout, culprit, op, waiter, waits_in = HANG_DRILLS[kind]
-    run, proc = train(
-        tmp_path, *layout, "--train.steps", "6", "--resilience.supervise", "false",
+    drill = [
+        *layout, "--train.steps", "6", "--resilience.supervise", "false",
         "--parallel.timeout_s", "10", "--logging.hang_dump_s", "2",
-        env={"DEPTHSCALE_INJECT_HANG": f"{culprit}:3:{op}"}, check=False,
-    )  # fmt: skip
+    ]  # fmt: skip
+    env = {"DEPTHSCALE_INJECT_HANG": f"{culprit}:3:{op}"}
+    if wait_for_torch:
+        run, proc = train(tmp_path, *drill, env=env, check=False)
+    else:
+        run, proc = _train_ending_the_stopped_rank(tmp_path, *drill, env=env)
     assert proc.returncode != 0
     assert "depthscale trace hang --run" in proc.stderr + proc.stdout
     # the stopped culprit never answers torch's SIGTERM: its 30 s wait is named, not silent
-    assert re.search(r"rank \d+ failed 5 s ago; waiting for the other workers to stop", proc.stderr)
+    assert re.search(rf"rank \d+ failed 5 s ago; {NOTICE}", proc.stderr)
     assert not (run / "trace" / "hang" / f"rank{culprit:05d}.json").exists()
     source, report = depthscale("trace", "hang", "--run", str(run), cwd=tmp_path).stdout.split(
         "\n", 1
@@ -204,14 +259,18 @@ def _hang_drill(tmp_path: Path, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", list(HANG_DRILLS))
 def test_hang_drill_names_the_stopped_rank(tmp_path, kind):
-    _hang_drill(tmp_path, kind)
+    # one drill lets torch's agent end the stopped rank itself, after its 30 s shutdown timeout
+    _hang_drill(tmp_path, kind, wait_for_torch=kind == "dp all-reduce")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("repeat", range(DRILL_REPEATS))
-@pytest.mark.parametrize("kind", list(HANG_DRILLS))
-def test_hang_drills_repeated(tmp_path, kind, repeat):
-    _hang_drill(tmp_path, kind)
+# The default suite's drill is the first run: with no more, no case (an empty set would be a skip).
+if DRILL_REPEATS > 1:
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("repeat", range(1, DRILL_REPEATS))
+    @pytest.mark.parametrize("kind", list(HANG_DRILLS))
+    def test_hang_drills_repeated(tmp_path, kind, repeat):
+        _hang_drill(tmp_path, kind)
 
 
 # A model whose step keeps each rank computing ~40 ms: with four ranks sharing two cores, the
