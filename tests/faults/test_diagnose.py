@@ -10,8 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from depthscale.config import CheckpointConfig
 from depthscale.resilience.diagnose import diagnose
+from depthscale.train.checkpoint import Checkpointer
 
 TIMEOUT_S = float(os.environ.get("DEPTHSCALE_E2E_TIMEOUT_S", "900"))  # a hang guard only
 
@@ -34,8 +37,21 @@ def nodes(*names):
 @pytest.fixture(scope="module")
 def healthy_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("diagnose") / "run"
+    _checkpoints_with_a_damaged_newest(run / "checkpoints")
     proc = cli("--nproc", "4", "--run", str(run), "--json")
     return run, proc
+
+
+def _checkpoints_with_a_damaged_newest(root):
+    """step_1 intact, step_2 with a flipped byte: what diagnose's recovery tiers must name."""
+    model = torch.nn.Linear(4, 3)
+    saver = Checkpointer(root, CheckpointConfig(), None)
+    for step in (1, 2):
+        saver.save(step, model, torch.optim.AdamW(model.parameters()), {"step": step})
+    shard = next((root / "step_00000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
 
 
 def test_healthy_run_exits_0_and_saves_the_baseline(healthy_run):
@@ -48,6 +64,11 @@ def test_healthy_run_exits_0_and_saves_the_baseline(healthy_run):
     baseline = json.loads((run / "diagnostics" / "baseline.json").read_text())
     assert set(baseline["nproc=4,size_mb=4"]) >= {"all_reduce", "send_recv", "memcpy"}
     assert len(list((run / "diagnostics").glob("2*.json"))) == 1
+    # the recovery tiers, verified as a restart would: the damaged newest checkpoint is named
+    # (a warning, not a node failure) and the one a restart would use is said
+    disk = next(t for t in report["recovery_tiers"] if t["tier"] == "disk")
+    assert disk["verified"] == "step_00000001" and len(disk["failed"]) == 1
+    assert "recovery tier disk: checkpoint step_00000002 on disk (" in proc.stderr
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from depthscale.model.transformer import Transformer
 from depthscale.train import checkpoint_write
 from depthscale.train.checkpoint import Checkpointer, load_model, save_model
 from depthscale.train.manifest import list_checkpoints, newest_verified, verified, verify
+from depthscale.train.snapshot import recovery_tiers
 
 ARCH = ModelConfig(dim=32)
 
@@ -432,3 +433,17 @@ def test_resume_takes_group_settings_from_the_config_and_state_from_the_checkpoi
     assert model2.layers["0"].attention.wq.weight in decayed
     for n, p in model2.named_parameters():
         torch.testing.assert_close(optimizer2.state[p]["exp_avg"], moments[n], rtol=0, atol=0)
+
+
+def test_recovery_tiers_name_a_damaged_version_and_what_a_restart_would_use(tmp_path):
+    """`depthscale diagnose --run` reports each tier as a restart would try it: the newest
+    version that verifies, and one line for each newer one that does not."""
+    run, memory = tmp_path / "run", tmp_path / "shm"
+    Run(memory).save(1, 2)
+    Run(run / "checkpoints").save(1)
+    flip_byte(next((step_dir(memory, 2)).glob("*.distcp")))
+    tiers = {t["tier"]: t for t in recovery_tiers(run, ARCH, memory_root=memory)}
+    assert tiers["memory"]["verified"] == "step_00000001"
+    [line] = tiers["memory"]["failed"]
+    assert line.startswith("snapshot step_00000002 in memory (") and "failed verification" in line
+    assert tiers["disk"]["verified"] == "step_00000001" and tiers["disk"]["failed"] == []

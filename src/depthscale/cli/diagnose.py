@@ -4,10 +4,13 @@ or all healthy (exit 0)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 from pathlib import Path
 
 from depthscale.cli.output_paths import check_output
+from depthscale.errors import ConfigError
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,7 +28,29 @@ def run(args: argparse.Namespace) -> int:
         size_mb=args.size_mb,
         timeout_s=args.timeout_s,
     )
-    print(report.to_json() if args.json else format_table(report), flush=True)
+    tiers = _recovery_tiers(Path(args.run))
+    if args.json:
+        print(json.dumps({**json.loads(report.to_json()), "recovery_tiers": tiers}, indent=1))
+    else:
+        print(format_table(report), flush=True)
     for node, reasons in report.bad_nodes.items():
         print(f"depthscale: diagnose: node {node} failed: {'; '.join(reasons)}", file=sys.stderr)
+    for tier in tiers:
+        for line in tier["failed"]:
+            print(f"depthscale: diagnose: recovery tier {tier['tier']}: {line}", file=sys.stderr)
+    if not args.json:
+        said = (f"{t['tier']} {t['verified'] or 'none verified'}" for t in tiers if t["versions"])
+        print(f"recovery tiers (what a restart would restore): {', '.join(said) or 'none saved'}")
     return 0 if report.healthy else 1
+
+
+def _recovery_tiers(run: Path) -> list[dict]:
+    """Each recovery tier of the run verified as a restart would (`train/snapshot.py`), against
+    the run's own model when its config.toml is there."""
+    from depthscale.config.loading import load_config
+    from depthscale.train.snapshot import recovery_tiers
+
+    model = None
+    with contextlib.suppress(ConfigError):  # a run whose config no longer loads: files only
+        model = load_config(run / "config.toml").model if (run / "config.toml").is_file() else None
+    return recovery_tiers(run, model)

@@ -49,14 +49,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from depthscale.resilience.keeper import SNAPSHOT_DIR_ENV
+from depthscale.resilience.keeper import SNAPSHOT_DIR_ENV, snapshot_dir
 from depthscale.train import console
 from depthscale.train.checkpoint import Checkpointer
 from depthscale.train.manifest import _step_of, choose_on_rank0, list_checkpoints, verify
 from depthscale.train.restore import RestoreStats
 
 if TYPE_CHECKING:
-    from depthscale.config import Config
+    from depthscale.config import Config, ModelConfig
     from depthscale.resilience.heartbeat import Heartbeat
 
 
@@ -100,14 +100,9 @@ class Snapshots:
         checkpoint on disk, or None; and the lines naming the ones that failed."""
         on_disk = list_checkpoints(self.disk.root)
         floor = _step_of(on_disk[-1].name) if on_disk else -1
-        failed = []
-        for path in reversed(list_checkpoints(self.root)):
-            if _step_of(path.name) < floor:
-                break
-            problem = verify(path, self.cfg.model)
-            if problem is None:
-                return path, failed
-            failed.append(f"snapshot {path.name} in memory ({path}) failed verification: {problem}")
+        path, failed = newest_verified_version(self.root, "memory", self.cfg.model, floor)
+        if path is not None:
+            return path, failed
         if failed:
             nxt = f"checkpoint {on_disk[-1].name} on disk" if on_disk else "the start"
             console.say(f"depthscale: {failed[0]}; restoring from the next tier ({nxt})")
@@ -153,3 +148,45 @@ class Snapshots:
         self.memory.inject_write_delay = faults.slow_save()
         path = self.memory.save(step, trainer.model, trainer.optimizer, trainer.trainer_state())
         faults.corrupt_after_save(step, path, self.memory.wait, trainer.env.is_main)
+
+
+def newest_verified_version(
+    root: Path, tier: str, model: ModelConfig | None, floor: int = -1
+) -> tuple[Path | None, list[str]]:
+    """The newest version under `root` that verifies, no older than step `floor`, or None; and
+    one line for each newer one that failed (what a restart tries, in its order)."""
+    failed = []
+    for path in reversed(list_checkpoints(root)):
+        if _step_of(path.name) < floor:
+            break
+        problem = verify(path, model)
+        if problem is None:
+            return path, failed
+        what = "snapshot" if tier == "memory" else "checkpoint"
+        where = "in memory" if tier == "memory" else f"on {tier}"
+        failed.append(f"{what} {path.name} {where} ({path}) failed verification: {problem}")
+    return None, failed
+
+
+def recovery_tiers(
+    run: Path, model: ModelConfig | None, memory_root: Path | None = None
+) -> list[dict[str, Any]]:
+    """What each tier of `run` would give a restart now, in the order it tries them: this
+    node's memory (its keeper's directory), then the checkpoints on disk. Per tier: its
+    directory, its versions, the newest that verifies and the lines naming newer ones that do
+    not (`depthscale diagnose --run` prints them, so a damaged tier is named before a fault
+    needs it)."""
+    rows = []
+    memory_root = memory_root if memory_root is not None else snapshot_dir(run)
+    for tier, root in (("memory", memory_root), ("disk", Path(run) / "checkpoints")):
+        good, failed = newest_verified_version(root, tier, model)
+        rows.append(
+            {
+                "tier": tier,
+                "root": str(root),
+                "versions": [p.name for p in list_checkpoints(root)],
+                "verified": good.name if good is not None else None,
+                "failed": failed,
+            }
+        )
+    return rows
