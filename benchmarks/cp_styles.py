@@ -26,12 +26,10 @@ gathers and reductions over the cp ranks are the same for all styles), counted a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -40,6 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import device_info, print_result, run_ranks  # noqa: E402
 
+from depthscale.parallel.comm_count import counting_payloads  # noqa: E402
 from depthscale.plan.comm import cp_choice, rank_payload  # noqa: E402
 from depthscale.plan.layout import Layout  # noqa: E402
 from depthscale.shape import ModelShape  # noqa: E402
@@ -47,52 +46,8 @@ from depthscale.shape import ModelShape  # noqa: E402
 STYLES = {2: {"ring": 1, "ulysses": 2}, 4: {"ring": 1, "ulysses": 4, "hybrid": 2}}
 VOCAB = 256
 
+
 # torch.distributed call -> (operation, argument holding the payload, its position)
-_COLLECTIVES = {
-    "all_gather_single": ("all_gather", "output", 0),
-    "reduce_scatter_single": ("reduce_scatter", "input", 1),
-    "all_gather_into_tensor": ("all_gather", "output_tensor", 0),
-    "reduce_scatter_tensor": ("reduce_scatter", "input", 1),
-    "all_reduce": ("all_reduce", "tensor", 0),
-    "all_to_all_single": ("all_to_all", "input", 1),
-}
-
-
-@contextlib.contextmanager
-def _counting():
-    """Payload bytes per (operation, 'cp') of every collective and P2P call in the block (the
-    mesh is cp alone, so every group spans cp ranks: the planner's group label 'cp')."""
-    log: Counter = Counter()
-    saved = {n: getattr(dist, n) for n in [*_COLLECTIVES, "batch_isend_irecv"] if hasattr(dist, n)}
-
-    def collective(name, fn):
-        op, key, position = _COLLECTIVES[name]
-
-        def run(*args, **kwargs):
-            t = kwargs.get(key, args[position] if len(args) > position else None)
-            log[op, "cp"] += t.numel() * t.element_size()
-            return fn(*args, **kwargs)
-
-        return run
-
-    def batch(fn):
-        def run(ops):
-            for op in ops:
-                kind = "send" if op.op is dist.isend else "recv"
-                log[kind, "cp"] += op.tensor.numel() * op.tensor.element_size()
-            return fn(ops)
-
-        return run
-
-    for name, fn in saved.items():
-        setattr(dist, name, batch(fn) if name == "batch_isend_irecv" else collective(name, fn))
-    try:
-        yield log
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
 def _config(args: argparse.Namespace, cp: int, u: int):
     from depthscale.config import Config
 
@@ -136,7 +91,7 @@ def _worker(rank: int, cp: int, args: argparse.Namespace, port: int, queue) -> N
                 p.grad = None
 
         step()  # set-up and warm-up
-        with _counting() as log:
+        with counting_payloads(lambda group: "cp") as log:
             step()
         lay = Layout(cp=cp, ulysses=u)
         planned = rank_payload(ModelShape.from_config(cfg.model), lay, args.seq, 1, False,

@@ -8,7 +8,6 @@ reducer, out of Python's sight; the planner's formula for it is not counted here
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
@@ -18,6 +17,7 @@ from harness import cached_mesh
 
 from depthscale.config import Config
 from depthscale.model.transformer import Transformer
+from depthscale.parallel.comm_count import counting_payloads
 from depthscale.parallel.mesh import ParallelDims
 from depthscale.parallel.parallelize import dp_rank_and_size, parallelize
 from depthscale.plan.comm import DIMS, rank_payload
@@ -25,14 +25,6 @@ from depthscale.plan.layout import Layout
 from depthscale.shape import ModelShape
 
 BATCH, SEQ, VOCAB = 8, 16, 70
-COLLECTIVES = {
-    "all_gather_single": ("all_gather", "output"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "all_reduce": ("all_reduce", "tensor"),
-    "all_to_all_single": ("all_to_all", "input"),
-}
 
 
 def _config(residual: str, dims_kw: dict, recompute: str) -> Config:
@@ -53,42 +45,6 @@ def _config(residual: str, dims_kw: dict, recompute: str) -> Config:
     for name, value in dims_kw.items():
         setattr(cfg.parallel, name, value)
     return cfg.validate()
-
-
-@contextlib.contextmanager
-def _counting(label):
-    """Count payload bytes per (operation, group label) of every collective and P2P call."""
-    log: Counter = Counter()
-    saved = {name: getattr(dist, name) for name in [*COLLECTIVES, "batch_isend_irecv"]
-             if hasattr(dist, name)}  # fmt: skip
-
-    def collective(name, fn):
-        op, key = COLLECTIVES[name]
-        position = 1 if op in ("reduce_scatter", "all_to_all") else 0
-
-        def run(*args, **kwargs):
-            t = kwargs.get(key, args[position] if len(args) > position else None)
-            log[op, label(kwargs.get("group"))] += t.numel() * t.element_size()
-            return fn(*args, **kwargs)
-
-        return run
-
-    def batch(fn):
-        def run(ops):
-            for op in ops:
-                kind = "send" if op.op is dist.isend else "recv"
-                log[kind, label(op.group)] += op.tensor.numel() * op.tensor.element_size()
-            return fn(ops)
-
-        return run
-
-    for name, fn in saved.items():
-        setattr(dist, name, batch(fn) if name == "batch_isend_irecv" else collective(name, fn))
-    try:
-        yield log
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def _measure(residual: str, dims_kw: dict, recompute: str) -> dict:
@@ -115,7 +71,7 @@ def _measure(residual: str, dims_kw: dict, recompute: str) -> dict:
     plan.reduce_gradients()
     for p in model.parameters():
         p.grad = None
-    with _counting(label) as log:
+    with counting_payloads(label) as log:
         plan.forward_backward(model, tokens[rows, :-1], tokens[rows, 1:])
         plan.reduce_gradients()
     return {
