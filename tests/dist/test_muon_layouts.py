@@ -39,14 +39,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from depthscale.model.transformer import Transformer
 from depthscale.parallel.mesh import ParallelDims
-from depthscale.parallel.parallelize import parallelize
+from depthscale.parallel.parallelize import dp_rank_and_size, parallelize
 from depthscale.plan.layout import Layout
 from depthscale.plan.muon_states import muon_state_bytes, muon_step_work
 from depthscale.shape import ModelShape
 from depthscale.shape.muon import update_scale
 from depthscale.train.muon import _shard_key
 from depthscale.train.optim import build_optimizer
-from tolerances import U32, check
+from tolerances import U32, check, fp32_model_bound
 
 STEPS, LR, WD = 3, 0.02, 0.1
 MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_ffn_dim": 24, "moe_first_dense": 1}
@@ -255,3 +255,67 @@ def test_muon_bf16_loss_curve_matches_one_process(dist_pool):
     learned = r["bf16"][0] - r["bf16"][-1]
     assert learned > 1.0, f"the one-process Muon run learned only {learned:.3g}"
     assert max(bounds) < 0.1 * learned, "the bound would hide a run that trains differently"
+
+
+def _qk_clip(dims_kw: dict) -> dict:
+    """QK-clip at the layout against one process: both forward the same batch (each data-parallel
+    rank its rows), then each clips (no optimizer update, so only the clip moves weights). τ sits
+    halfway between the middle two of one process's max logits: half the heads are clipped.
+
+    Bound: the recorded maxima differ from one process's by the forward's reduction order, a
+    relative `fp32_model_bound(backward=False)`; each scale γ = τ/S inherits it, and a clipped
+    weight w·γ moves by |w|·γ·that (plus a few roundings of the scales)."""
+    dims = ParallelDims(**dims_kw).validate(dist.get_world_size())
+
+    def build(mesh, d, kw):
+        cfg = small_config("block", kw)
+        cfg.optim.name, cfg.optim.qk_clip_tau = "muon", 1.0
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        plan = parallelize(model, mesh, d, cfg, device=torch.device("cpu"))
+        return cfg, model, plan, build_optimizer(model, cfg.optim)
+
+    cfg, ref, ref_plan, ref_opt = build(None, ParallelDims(), {})
+    mesh = cached_mesh(dims)
+    _, model, plan, opt = build(mesh, dims, dims_kw)
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ref_plan.forward_backward(ref, x, y)
+    maxima = torch.cat([layer.attention.logit_max for layer in ref.layers.values()]).sort().values
+    tau = float(maxima[len(maxima) // 2 - 1] + maxima[len(maxima) // 2]) / 2
+    rank, size = dp_rank_and_size(mesh, dims)
+    rows = slice(rank * 4 // size, (rank + 1) * 4 // size)
+    plan.forward_backward(model, x[rows], y[rows])
+    before = {n: q.detach().clone() for n, q in ref.named_parameters()}
+    for o in (opt, ref_opt):
+        o.qk_clip.tau = tau
+        o.qk_clip.apply()
+    refs = dict(ref.named_parameters())
+    bound = fp32_model_bound(cfg.model, 16, 4, backward=False) + 8 * U32
+    out: dict = {"err": {}, "bound": {}, "moved": {}}
+    for name, p in model.named_parameters():
+        if ".wq." in name or ".wk." in name:
+            q = refs[name].detach()
+            out["err"][name] = (_full(p.detach()) - q).abs().max().item()
+            out["bound"][name] = bound * q.abs().max().item()
+            out["moved"][name] = (q - before[name]).abs().max().item()
+    out["clipped"] = (opt.qk_clip.clipped.tolist(), ref_opt.qk_clip.clipped.tolist())
+    return out
+
+
+QK_CLIP_LAYOUTS = [({"pp": 2}, 2), ({"dp_shard": 2, "tp": 2}, 4)]
+
+
+@pytest.mark.parametrize("dims_kw,ranks", QK_CLIP_LAYOUTS, ids=[str(d) for d, _ in QK_CLIP_LAYOUTS])
+def test_qk_clip_layouts_match_one_process(dist_pool, dims_kw, ranks):
+    """Every rank clips from the same maxima (MAX over the data-parallel ranks' rows, tp ranks'
+    heads, pipeline stages' layers) and scales the rows it holds (its FSDP shard, its tp heads):
+    the weights equal one process's clipped ones, and the clip moved them far beyond the bound."""
+    for r in dist_pool(ranks).run(_qk_clip, dims_kw):
+        layout, one = r["clipped"]
+        assert layout == one and 0 < sum(map(sum, one)) < sum(map(len, one))
+        assert r["err"], "no attention weight on this rank"
+        for name, err in r["err"].items():
+            check(err, r["bound"][name], name)
+        assert max(r["moved"].values()) > 100 * max(r["bound"].values())

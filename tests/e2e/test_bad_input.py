@@ -110,6 +110,13 @@ CONFIG_CASES = [
     (["--optim.name", "muon", "--optim.muon_ns_steps", "0"], "optim.muon_ns_steps=0 must be in"),
     (["--optim.name", "muon", "--optim.muon_momentum", "1"], "optim.muon_momentum=1.0 must be in"),
     (["--optim.muon_adamw_lr", "-1"], "optim.muon_adamw_lr=-1.0 must be >= 0"),
+    (["--optim.muon_lr", "0.1"], "unknown key in [optim] 'muon_lr'"),
+    (["--optim.name", "muon", "--optim.qk_clip_tau", "-1"], "optim.qk_clip_tau=-1.0 must be >= 0"),
+    (["--optim.qk_clip_tau", "5"], "optim.qk_clip_tau=5.0 needs optim.name = 'muon'"),
+    (
+        ["--nproc", "2", "--parallel.cp", "2", "--optim.name", "muon", "--optim.qk_clip_tau", "5"],
+        "optim.qk_clip_tau=5.0 needs parallel.cp = 1",
+    ),
     (["--optim.name", "sgd"], "optim.name: 'sgd' is not allowed"),
     (["--checkpoint.resume", "/no/such/step"], "checkpoint.resume='/no/such/step' does not exist"),
     # layouts a worker would refuse, caught once in the launching process

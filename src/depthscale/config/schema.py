@@ -320,6 +320,11 @@ class OptimConfig:
     muon_adamw_lr: float = 0.0
     """Muon: the peak learning rate of the parameters AdamW updates (embedding, output head, norms,
     AttnRes queries, MoE router); 0 = optim.lr. The schedule scales it as it scales optim.lr."""
+    qk_clip_tau: float = 0.0
+    """Muon: QK-clip (Kimi K2's MuonClip) at this max attention logit; 0 = off. After each step,
+    a head whose largest logit q·k/√head_dim in that step's forward passed τ has W_q and W_k
+    rescaled so its logits shrink to τ (docs/training.md, QK-clip). Muon only; not with context
+    parallelism (no rank holds all of a query's keys)."""
 
 
 @dataclass

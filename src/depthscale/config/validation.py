@@ -211,6 +211,7 @@ def _check_optim(cfg: Config) -> None:
         if not 0.0 <= getattr(o, beta) < 1.0:
             raise ConfigError(f"optim.{beta}={getattr(o, beta)} must be in [0, 1)")
     _check_muon(o)
+    _check_qk_clip(cfg)
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} exceeds train.steps={t.steps}")
 
@@ -402,6 +403,26 @@ def _check_muon(o: Any) -> None:
         )
     if not o.muon_adamw_lr >= 0.0:
         raise ConfigError(f"optim.muon_adamw_lr={o.muon_adamw_lr} must be >= 0 (0 = optim.lr)")
+
+
+def _check_qk_clip(cfg: Config) -> None:
+    """QK-clip (`train/qk_clip.py`) runs in Muon's step, from logits of whole rows."""
+    o = cfg.optim
+    if not o.qk_clip_tau >= 0.0:
+        raise ConfigError(f"optim.qk_clip_tau={o.qk_clip_tau} must be >= 0 (0 = off)")
+    if o.qk_clip_tau == 0.0:
+        return
+    if o.name != "muon":
+        raise ConfigError(
+            f"optim.qk_clip_tau={o.qk_clip_tau} needs optim.name = 'muon', not {o.name!r} "
+            "(QK-clip is MuonClip; set optim.qk_clip_tau = 0 for other optimizers)"
+        )
+    if cfg.parallel.cp > 1:
+        raise ConfigError(
+            f"optim.qk_clip_tau={o.qk_clip_tau} needs parallel.cp = 1, not {cfg.parallel.cp}: "
+            "under context parallelism (ring or Ulysses) no rank holds a query's logits over "
+            "all its keys"
+        )
 
 
 def _non_negative(cfg: Config, *keys: str) -> None:

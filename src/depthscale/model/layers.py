@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from depthscale.config import ModelConfig, RopeScalingKind
+from depthscale.model.attention_logits import max_logits
 from depthscale.model.document_attention import document_attention
 from depthscale.model.documents import Documents
 from depthscale.model.window_attention import window_attention
@@ -236,6 +237,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attention_fn: AttentionFn = sdpa_attention
+        self.record_logits = False
+        """Set by QK-clip (`train/qk_clip.py`): training forwards keep, in `logit_max`, each local
+        head's largest attention logit since QK-clip last read it (`attention_logits`)."""
+        self.logit_max: Tensor | None = None
+        outside_graph(_record_logits)  # wrapped here, outside any compiled region
 
     def forward(
         self,
@@ -272,12 +278,26 @@ class Attention(nn.Module):
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.record_logits and self.training and torch.is_grad_enabled() and cache is None:
+            outside_graph(_record_logits)(self, q, k, positions, documents)
         k_pos = positions
         if cache is not None:
             k, v = cache.update(start, k, v)
             k_pos = torch.arange(k.shape[2], device=q.device)
         y = self.attention_fn(q, k, v, positions, k_pos, self.window, documents)
         return y.transpose(1, 2).reshape(B, T, -1)
+
+
+def _record_logits(
+    attn: Attention, q: Tensor, k: Tensor, positions: Tensor | None, documents: Documents | None
+) -> None:
+    """Fold this forward's per-head max logit into `attn.logit_max` (a recomputed forward, under
+    activation checkpointing, folds the same values in again). Whole rows only: a context-parallel
+    shard holds part of the keys (the config refuses QK-clip there)."""
+    if positions is not None:
+        raise ValueError("QK-clip reads the logits of whole rows (positions None), not a shard's")
+    now = max_logits(q.detach(), k.detach(), attn.window, documents)
+    attn.logit_max = now if attn.logit_max is None else torch.maximum(attn.logit_max, now)
 
 
 class SwiGLU(nn.Module):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from depthscale.shape.muon import (
     update_scale,
 )
 from depthscale.train.lamb import LAMB, _fp32, _grad_like_param, _local
+
+if TYPE_CHECKING:
+    from depthscale.train.qk_clip import QKClip
 
 __all__ = ["Muon", "newton_schulz"]
 
@@ -111,6 +114,7 @@ class Muon(LAMB):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         ns_dtype: torch.dtype | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         if lr < 0.0 or weight_decay < 0.0 or eps < 0.0:
             raise ValueError(f"Muon: lr={lr}, weight_decay={weight_decay}, eps={eps} must be >= 0")
@@ -140,6 +144,8 @@ class Muon(LAMB):
                         raise ValueError(f"Muon: a muon group holds a {p.ndim}-D parameter")
         self.muon_params = [p for g in self.param_groups if g["muon"] for p in g["params"]]
         self.ns_dtype = ns_dtype
+        self.qk_clip = qk_clip
+        """MuonClip (`train/qk_clip.py`): W_q, W_k rescaled after each step; None: off."""
         self.orthogonalised: list[int] = []
         self.moved: Counter = Counter()
         self._routes: dict[tuple, _Redistribution] = {}
@@ -158,7 +164,16 @@ class Muon(LAMB):
         self._muon_step()
         for w in adamw:
             w.apply()
+        if self.qk_clip is not None:
+            self.qk_clip.apply()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also forgets QK-clip's recorded logits: a try the NaN guard abandons zeroes the
+        gradients without stepping, and its forward must not count in the next step's clip."""
+        super().zero_grad(set_to_none)
+        if self.qk_clip is not None:
+            self.qk_clip.reset()
 
     def _muon_step(self) -> None:
         index = {id(p): i for i, p in enumerate(self.muon_params)}

@@ -15,6 +15,7 @@ from depthscale.config import OptimConfig
 from depthscale.shape.muon import is_muon_matrix
 from depthscale.train.lamb import LAMB, NormFn
 from depthscale.train.muon import Muon
+from depthscale.train.qk_clip import QKClip
 
 __all__ = ["LAMB", "NormFn", "build_optimizer", "muon_groups", "param_groups"]
 
@@ -103,6 +104,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             weight_decay=cfg.weight_decay,
             betas=betas,
             eps=cfg.eps,
+            qk_clip=_qk_clip(model, cfg),
         )
     raise ValueError(f"optim.name={cfg.name!r} is not supported; allowed: 'adamw', 'lamb', 'muon'")
 
@@ -126,6 +128,14 @@ def muon_groups(
     out = [{"params": matrices, "muon": True, "weight_decay": cfg.weight_decay, "lr_scale": 1.0}]
     out += [{**g, "lr": cfg.lr * adamw_scale, "lr_scale": adamw_scale} for g in adamw]
     return [g for g in out if g["params"]]
+
+
+def _qk_clip(model: nn.Module, cfg: OptimConfig) -> QKClip | None:
+    """Muon's QK-clip at `optim.qk_clip_tau` (0: off), over the model's attention layers."""
+    if cfg.qk_clip_tau <= 0:
+        return None
+    m = model.cfg
+    return QKClip(model, cfg.qk_clip_tau, m.n_layers, m.n_heads, m.kv_heads)
 
 
 class ShardedFusedAdamW(torch.optim.AdamW):
