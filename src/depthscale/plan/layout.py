@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
@@ -44,10 +45,11 @@ class Layout:
     """Ulysses degree of cp (`parallel.cp_ulysses`): 1 a ring, cp Ulysses, between the hybrid
     (last: the search builds layouts by position)."""
 
-    @property
+    @functools.cached_property
     def degrees(self) -> Degrees:
         """The parallel degrees alone: what shape/ derives from them (world, dp, shards, expert
-        mesh) and the rules they obey, as the runtime reads them."""
+        mesh) and the rules they obey, as the runtime reads them. Cached: the planner asks for
+        them per parameter and rank (a frozen layout's degrees never change)."""
         return Degrees.of(self)
 
     @property
