@@ -238,10 +238,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attention_fn: AttentionFn = sdpa_attention
         self.record_logits = False
-        """Set by QK-clip (`train/qk_clip.py`): training forwards keep, in `logit_max`, each local
-        head's largest attention logit since QK-clip last read it (`attention_logits`)."""
+        """`record_max_logits` (QK-clip, `train/qk_clip.py`): training forwards keep, in
+        `logit_max`, each local head's largest attention logit since QK-clip last read it."""
         self.logit_max: Tensor | None = None
+
+    def record_max_logits(self) -> None:
+        """From now on, fold each training forward's per-head max logit into `logit_max`
+        (`attention_logits.max_logits`; not in evaluation, no-grad or KV-cache forwards)."""
         outside_graph(_record_logits)  # wrapped here, outside any compiled region
+        self.record_logits = True
 
     def forward(
         self,

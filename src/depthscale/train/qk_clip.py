@@ -55,7 +55,7 @@ class QKClip:
                     raise ValueError(f"QKClip: attention {name!r} is not in a numbered layer")
                 heads = _forward_heads(module.wq.weight, n_heads, module.head_dim)
                 self.layers.append((int(match.group(1)), module, heads))
-                module.record_logits = True
+                module.record_max_logits()
         self.clipped: Tensor | None = None
         """After `apply`: bool [layers, heads], the heads whose S passed tau (for tests, metrics)."""
 
