@@ -95,7 +95,7 @@ def test_skipped_batches_are_passed_over_as_if_consumed(tmp_path):
     positions = [(0, 4 * i) for i in range(4)]
     record_skipped(tmp_path, 2, positions[1])
     assert json.loads((tmp_path / SKIPPED).read_text()) == [{"step": 2, "epoch": 0, "cursor": 4}]
-    skipping.skip = read_skipped(tmp_path)
+    skipping.exclude(read_skipped(tmp_path))
     got = [skipping.next_batch() for _ in range(3)]
     for a, b in zip(got, [batches[0], batches[2], batches[3]]):
         assert all(np.array_equal(x, y) for x, y in zip(a, b))

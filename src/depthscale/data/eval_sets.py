@@ -9,7 +9,8 @@ import math
 from collections.abc import Callable
 
 from depthscale.config import DataConfig
-from depthscale.data.loader import DataBundle, PackedBatches, held_out_batches, tokenize_corpus
+from depthscale.data.loader import DataBundle, held_out_batches, tokenize_corpus
+from depthscale.data.stream import BatchStream
 from depthscale.data.tokenizer import Tokenizer
 
 
@@ -36,7 +37,7 @@ def attach_eval_sets(
     return data
 
 
-def bytes_per_token(batches: PackedBatches, n_batches: int, tokenizer: Tokenizer) -> float:
+def bytes_per_token(batches: BatchStream, n_batches: int, tokenizer: Tokenizer) -> float:
     """UTF-8 bytes of text per label token of the first `n_batches` evaluation batches (the ones
     evaluated): decoded window by window; EOS stands for no bytes."""
     tokens = text = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from depthscale.data.sources import (
     source_config,
     token_format,
 )
+from depthscale.data.stream import Batch, BatchStream, Position
 from depthscale.data.token_files import token_dtype, write_npy_stream
 from depthscale.data.token_stream import token_stream
 from depthscale.data.tokenizer import Tokenizer, build_tokenizer
@@ -40,7 +41,6 @@ from depthscale.errors import DataError
 
 __all__ = ["DataBundle", "PackedBatches", "build_data", "split_stream", "tokenize_corpus"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 ORDER = "feistel-6"
 """The data order's name and version, kept in the loader state: resuming under another order
 would not continue the same sequence of batches."""
@@ -48,12 +48,13 @@ would not continue the same sequence of batches."""
 
 @dataclass
 class DataBundle:
-    """What the trainer needs from the data side: the tokenizer and the train/val batch streams."""
+    """What the trainer needs from the data side: the tokenizer and the train/val batch streams,
+    each kept to one contract (`data/stream.py`)."""
 
     tokenizer: Tokenizer
-    train: PackedBatches | MixedBatches
-    val: PackedBatches | None
-    eval_sets: dict[str, PackedBatches] = field(default_factory=dict)
+    train: BatchStream
+    val: BatchStream | None
+    eval_sets: dict[str, BatchStream] = field(default_factory=dict)
     """The named held-out sets (`[[eval.sets]]`, `data/eval_sets.py`)."""
 
 
@@ -198,7 +199,8 @@ class PackedBatches:
     epoch's end are skipped (a different few each epoch). The position is just (epoch, cursor);
     `state_dict()` adds seed, seq_len and n_windows so resuming over a different stream is refused.
 
-    Data parallel: every rank holds the same PackedBatches and calls `next_batch(rank, world)`,
+    A `BatchStream` (`data/stream.py`). Data parallel: every rank holds the same PackedBatches and
+    calls `next_batch(rank, world)`,
     which returns the contiguous rows [rank*B/world, (rank+1)*B/world) of the global batch, so the
     ranks' slices concatenated in rank order are exactly the world=1 batch and all ranks' states
     stay identical.
@@ -219,10 +221,8 @@ class PackedBatches:
             )
         self.epoch = 0
         self.cursor = 0
-        self.skip: set[tuple[int, int]] = set()
-        """Batch positions (epoch, cursor) never to train on: batches that made the loss
-        non-finite on every try (`train/nan_guard.py`); passed over as if consumed."""
-        self.position: tuple[int, int] | None = None
+        self._excluded: set[Position] = set()
+        self.position: Position | None = None
         """(epoch, cursor) of the batch `next_batch` returned last."""
         self._order: WindowOrder | None = None
 
@@ -234,7 +234,7 @@ class PackedBatches:
         """The next global batch (or this rank's contiguous slice of it); advances the state."""
         rows = self._rows(rank, world)
         self._to_next_batch()
-        while (self.epoch, self.cursor) in self.skip:
+        while (self.epoch, self.cursor) in self._excluded:
             self.cursor += self.batch_size
             self._to_next_batch()
         self.position = (self.epoch, self.cursor)
@@ -253,8 +253,10 @@ class PackedBatches:
             windows = np.arange(b * self.batch_size, (b + 1) * self.batch_size)
             yield self._gather(windows[rows])
 
+    def exclude(self, positions: Iterable[Position]) -> None:
+        self._excluded.update(positions)
+
     def metrics(self, state: dict[str, Any]) -> dict[str, float]:
-        """Metrics of the stream at `state` beyond the trainer's own: none for one stream."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -296,4 +298,4 @@ class PackedBatches:
         t = self.seq_len
         rows = np.stack([self.tokens[i * t : i * t + t + 1] for i in windows.tolist()])
         rows = rows.astype(np.int64)
-        return torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy())
+        return Batch(torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(rows[:, 1:].copy()))

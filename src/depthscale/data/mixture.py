@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from depthscale.data.order import WindowOrder, rank_rows
+from depthscale.data.stream import Batch, Position
 from depthscale.errors import DataError
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 ORDER = "mixture-1/feistel-6"
 
 
@@ -78,8 +78,8 @@ class _Source:
 
 
 class MixedBatches:
-    """Batches of (inputs, labels) [B, T] drawn from weighted sources; the interface of
-    `loader.PackedBatches` (next_batch, state_dict, load_state_dict, skip, position)."""
+    """Batches of (inputs, labels) [B, T] drawn from weighted sources: a `BatchStream`
+    (`data/stream.py`), as one stream is; its position is (0, batch index)."""
 
     def __init__(
         self,
@@ -96,10 +96,8 @@ class MixedBatches:
         self.n_windows = sum(s.n_windows for s in self.sources)
         self.step = 0  # batches dealt
         self.stage_counts = [0] * len(self.sources)  # windows of each source in this stage
-        self.skip: set[tuple[int, int]] = set()
-        """Batch positions never to train on (`train/nan_guard.py`), passed over as if
-        consumed; a mixture's position is (0, batch index)."""
-        self.position: tuple[int, int] | None = None
+        self._excluded: set[Position] = set()
+        self.position: Position | None = None
 
     # ------------------------------------------------------------------ serving
 
@@ -139,12 +137,14 @@ class MixedBatches:
     def next_batch(self, rank: int = 0, world: int = 1) -> Batch:
         rows_of_rank = self._rows(rank, world)
         rows = self._deal()
-        while (0, self.step - 1) in self.skip:
+        while (0, self.step - 1) in self._excluded:
             rows = self._deal()
         self.position = (0, self.step - 1)
         mine = rows[rows_of_rank]
         stacked = np.stack([self.sources[s].window(w) for s, w in mine]).astype(np.int64)
-        return torch.from_numpy(stacked[:, :-1].copy()), torch.from_numpy(stacked[:, 1:].copy())
+        return Batch(
+            torch.from_numpy(stacked[:, :-1].copy()), torch.from_numpy(stacked[:, 1:].copy())
+        )
 
     def iter_eval(self, n_batches: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         """The mixture's first `n_batches` batches (as a new run deals them): the same every
@@ -157,6 +157,9 @@ class MixedBatches:
         return rank_rows(self.batch_size, rank, world)
 
     # ------------------------------------------------------------------ state
+
+    def exclude(self, positions: Iterable[Position]) -> None:
+        self._excluded.update(positions)
 
     def metrics(self, state: dict[str, Any]) -> dict[str, float]:
         """`tokens/<name>` and `epoch/<name>` of every source at `state`."""

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from depthscale.data.loader import Batch, PackedBatches
+from depthscale.data.stream import Batch, BatchStream, Position
 
 
 class Prefetcher:
     def __init__(
         self,
-        loader: PackedBatches,
+        loader: BatchStream,
         rank: int = 0,
         world: int = 1,
         depth: int = 2,
@@ -34,8 +35,8 @@ class Prefetcher:
         self.loader, self.rank, self.world, self.depth = loader, rank, world, depth
         self.pin, self.device_index = pin, device_index
         self._state = loader.state_dict()
-        self.position: tuple[int, int] | None = None
-        """The data position (epoch, cursor) of the batch handed out last."""
+        self.position: Position | None = None
+        """The data position of the batch handed out last."""
         self._start()
 
     def _start(self) -> None:
@@ -52,7 +53,7 @@ class Prefetcher:
             while not self._stop.is_set():
                 batch = self.loader.next_batch(self.rank, self.world)
                 if self.pin:
-                    batch = (batch[0].pin_memory(), batch[1].pin_memory())
+                    batch = Batch(batch.inputs.pin_memory(), batch.labels.pin_memory())
                 item = (batch, self.loader.state_dict(), self.loader.position)
                 while not self._stop.is_set():
                     try:
@@ -81,10 +82,9 @@ class Prefetcher:
         epochs per source; none for one stream)."""
         return self.loader.metrics(self._state)
 
-    def exclude(self, position: tuple[int, int]) -> None:
-        """Never serve the batch at `position` again (one the NaN guard found non-finite on
-        every try); passed over as if consumed."""
-        self.loader.skip.add(position)
+    def exclude(self, positions: Iterable[Position]) -> None:
+        """Never serve the batches at `positions` (`BatchStream.exclude`)."""
+        self.loader.exclude(positions)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.close()

@@ -77,7 +77,7 @@ class Trainer:
         self.stop_agreed = False
         self.stopped_by: signal.Signals | None = None
         """The signal that ended `fit` early (agreed by all ranks), or None."""
-        self.data.train.skip = read_skipped(self.run_dir)
+        self.data.train.exclude(read_skipped(self.run_dir))
         if resume_from is not None:
             setup.check_same_tokenizer(self.run_dir, self.data.tokenizer)
             self._restore(resume_from)
@@ -252,7 +252,7 @@ class Trainer:
         newest verified checkpoint (`nan_guard.roll_back_to`)."""
         self.telemetry.abandon_step()
         self.pending.resolve()  # the steps before it, numbered before rolling back
-        self.batches.exclude(bad.position)
+        self.batches.exclude([bad.position])
         resume, is_main = self.cfg.checkpoint.resume, self.env.is_main
         path = roll_back_to(bad, self.run_dir, self.checkpointer, resume, is_main)
         self._nan_event(bad.step, "persistent", f"still non-finite on replay: rolling back to "
