@@ -149,6 +149,9 @@ def test_bad_hyperparameters_fail_at_construction():
             Muon([{"params": [torch.zeros(2, 2)], "muon": True}], **kw)
     with pytest.raises(ValueError, match="1-D"):
         Muon([{"params": [torch.zeros(2)], "muon": True}])
+    # a misspelt group option would silently take the default: refused, named
+    with pytest.raises(ValueError, match="parameter group 0 has unknown key 'momentun'"):
+        Muon([{"params": [torch.zeros(2, 2)], "muon": True, "momentun": 0.9}])
 
 
 def test_owners_balance_llama_1b_over_8_ranks():

@@ -136,7 +136,14 @@ class Muon(LAMB):
         }
         torch.optim.Optimizer.__init__(self, params, defaults)
         self.norm_fn = None
-        for group in self.param_groups:
+        known = {"params", "lr_scale", *defaults}  # lr_scale: the schedule's (`schedule.set_lr`)
+        for i, group in enumerate(self.param_groups):
+            unknown = sorted(set(group) - known)
+            if unknown:
+                raise ValueError(
+                    f"Muon: parameter group {i} has unknown key {unknown[0]!r}; "
+                    f"allowed: {', '.join(sorted(known))}"
+                )
             group["adaptive"] = False  # AdamW groups: LAMB without the trust ratio
             if group["muon"]:
                 for p in group["params"]:
