@@ -20,6 +20,7 @@ from depthscale.config import Config
 from depthscale.data.loader import DataBundle
 from depthscale.data.prefetch import Prefetcher
 from depthscale.errors import TrainingError
+from depthscale.evaluation.held_out import Evaluator
 from depthscale.model.documents import DocumentPacking
 from depthscale.model.transformer import Transformer
 from depthscale.observe import spans, startup
@@ -30,7 +31,6 @@ from depthscale.resilience.heartbeat import Heartbeat
 from depthscale.shape import ModelShape
 from depthscale.train import console, setup
 from depthscale.train.checkpoint import Checkpointer, is_model_only
-from depthscale.train.evaluation import Evaluator
 from depthscale.train.hooks import Hooks, Run
 from depthscale.train.hooks.defaults import default_hooks
 from depthscale.train.nan_guard import (
