@@ -48,10 +48,11 @@ def test_loader_state_and_memory_do_not_grow_with_the_corpus():
         state = loader.state_dict()
         assert all(isinstance(v, int | str) for v in state.values())  # scalars only
         sizes[n_tokens] = len(pickle.dumps(state))
-        held = [v for v in vars(loader).values() if isinstance(v, np.ndarray) and v is not tokens]
+        kept = [*vars(loader).values(), *vars(loader.epochs).values()]
+        held = [v for v in kept if isinstance(v, np.ndarray) and v is not tokens]
         assert held == []  # nothing per window: no permutation
         assert all(
-            not isinstance(v, np.ndarray) for v in vars(loader._order).values()
+            not isinstance(v, np.ndarray) for v in vars(loader.epochs._order).values()
         )  # the order holds keys, not indices
     assert abs(sizes[10_000] - sizes[10_000_000]) <= 8  # the digits of n_windows
 

@@ -24,7 +24,7 @@ from depthscale.data.cache import atomic_path, cache_key, cache_root, cache_writ
 from depthscale.data.concat import ConcatTokens
 from depthscale.data.encode import encode_documents
 from depthscale.data.mixture import MixedBatches, Stage
-from depthscale.data.order import WindowOrder, rank_rows
+from depthscale.data.order import EpochCursor, rank_rows
 from depthscale.data.sources import (
     corpus_identity,
     is_pretokenized,
@@ -195,7 +195,7 @@ class PackedBatches:
     """Batches of (inputs, labels) LongTensor[B, T] packed from one token stream, reproducibly.
 
     Window i is tokens[i*T : i*T + T + 1]; inputs = window[:-1], labels = window[1:]. Epoch e visits
-    the windows in the order `WindowOrder(n_windows, seed, e)`, B at a time; the < B windows left at an
+    the windows in the order `WindowOrder(n_windows, seed, e)` (`order.EpochCursor`), B at a time; the < B windows left at an
     epoch's end are skipped (a different few each epoch). The position is just (epoch, cursor);
     `state_dict()` adds seed, seq_len and n_windows so resuming over a different stream is refused.
 
@@ -219,12 +219,10 @@ class PackedBatches:
                 f"{batch_size * seq_len + 1}); use a larger corpus (data.path, "
                 "data.max_bytes for text) or a smaller train.batch_size or data.seq_len"
             )
-        self.epoch = 0
-        self.cursor = 0
+        self.epochs = EpochCursor(self.n_windows, seed)
         self._excluded: set[Position] = set()
         self.position: Position | None = None
         """(epoch, cursor) of the batch `next_batch` returned last."""
-        self._order: WindowOrder | None = None
 
     @property
     def batches_per_epoch(self) -> int:
@@ -233,18 +231,13 @@ class PackedBatches:
     def next_batch(self, rank: int = 0, world: int = 1) -> Batch:
         """The next global batch (or this rank's contiguous slice of it); advances the state."""
         rows = self._rows(rank, world)
-        self._to_next_batch()
-        while (self.epoch, self.cursor) in self._excluded:
-            self.cursor += self.batch_size
-            self._to_next_batch()
-        self.position = (self.epoch, self.cursor)
-        windows = self._order_of(self.epoch)[self.cursor : self.cursor + self.batch_size]
-        self.cursor += self.batch_size
-        return self._gather(windows[rows])
-
-    def _to_next_batch(self) -> None:
-        if self.cursor + self.batch_size > self.n_windows:
-            self.epoch, self.cursor = self.epoch + 1, 0
+        at = self.epochs
+        at.fit(self.batch_size)
+        while (at.epoch, at.cursor) in self._excluded:
+            at.cursor += self.batch_size
+            at.fit(self.batch_size)
+        self.position = (at.epoch, at.cursor)
+        return self._gather(at.take(self.batch_size)[rows])
 
     def iter_eval(self, n_batches: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
         """The first n batches of windows in stream order: the same every call; state untouched."""
@@ -261,8 +254,8 @@ class PackedBatches:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch,
-            "cursor": self.cursor,
+            "epoch": self.epochs.epoch,
+            "cursor": self.epochs.cursor,
             "seed": self.seed,
             "seq_len": self.seq_len,
             "n_windows": self.n_windows,
@@ -284,15 +277,10 @@ class PackedBatches:
                 + "; ".join(diffs)
                 + "); the corpus, tokenizer, seq_len, seed or the data order's version changed"
             )
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.epochs.epoch, self.epochs.cursor = int(state["epoch"]), int(state["cursor"])
 
     def _rows(self, rank: int, world: int) -> slice:
         return rank_rows(self.batch_size, rank, world)
-
-    def _order_of(self, epoch: int) -> WindowOrder:
-        if self._order is None or self._order.epoch != epoch:
-            self._order = WindowOrder(self.n_windows, self.seed, epoch)
-        return self._order
 
     def _gather(self, windows: np.ndarray) -> Batch:
         t = self.seq_len

@@ -1,8 +1,8 @@
 """A weighted mixture of token streams (`[[data.sources]]`), with stages that change the weights
 (`[[data.stages]]`), served with token-level accounting and O(1) state per source.
 
-Each source keeps its own seeded window order (`data/order.py`, seeded by the run's seed and the
-source's name), epoch and cursor, exactly as one stream does (`loader.PackedBatches`). A global
+Each source keeps its own seeded window order, epoch and cursor (`order.EpochCursor`, seeded by the
+run's seed and the source's name), the one a single stream keeps (`loader.PackedBatches`). A global
 batch of B windows is dealt one window at a time, earliest deadline first (Tijdeman's solution
 of the chairman assignment problem, 1980): after n windows of the current stage source s has
 served c_s, its next window may go at window n only once w_s·n ≥ c_s + δ (not too early) and is
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from depthscale.data.order import WindowOrder, rank_rows
+from depthscale.data.order import EpochCursor, rank_rows
 from depthscale.data.stream import Batch, Position
 from depthscale.errors import DataError
 
@@ -56,20 +56,18 @@ class _Source:
                 f"data.seq_len={seq_len} + 1"
             )
         self.seed = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**32
-        self.epoch = self.cursor = self.served = 0
-        self._order: WindowOrder | None = None
+        self.epochs = EpochCursor(self.n_windows, self.seed)
+        self.served = 0
 
     def take(self, n: int) -> np.ndarray:
-        """The next `n` windows of this source's order (a new epoch after its last)."""
+        """The next `n` windows of this source's order, running on into the next epoch's (a
+        source serves windows, not whole batches: none is passed over)."""
         out = []
         while n:
-            if self.cursor == self.n_windows:
-                self.epoch, self.cursor = self.epoch + 1, 0
-            if self._order is None or self._order.epoch != self.epoch:
-                self._order = WindowOrder(self.n_windows, self.seed, self.epoch)
-            k = min(n, self.n_windows - self.cursor)
-            out.append(self._order[self.cursor : self.cursor + k])
-            self.cursor, self.served, n = self.cursor + k, self.served + k, n - k
+            self.epochs.fit(1)
+            k = min(n, self.n_windows - self.epochs.cursor)
+            out.append(self.epochs.take(k))
+            self.served, n = self.served + k, n - k
         return np.concatenate(out) if out else np.empty(0, np.int64)
 
     def window(self, i: int) -> np.ndarray:
@@ -174,8 +172,8 @@ class MixedBatches:
             "stage_counts": list(self.stage_counts),
             "sources": {
                 s.name: {
-                    "epoch": s.epoch,
-                    "cursor": s.cursor,
+                    "epoch": s.epochs.epoch,
+                    "cursor": s.epochs.cursor,
                     "served": s.served,
                     "n_windows": s.n_windows,
                 }
@@ -215,7 +213,7 @@ class MixedBatches:
         self.stage_counts = [int(c) for c in state["stage_counts"]]
         for s in self.sources:
             saved = state["sources"][s.name]
-            s.epoch, s.cursor, s.served = (
+            s.epochs.epoch, s.epochs.cursor, s.served = (
                 int(saved["epoch"]),
                 int(saved["cursor"]),
                 int(saved["served"]),

@@ -75,6 +75,31 @@ class WindowOrder:
         return y.astype(np.int64)
 
 
+class EpochCursor:
+    """A place (epoch, cursor) in the epochs of seeded orders over `n` windows: the whole state of
+    one stream (`loader.PackedBatches`) and of each source of a mixture (`mixture.MixedBatches`),
+    O(1) whatever the corpus. Epoch e visits the windows in `WindowOrder(n, seed, e)`."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed = n, seed
+        self.epoch = self.cursor = 0
+        self._order: WindowOrder | None = None
+
+    def fit(self, k: int) -> None:
+        """Start the next epoch if fewer than `k` windows are left in this one (a stream of
+        whole batches passes over the rest, a different few each epoch)."""
+        if self.cursor + k > self.n:
+            self.epoch, self.cursor = self.epoch + 1, 0
+
+    def take(self, k: int) -> np.ndarray:
+        """The next `k` windows of this epoch's order (at most what is left of it)."""
+        if self._order is None or self._order.epoch != self.epoch:
+            self._order = WindowOrder(self.n, self.seed, self.epoch)
+        windows = self._order[self.cursor : self.cursor + k]
+        self.cursor += k
+        return windows
+
+
 def rank_rows(batch_size: int, rank: int, world: int) -> slice:
     """The contiguous rows of a global batch that data-parallel `rank` of `world` trains on: the
     ranks' rows in rank order are the one-process batch, so any degree sees the same data."""
