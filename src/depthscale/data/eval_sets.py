@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from depthscale.config import DataConfig
 from depthscale.data.loader import DataBundle, held_out_batches, tokenize_corpus
+from depthscale.data.sources import source_config
 from depthscale.data.stream import BatchStream
 from depthscale.data.tokenizer import Tokenizer
 
@@ -23,12 +24,10 @@ def attach_eval_sets(
     ranks: int,
     progress: Callable[[int], None] | None = None,
 ) -> DataBundle:
-    """`data` with every [[eval.sets]] entry tokenized (cached, as a corpus is) into batches."""
+    """`data` with every [[eval.sets]] entry tokenized (cached, as a corpus is) into batches: an
+    entry is read as a mixture's source is, any format of `data/formats.py`, and whole."""
     for entry in sets:
-        set_cfg = dataclasses.replace(
-            cfg, path=entry.path, jsonl_field=entry.jsonl_field or cfg.jsonl_field,
-            sources=[], stages=[], max_bytes=0,
-        )  # fmt: skip
+        set_cfg = dataclasses.replace(source_config(cfg, entry), max_bytes=0)  # read whole
         tokens = tokenize_corpus(set_cfg, data.tokenizer, progress)
         data.eval_sets[entry.name] = held_out_batches(
             tokens, cfg.seq_len, batch_size, ranks, seed,

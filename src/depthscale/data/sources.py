@@ -123,7 +123,8 @@ def is_pretokenized(cfg: DataConfig) -> bool:
 
 
 def source_config(cfg: DataConfig, source) -> DataConfig:
-    """The DataConfig that reads one source of a mixture as `data.path` would read its corpus."""
+    """The DataConfig that reads one source of a mixture (or an `[[eval.sets]]` entry: anything
+    with a `path` and a `jsonl_field`) as `data.path` would read its corpus."""
     return dataclasses.replace(
         cfg,
         path=source.path,
