@@ -30,7 +30,6 @@ __all__ = [
     "corpus_identity",
     "is_pretokenized",
     "iter_documents",
-    "read_documents",
     "source_config",
     "stdlib_files",
     "token_format",
@@ -155,11 +154,11 @@ def iter_documents(cfg: DataConfig, usage: TextUsage | None = None) -> Iterator[
     files = corpus_files(cfg)  # resolved now, so a bad path fails here rather than on first next()
     meter, usage = TextMeter(cfg.path), usage if usage is not None else TextUsage()
     field = Field(cfg.jsonl_field)
-    docs = (doc for f in usage.reading(files) for doc in read_documents(f, field, meter))
+    docs = (doc for f in usage.reading(files) for doc in _read_documents(f, field, meter))
     return meter.checked(usage.limited(docs, cfg.max_bytes))
 
 
-def read_documents(path: Path, field: Field, meter: TextMeter) -> Iterator[str]:
+def _read_documents(path: Path, field: Field, meter: TextMeter) -> Iterator[str]:
     """One text file's documents, by its format's reader (a file of no format, a standard-library
     .py, is one document); raw bytes are decoded and measured as text by `meter`."""
     row = format_of(path)
