@@ -12,7 +12,7 @@ from depthscale.errors import ConfigError
 def check_output(flag: str, path: Path, directory: bool = False) -> None:
     """An output path that cannot be created is refused before any work, naming the flag: a
     regular file on its way, an unwritable parent, a directory where a file goes."""
-    from depthscale.config.validation import check_dir_creatable
+    from depthscale.config.section_checks import check_dir_creatable
 
     if directory:
         check_dir_creatable(flag, path)

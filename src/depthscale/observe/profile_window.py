@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from depthscale.config import Config
-from depthscale.config.validation import profile_window_ranks, profile_window_steps
+from depthscale.config.section_checks import profile_window_ranks, profile_window_steps
 
 
 class ProfileWindow:
