@@ -22,10 +22,9 @@ def _ok(proc) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def test_transient_nan_is_replayed(tmp_path):
+def test_transient_nan_is_replayed(tmp_path, reference_run):
     """A NaN once: no update from it, the step replayed, the run identical to a clean one."""
-    run, reference = tmp_path / "run", tmp_path / "reference"
-    _ok(train(reference))
+    run, reference = tmp_path / "run", reference_run()
     proc = train(run, "--faults", "nan@0:5")
     _ok(proc)
     assert "step 5: the replay was finite: a transient fault" in proc.stdout
@@ -50,10 +49,9 @@ def test_persistent_nan_rolls_back_and_skips_the_batch(tmp_path):
 
 
 @pytest.mark.dist
-def test_nan_on_one_rank_stops_the_update_on_every_rank(tmp_path):
+def test_nan_on_one_rank_stops_the_update_on_every_rank(tmp_path, reference_run):
     """Rank 1's NaN is seen by rank 0 in the same step (one collective flag): nobody updates."""
-    run, reference = tmp_path / "run", tmp_path / "reference"
-    _ok(train(reference, *DP2))
+    run, reference = tmp_path / "run", reference_run(*DP2)
     proc = train(run, *DP2, "--faults", "nan@1:5")
     _ok(proc)
     assert "step 5: the replay was finite" in proc.stdout
@@ -63,10 +61,9 @@ def test_nan_on_one_rank_stops_the_update_on_every_rank(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_corrupt_newest_checkpoint_falls_back(tmp_path):
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, reference_run):
     """The checkpoint of step 8 is damaged, then a rank dies: the restart takes step 4's."""
-    run, reference = tmp_path / "run", tmp_path / "reference"
-    _ok(train(reference, *DP2))
+    run, reference = tmp_path / "run", reference_run(*DP2)
     proc = train(run, *DP2, "--faults", "corrupt@8,kill@0:10")
     _ok(proc)
     assert "step_00000008" in proc.stderr and "resumed at step 4" in proc.stdout
@@ -149,11 +146,10 @@ def test_node_failing_diagnostics_is_excluded(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_full_disk_during_an_async_save_does_not_stop_training(tmp_path):
+def test_full_disk_during_an_async_save_does_not_stop_training(tmp_path, reference_run):
     """The save of step 8 fails with ENOSPC in the background writer: reported, its partial
     directory removed, the previous checkpoint intact, training goes on and saves again."""
-    run, reference = tmp_path / "run", tmp_path / "reference"
-    _ok(train(reference, *DP2))
+    run, reference = tmp_path / "run", reference_run(*DP2)
     proc = train(run, *DP2, "--faults", "enospc@8")
     _ok(proc)
     assert "No space left on device" in proc.stderr, proc.stderr[-3000:]

@@ -30,12 +30,11 @@ DP2 = ["--nproc", "2", "--parallel.dp_shard", "2", "--resilience.diagnose", "fal
 SNAP = [*DP2, "--checkpoint.snapshot_every", str(EVERY), "--checkpoint.every", "100"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("reference") / "run"
-    proc = train(run, *DP2, "--checkpoint.snapshot_every", "0")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+@pytest.fixture
+def reference(reference_run):
+    """DP2 uninterrupted, without snapshots (snapshot_every is 0 by default): the run the other
+    fault drills compare with too (tests/faults/conftest.py)."""
+    return reference_run(*DP2)
 
 
 def _restored(run: Path) -> tuple[dict, dict]:

@@ -37,20 +37,10 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """One uninterrupted run per layout, made when first asked for."""
-    made: dict[str, object] = {}
-
-    def reference(layout: str):
-        if layout not in made:
-            run = tmp_path_factory.mktemp("reference") / layout
-            proc = train(run, *LAYOUTS[layout])
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            made[layout] = run
-        return made[layout]
-
-    return reference
+@pytest.fixture
+def references(reference_run):
+    """One uninterrupted run per layout (made once per session: tests/faults/conftest.py)."""
+    return lambda layout: reference_run(*LAYOUTS[layout])
 
 
 def _recovered(proc, run, reference) -> dict:
