@@ -13,7 +13,7 @@ from depthscale.config import ModelConfig
 from depthscale.plan.comm import wire_bytes
 from depthscale.plan.hardware import PRESETS
 from depthscale.plan.layout import parse_layout
-from depthscale.plan.muon_states import muon_state_bytes, muon_step_work
+from depthscale.plan.muon_states import MuonPlan, muon_plan, muon_state_bytes, muon_step_work
 from depthscale.plan.report import PlanRequest, run
 from depthscale.shape import ModelShape
 
@@ -97,3 +97,50 @@ def test_cli_prints_muon_and_refuses_an_unmodelled_layout_in_one_line(tmp_path, 
     assert any("redistribution_bytes" in r["muon"] for r in rows)
     assert any("not_modelled" in r["muon"] for r in rows)
     assert all("not_modelled" in r["muon"] for r in rows if "ep=2," in r["label"] + ",")
+
+
+def test_search_ranks_with_muons_states_and_time():
+    """The search estimates every layout with Muon's plan: its smaller optimizer states fit
+    layouts AdamW's run out of memory in (one such layout, asked for with --layout, fits too),
+    and the rows are ranked by the step Muon takes."""
+    spec = ModelShape.from_config(
+        ModelConfig(
+            vocab_size=32000,
+            dim=4096,
+            n_layers=24,
+            n_heads=32,
+            n_kv_heads=8,
+            residual="block",
+            attnres_n_blocks=4,
+        )
+    )
+
+    def plan(optimizer: str, layout: str | None = None, top: int = 200) -> dict:
+        return run(PlanRequest(spec, gpus=2, cluster="h100", seq=1024, batch=8, layout=layout,
+                               optimizer=optimizer, top=top))  # fmt: skip
+
+    muon, adamw = plan("muon"), plan("adamw")
+    assert muon["fitting"] > adamw["fitting"]
+    steps = [r["step_s"] for r in muon["layouts"]]
+    assert steps == sorted(steps) and all("ns_s" in r["muon"] for r in muon["layouts"])
+    only_muon = {r["label"] for r in muon["layouts"]} - {r["label"] for r in adamw["layouts"]}
+    label = sorted(only_muon)[0]
+    assert not plan("adamw", label)["layouts"][0]["ok"]
+    assert plan("muon", label)["layouts"][0]["ok"]
+
+
+@pytest.mark.parametrize(
+    "layout", ["tp=4,fsdp=3,mb=1", "pp=3,fsdp=2,mb=1", "tp=2,pp=2,fsdp=2,mb=2"]
+)
+def test_muon_plan_is_the_per_rank_maximum(layout):
+    """`muon_plan`'s sums by kind of parameter equal the per-rank functions' maxima (a vocabulary
+    of 5 over tp = 4: shards of 2, 2, 1 and 0 rows)."""
+    spec = ModelShape.from_config(ModelConfig(vocab_size=5, dim=64, n_layers=3, n_heads=4))
+    lay = parse_layout(layout)
+    ranks = [(p, t, r) for p in range(lay.pp) for t in range(lay.tp) for r in range(lay.shard)]
+    work = [muon_step_work(spec, lay, *rank, ns_bytes=2) for rank in ranks]
+    assert muon_plan(spec, lay) == MuonPlan(
+        max(muon_state_bytes(spec, lay, *rank).optimizer for rank in ranks),
+        max(w["to_owners"] + w["from_owners"] for w in work),
+        max(w["ns_flops"] for w in work),
+    )

@@ -19,12 +19,14 @@ yet (ValueError): the optimizer handles them, the planner does not place their o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from depthscale.plan.layout import Layout
 from depthscale.plan.states import (
     Param,
     StateBytes,
+    _chunk,
     ep_shape,
     fsdp_sharded,
     local_numel,
@@ -127,14 +129,82 @@ class MuonPlan:
 
 def muon_plan(spec, lay: Layout, ns_bytes: int = 2, ns_steps: int = 5) -> MuonPlan:
     """`muon_state_bytes` and `muon_step_work` over every (pp, tp, shard) rank of the layout,
-    each at its maximum: replicas repeat a shard rank. ValueError where Muon is not modelled."""
+    each at its maximum: replicas repeat a shard rank. ValueError where Muon is not modelled.
+
+    The same sums, arranged so the layout search can afford them on every layout: per pipeline
+    rank the parameters, their groups and owners are found once, and a rank's sums run over the
+    distinct kinds of parameter (shape and sharding: a few, not every layer's copies), each
+    kind's local sizes tabulated once per distinct tp shard (tested equal to the per-rank
+    functions)."""
     opt = sent = flops = 0
     for pp_rank in range(lay.pp):
+        held = rank_params(spec, lay, pp_rank)
+        sizes = _LocalSizes(lay)
+        states: dict[tuple, list] = {}  # kind + (muon,) -> [count, bytes per element, per param]
+        for p in held:
+            muon = is_muon_matrix(p.name, len(p.shape))
+            entry = states.setdefault(
+                sizes.kind(p) + (muon,), [0, 4 if muon else 8, 0 if muon else 4]
+            )
+            entry[0] += 1
+        routes: dict[tuple[str, ...], list[Param]] = {}
+        for p in held:
+            if is_muon_matrix(p.name, len(p.shape)):
+                routes.setdefault(_split_over(p, lay), []).append(p)
+        groups, whole_flops = [], 0
+        for dims, params in routes.items():
+            costs = [ns_flops(ep_shape(p, lay), ns_steps) for p in params]
+            if not dims:
+                whole_flops += sum(costs)
+                continue
+            size = _group_size(dims, lay)
+            owned: list[dict[tuple, int]] = [{} for _ in range(size)]
+            total: dict[tuple, int] = {}
+            owned_flops = [0] * size
+            for p, owner, cost in zip(params, assign_owners(costs, size), costs):
+                k = sizes.kind(p)
+                total[k] = total.get(k, 0) + 1
+                owned[owner][k] = owned[owner].get(k, 0) + 1
+                owned_flops[owner] += cost
+            whole = {k: math.prod(ep_shape(sizes.example[k], lay)) for k in total}
+            groups.append((dims, total, owned, owned_flops, whole))
         for tp_rank in range(lay.tp):
+            rows = {k: sizes.row(k, tp_rank) for k in sizes.example}
             for shard_rank in range(lay.shard):
-                states = muon_state_bytes(spec, lay, pp_rank, tp_rank, shard_rank)
-                work = muon_step_work(spec, lay, pp_rank, tp_rank, shard_rank, ns_bytes, ns_steps)
-                opt = max(opt, states.optimizer)
-                sent = max(sent, work["to_owners"] + work["from_owners"])
-                flops = max(flops, work["ns_flops"])
+                optimizer = 0
+                for key, (count, per_element, per_param) in states.items():
+                    optimizer += count * (per_element * rows[key[:-1]][shard_rank] + per_param)
+                opt = max(opt, optimizer)
+                moved, work = 0, whole_flops
+                for dims, total, owned, owned_flops, whole in groups:
+                    me = _group_rank(dims, lay, tp_rank, shard_rank)
+                    work += owned_flops[me]
+                    for k, n in total.items():
+                        mine, own = rows[k][shard_rank], owned[me].get(k, 0)
+                        moved += (n - own) * mine + own * (whole[k] - mine)
+                sent = max(sent, moved * ns_bytes)
+                flops = max(flops, work)
     return MuonPlan(opt, sent, flops)
+
+
+class _LocalSizes:
+    """`local_numel` of each kind of parameter (what its local size depends on) for every shard
+    rank, computed once per distinct tp shard size of the kind."""
+
+    def __init__(self, lay: Layout) -> None:
+        self.lay = lay
+        self.example: dict[tuple, Param] = {}
+        self._rows: dict[tuple, list[int]] = {}
+
+    def kind(self, p: Param) -> tuple:
+        k = (p.shape, p.tp_dim, p.fsdp, p.experts)
+        self.example.setdefault(k, p)
+        return k
+
+    def row(self, k: tuple, tp_rank: int) -> list[int]:
+        lay, p = self.lay, self.example[k]
+        tp_size = ep_shape(p, lay)[p.tp_dim] if p.tp_dim is not None else 0
+        cls = (k, _chunk(tp_size, lay.tp, tp_rank))  # the tp shard's size: all local_numel reads
+        if cls not in self._rows:
+            self._rows[cls] = [local_numel(p, lay, tp_rank, r) for r in range(lay.shard)]
+        return self._rows[cls]

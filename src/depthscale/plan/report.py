@@ -69,7 +69,7 @@ def run(req: PlanRequest) -> dict:
         problem = ulysses_problem(s.n_heads, s.kv_heads, asked.tp, asked.cp, asked.ulysses)
         if problem:
             raise ValueError(f"--layout: {problem}")
-        est = estimate(w, c, asked, fw, req.gpus)
+        est = estimate(w, c, asked, fw, req.gpus, muon=rows.plan_for(asked))
         return {
             **header,
             "seconds": time.perf_counter() - started,
@@ -77,7 +77,8 @@ def run(req: PlanRequest) -> dict:
             **_goodput(req, c, fw, [est], per_day),
         }
     # every row shown is simulated: past the simulated few the closed form would rank them
-    result = search(w, c, fw, req.gpus, simulated=max(SIMULATED, req.top))
+    muon = rows.plan_for if rows.muon else None  # Muon's states decide what fits, its NS the rank
+    result = search(w, c, fw, req.gpus, simulated=max(SIMULATED, req.top), muon=muon)
     reasons: dict[str, int] = {}
     for e in result.rejected:
         key = e.reason.split(" by ")[0] if e.reason.startswith("OOM") else e.reason
@@ -115,7 +116,7 @@ def _check_request(req: PlanRequest) -> None:
 
 class _Rows:
     """The report's row of a layout: the estimate's numbers, and for depthscale's own model the
-    optimizer it runs (Muon re-estimated), the context-parallel style, the bytes per group and
+    optimizer it runs (Muon's numbers), the context-parallel style, the bytes per group and
     what the cross-stage cache saves."""
 
     def __init__(self, req: PlanRequest) -> None:
@@ -124,7 +125,7 @@ class _Rows:
         self.fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
         self.w = Workload(req.spec, req.seq, req.batch, req.dtype)
         self.muon = req.optimizer == "muon"
-        self._muon_plans: dict[tuple, MuonPlan] = {}
+        self._muon_plans: dict[tuple, MuonPlan | str] = {}
 
     def row(self, e: Estimate) -> dict:
         req, fw = self.req, self.fw
@@ -169,30 +170,40 @@ class _Rows:
         }
         return lay
 
-    def _muon_of(self, lay: Layout) -> MuonPlan:
-        """`muon_plan`, once per placement of the parameters (rows often share one)."""
+    def _muon_of(self, lay: Layout) -> MuonPlan | str:
+        """`muon_plan`, once per placement of the parameters (rows often share one); where Muon's
+        model does not cover the layout, why."""
         key = (lay.tp, lay.pp, lay.v, lay.ends, lay.cp, lay.dp_shard, lay.ep)
         if key not in self._muon_plans:
             placed = Layout(tp=lay.tp, pp=lay.pp, v=lay.v, ends=lay.ends, cp=lay.cp,
                             dp_shard=lay.dp_shard, ep=lay.ep)  # fmt: skip
-            self._muon_plans[key] = muon_plan(
-                self.req.spec, placed, ns_steps=self.req.muon_ns_steps
-            )
+            try:
+                self._muon_plans[key] = muon_plan(
+                    self.req.spec, placed, ns_steps=self.req.muon_ns_steps
+                )
+            except ValueError as err:
+                self._muon_plans[key] = str(err)
         return self._muon_plans[key]
 
-    def _with_muon(self, e: Estimate) -> tuple[Estimate, dict]:
-        """The layout re-estimated with Muon (the search ranks with AdamW's states); a layout
-        of the search that Muon's model does not cover keeps its estimate and says why (one
-        asked for with --layout is an error)."""
-        try:
-            m = self._muon_of(e.layout)
-        except ValueError as err:
+    def plan_for(self, lay: Layout) -> MuonPlan | None:
+        """The Muon plan a layout is estimated (and searched) with: None without Muon, or for a
+        layout of the search Muon's model does not cover (AdamW's estimate; its row says why);
+        for the one asked for with --layout that is a one-line error."""
+        if not self.muon:
+            return None
+        m = self._muon_of(lay)
+        if isinstance(m, str):
             if self.req.layout:
-                raise ValueError(
-                    f"--layout {self.req.layout} with optim.name muon: {err}"
-                ) from None
-            return e, {"not_modelled": str(err)}
-        e = estimate(self.w, self.c, e.layout, self.fw, self.req.gpus, muon=m)
+                raise ValueError(f"--layout {self.req.layout} with optim.name muon: {m}")
+            return None
+        return m
+
+    def _with_muon(self, e: Estimate) -> tuple[Estimate, dict]:
+        """Muon's numbers of a layout the search (or --layout) estimated with Muon; a layout of
+        the search that Muon's model does not cover kept AdamW's estimate and says why."""
+        m = self._muon_of(e.layout)
+        if isinstance(m, str):
+            return e, {"not_modelled": m}
         return e, {
             "optimizer_gb": m.optimizer_bytes / 1e9,
             "redistribution_bytes": m.sent_bytes,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from depthscale.plan.activations import RECOMPUTE_MODES
@@ -10,6 +10,7 @@ from depthscale.plan.estimate import Estimate, Workload, check, estimate
 from depthscale.plan.frameworks import Framework
 from depthscale.plan.hardware import Cluster
 from depthscale.plan.layout import Layout
+from depthscale.plan.muon_states import MuonPlan
 from depthscale.shape import Degrees, ModelShape
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -122,10 +123,18 @@ SIMULATED = 8
 
 
 def search(
-    w: Workload, c: Cluster, fw: Framework, gpus: int, simulated: int = SIMULATED
+    w: Workload,
+    c: Cluster,
+    fw: Framework,
+    gpus: int,
+    simulated: int = SIMULATED,
+    muon: Callable[[Layout], MuonPlan | None] | None = None,
 ) -> SearchResult:
     """Rank every layout by the closed-form pipeline, then simulate the best `simulated` with
-    the schedule code that runs and rank those again."""
+    the schedule code that runs and rank those again. `muon`: the optimizer is Muon, each layout
+    estimated with its `MuonPlan` (its states decide what fits, its Newton–Schulz time the rank;
+    None for a layout Muon's model does not cover: AdamW's estimate)."""
+    plan_of = muon or (lambda lay: None)
     ranked, rejected, n = [], [], 0
     for lay in layouts(w, c, fw, gpus):
         n += 1
@@ -133,18 +142,19 @@ def search(
         if reason:
             rejected.append(Estimate(lay, ok=False, reason=reason))
             continue
-        est = estimate(w, c, lay, fw, gpus, simulate=False)
+        est = estimate(w, c, lay, fw, gpus, simulate=False, muon=plan_of(lay))
         if not est.ok and est.reason.startswith("OOM") and _regathers(lay, fw):
             # a pipeline under FSDP that runs out of memory keeping its stage's weights gathered
             # may fit re-gathering them per micro-batch (zero3): more traffic, never faster, so
             # tried only here
             n += 1
-            zero3 = estimate(w, c, lay.with_(zero3=True), fw, gpus, simulate=False)
+            lay3 = lay.with_(zero3=True)
+            zero3 = estimate(w, c, lay3, fw, gpus, simulate=False, muon=plan_of(lay3))
             rejected.append(est)
             est = zero3
         (ranked if est.ok else rejected).append(est)
     ranked.sort(key=lambda e: e.step_s)
-    best = [estimate(w, c, e.layout, fw, gpus) for e in ranked[:simulated]]
+    best = [estimate(w, c, e.layout, fw, gpus, muon=plan_of(e.layout)) for e in ranked[:simulated]]
     refined = sorted((e for e in best if e.ok), key=lambda e: e.step_s)
     rejected += [e for e in best if not e.ok]
     return SearchResult(refined + ranked[simulated:], rejected, n)

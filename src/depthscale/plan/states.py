@@ -13,6 +13,7 @@ step per parameter. `tests/dist/test_plan_states.py` compares it with what gloo 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,8 +37,10 @@ class Param:
     the ranks holding the same experts; without ep, FSDP-sharded like any weight."""
 
 
-def param_table(spec: ModelShape) -> list[Param]:
-    """Every parameter of our `Transformer`, in `named_parameters()` order."""
+@functools.lru_cache(maxsize=16)
+def param_table(spec: ModelShape) -> tuple[Param, ...]:
+    """Every parameter of our `Transformer`, in `named_parameters()` order. Cached (a search
+    asks for it per layout and pipeline rank; the spec is frozen, and so is the tuple)."""
     if spec.family != "llama":
         raise ValueError("param_table models depthscale's own model (family 'llama')")
     d, hd = spec.dim, spec.head_dim
@@ -67,7 +70,7 @@ def param_table(spec: ModelShape) -> list[Param]:
             out.append(Param("output_residual.key_norm", (d,), None, "head"))
     out.append(Param("norm.weight", (d,), None, "head"))
     out.append(Param("output.weight", (spec.vocab, d), 0, "head"))
-    return out
+    return tuple(out)
 
 
 def _ffn(spec: ModelShape, p: str, stage: str, layer: int) -> list[Param]:
