@@ -235,9 +235,11 @@ def _hang_drill(tmp_path: Path, kind: str, wait_for_torch: bool = False) -> None
     """Unsupervised: the peers' own timeouts and hang dumps (supervised, the supervisor acts
     first: tests/faults)."""
     layout, culprit, op, waiter, waits_in = HANG_DRILLS[kind]
+    # the peers dump after 2 s in the culprit's operation and time out after 6: 4 s apart, and a
+    # step past the first (where the setup timeout still holds) takes ~0.1 s here
     drill = [
         *layout, "--train.steps", "6", "--resilience.supervise", "false",
-        "--parallel.timeout_s", "10", "--logging.hang_dump_s", "2",
+        "--parallel.timeout_s", "6", "--logging.hang_dump_s", "2",
     ]  # fmt: skip
     env = {"DEPTHSCALE_INJECT_HANG": f"{culprit}:3:{op}"}
     if wait_for_torch:
