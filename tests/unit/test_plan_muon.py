@@ -54,10 +54,13 @@ def test_muon_plan_reports_muon_states_numbers():
     assert muon["bytes_per_group_gb"]["muon_all_to_all dp_shard+tp"] * 1e9 == pytest.approx(sent)
     # the all-to-all's payload is what leaves the rank: all of it on the wire
     assert (muon["wire_gb"] - adamw["wire_gb"]) * 1e9 == pytest.approx(sent, rel=1e-9)
-    # Newton–Schulz at the bf16 GEMM rate, added to AdamW's step (nothing else changes)
+    # Newton–Schulz at the bf16 GEMM rate and the two all-to-alls over the 4 ranks splitting the
+    # matrices (tp 2 × fsdp 2, one node), added to AdamW's step (nothing else changes)
     ns_s = flops / (H100.peak("bfloat16") * H100.gemm_efficiency)
+    a2a_s = H100.op_time("all_to_all", sent * 4 / 3, 4, False, calls=2)
     assert muon["times_s"]["muon_ns_s"] == pytest.approx(ns_s, rel=1e-12)
-    assert muon["step_s"] == pytest.approx(adamw["step_s"] + ns_s, rel=1e-12)
+    assert muon["times_s"]["muon_all_to_all_s"] == pytest.approx(a2a_s, rel=1e-12) and a2a_s > 0
+    assert muon["step_s"] == pytest.approx(adamw["step_s"] + ns_s + a2a_s, rel=1e-12)
     # one fp32 momentum per matrix, not two moments: fewer optimizer bytes than AdamW
     assert muon["memory_gib"]["optimizer"] < adamw["memory_gib"]["optimizer"]
     assert {k: v for k, v in muon["memory_gib"].items() if k != "optimizer"} == {

@@ -154,7 +154,8 @@ def estimate(
     est.step_s = makespan + exposed_dp + optimizer
     if muon is not None:
         est.times["muon_ns_s"] = muon.ns_flops / (c.peak("bfloat16") * c.gemm_efficiency)
-        est.step_s += est.times["muon_ns_s"]
+        est.times["muon_all_to_all_s"] = _muon_redistribution_s(c, lay, muon)
+        est.step_s += est.times["muon_ns_s"] + est.times["muon_all_to_all_s"]
     est.times = {
         **est.times,
         "pipeline_s": makespan,
@@ -297,6 +298,18 @@ def _exposed_dp(
     else:
         exposed_dp += fsdp.step_s
     return dp_bytes, exposed_dp
+
+
+def _muon_redistribution_s(c: Cluster, lay: Layout, muon: MuonPlan) -> float:
+    """Muon's two all-to-alls over the group that splits its matrices (dp_shard × cp × tp):
+    gradient shards to their owners, orthogonalised updates back. `sent_bytes` is what leaves
+    the rank in both; an all-to-all's payload in `op_time` includes the rank's own share. Not
+    overlapped: it runs between the gradient reduction and the update, as Newton–Schulz does."""
+    n = lay.shard * lay.tp
+    if n <= 1 or not muon.sent_bytes:
+        return 0.0
+    inter = lay.tp * lay.cp * lay.dp_shard > c.gpus_per_node
+    return c.op_time("all_to_all", muon.sent_bytes * n / (n - 1), n, inter, calls=2)
 
 
 def _optimizer_seconds(c: Cluster, lay: Layout, fw: Framework, params: RankParams) -> float:

@@ -209,6 +209,7 @@ class _Rows:
             "redistribution_bytes": m.sent_bytes,
             "ns_flops": m.ns_flops,
             "ns_s": e.times["muon_ns_s"],
+            "all_to_all_s": e.times["muon_all_to_all_s"],
         }
 
 
@@ -342,7 +343,8 @@ def _muon_words(m: dict) -> str:
         return f"optimizer: muon not modelled here ({m['not_modelled']}; AdamW's estimate)"
     return (
         f"optimizer: muon, NS {m['ns_s'] * 1e3:.3g} ms, redistribution "
-        f"{m['redistribution_bytes'] / 1e9:.3g} GB, states {m['optimizer_gb']:.3g} GB"
+        f"{m['redistribution_bytes'] / 1e9:.3g} GB in {m['all_to_all_s'] * 1e3:.3g} ms, "
+        f"states {m['optimizer_gb']:.3g} GB"
     )
 
 
