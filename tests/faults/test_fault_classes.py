@@ -125,12 +125,12 @@ def test_slow_rank_is_restarted(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_node_failing_diagnostics_is_excluded(tmp_path):
+def test_node_failing_diagnostics_is_excluded(tmp_path, reference_run):
     """Two simulated nodes and a spare; after a rank dies, the restarted group's diagnostics find
     node n1 slow: it is excluded (kept in the run directory) and the spare n2 takes its ranks."""
     layout = ["--nproc", "4", "--parallel.dp_shard", "4"]
-    run, reference = tmp_path / "run", tmp_path / "reference"
-    _ok(train(reference, *layout, "--resilience.diagnose", "false"))
+    # test_supervisor's two-node drill compares with the same run
+    run, reference = tmp_path / "run", reference_run(*layout, "--resilience.diagnose", "false")
     host_nodes = ["--resilience.local_nodes", "2", "--resilience.spare_nodes", "1"]
     faults = f"kill@3:6,baddiag@{socket.gethostname()}/n1"
     proc = train(run, *layout, *host_nodes, "--faults", faults)
