@@ -99,37 +99,18 @@ def _flows(trace: dict) -> dict[str, int]:
     return counts
 
 
-def test_pipeline_timeline_with_skewed_clocks(tmp_path):
-    """pp=2 × V=2 × dp=2 with Block AttnRes, four steps, clocks of ranks 1-3 shifted by ±50 ms.
+def test_pipeline_and_ring_timeline_with_skewed_clocks(tmp_path):
+    """pp=2 × V=2 × cp=2 with Block AttnRes, four steps, clocks of ranks 1-3 shifted by ±50 ms.
     The depth cache travels with the activations, and hops it leaves empty are not sent: the
-    arrows are exactly the messages the schedule posts."""
+    pipeline's arrows are exactly the messages the schedule posts; each ring transfer is one."""
     skew = ",".join(f"{r}:{ms}" for r, ms in SKEW_MS.items())
     run, _ = train(
         tmp_path, "--nproc", "4", "--parallel.pp", "2", "--parallel.pp_virtual", "2",
-        "--parallel.dp_shard", "2", "--model.residual", "block", "--model.attnres_n_blocks", "4",
+        "--parallel.cp", "2", "--model.residual", "block", "--model.attnres_n_blocks", "4",
         "--train.batch_size", "8", "--train.steps", "4",
         env={"DEPTHSCALE_CLOCK_SKEW_MS": skew},
     )  # fmt: skip
     trace, out = _timeline(run, tmp_path)
-    assert check_trace(trace) == []
-    # 8 rows over 2 dp ranks = 4 per rank, split 2·pp = 4 ways; 2 pipelines; 4 steps
-    assert _flows(trace) == {"pp": 4 * 2 * pipeline_messages("block", 2, 2, 4)}
-    assert trace["otherData"]["backward_flows"] == 0 and trace["otherData"]["unmatched"] == 0
-    for rank, ms in SKEW_MS.items():
-        assert abs(trace["otherData"]["clock_offsets_ns"][str(rank)] + ms * 1e6) <= 1e6
-    names = {
-        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
-    }
-    assert names[3].startswith("rank 3 · pp1 dp1 cp0 tp0")
-    assert "pipeline stage 0: idle/compute" in out and "(p-1)/(v·m) = 0.125" in out
-
-
-def test_ring_attention_transfers_are_arrows(tmp_path):
-    run, _ = train(
-        tmp_path, "--nproc", "2", "--parallel.cp", "2", "--train.batch_size", "2",
-        "--train.steps", "2",
-    )  # fmt: skip
-    trace, _ = _timeline(run, tmp_path)
     assert check_trace(trace) == []
     sends = sum(
         1
@@ -137,8 +118,17 @@ def test_ring_attention_transfers_are_arrows(tmp_path):
         for s in t.spans
         if s["cat"] == "cp" and s["name"] == "send"
     )
-    assert sends > 0 and _flows(trace) == {"cp": sends}
-    assert trace["otherData"]["unmatched"] == 0
+    # 8 rows split 2·pp = 4 ways; a pipeline per ring member; 4 steps
+    assert sends > 0
+    assert _flows(trace) == {"pp": 4 * 2 * pipeline_messages("block", 2, 2, 4), "cp": sends}
+    assert trace["otherData"]["backward_flows"] == 0 and trace["otherData"]["unmatched"] == 0
+    for rank, ms in SKEW_MS.items():
+        assert abs(trace["otherData"]["clock_offsets_ns"][str(rank)] + ms * 1e6) <= 1e6
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
+    assert names[3].startswith("rank 3 · pp1 dp0 cp1 tp0")
+    assert "pipeline stage 0: idle/compute" in out and "(p-1)/(v·m) = 0.125" in out
 
 
 def test_a_start_with_nothing_to_do_keeps_the_trace(tmp_path):
