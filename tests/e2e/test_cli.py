@@ -358,25 +358,41 @@ def test_depthscale_eval_reports_what_training_evaluated(one_process_run):
     assert {k: result[k] for k in ("acc", "acc_norm")} == {k: evals[k] for k in ("acc", "acc_norm")}
 
 
-def test_pipeline_trains_in_bf16_from_the_command_line(tmp_path):
+def test_pipeline_trains_in_bf16_from_the_command_line(tmp_path, one_process_run):
     """`--parallel.pp 2 --train.dtype bfloat16` (it crashed: fp32 hops into bf16 receive buffers):
     the depth state is bf16 throughout, the hops too, the loss falls, and the first step names
-    the fused AttnRes kernels it ran (uniform bf16 sources: no silent PyTorch fallback)."""
-    out = cli(
+    the fused AttnRes kernels it ran (uniform bf16 sources: no silent PyTorch fallback).
+
+    The same launch asks for a profile window: `--logging.profile_steps 2-3
+    --logging.profile_ranks 1`: rank 1 writes a Chrome trace of steps 2-3 (ops and shapes) and
+    says where; rank 0 writes none; a run without the option has no profile folder (the
+    one-process run of the parity tests)."""
+    proc = cli(
         "train",
         *TINY,
         *("--nproc", "2", "--parallel.pp", "2", "--train.dtype", "bfloat16"),
         *("--model.residual", "block", "--model.attnres_n_blocks", "2"),
         *("--train.steps", "4", "--optim.warmup_steps", "1", "--logging.log_every", "1"),
         *("--logging.progress", "false", "--train.eval_every", "4", "--data.max_bytes", "300000"),
+        *("--logging.profile_steps", "2-3", "--logging.profile_ranks", "1"),
         *("--train.run_dir", str(tmp_path / "run")),
         cwd=tmp_path,
-    ).stdout
+    )
+    out = proc.stdout
     assert "AttnRes kernels: merge=cpu, phase1=cpu" in out
     losses = [float(ln.split("loss ")[1].split()[0]) for ln in out.splitlines() if "| loss" in ln]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
     assert "val loss" in out
+    both = proc.stdout + proc.stderr
+    folder = tmp_path / "run" / "trace" / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank00001-steps2-3.json"]
+    assert f"rank 1: profile of the steps written to {folder / 'rank00001-steps2-3.json'}" in both
+    events = json.loads((folder / "rank00001-steps2-3.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {}) for e in events)
+    assert "USDT" not in both
+    runs = list(tmp_path.parent.glob("one*/run"))
+    assert runs and not any((r / "trace" / "profile").exists() for r in runs)
 
 
 def test_pipeline_run_resumes_where_it_stopped(tmp_path):
@@ -457,28 +473,6 @@ def test_a_ring_checkpoint_resumes_under_ulysses(tmp_path):
     for step in (3, 4):  # the printed loss rounds too: half its last digit
         gap = abs(ulysses[step] - ring[step])
         assert gap <= max(bound * ring[step], 5e-5), (step, ring, ulysses)
-
-
-def test_a_profile_window_is_written_for_the_steps_and_ranks_asked(tmp_path, one_process_run):
-    """`--logging.profile_steps 2-3 --logging.profile_ranks 1` on two ranks: rank 1 writes a
-    Chrome trace of steps 2-3 (ops and shapes) and says where; rank 0 writes none; a run without
-    the option has no profile folder (the one-process run of the parity tests)."""
-    proc = cli(
-        "train", *TINY, "--nproc", "2", "--parallel.dp_shard", "2",
-        *("--train.steps", "4", "--optim.warmup_steps", "1", "--logging.progress", "false"),
-        *("--logging.profile_steps", "2-3", "--logging.profile_ranks", "1"),
-        *("--data.max_bytes", "300000", "--train.run_dir", str(tmp_path / "run")),
-        cwd=tmp_path,
-    )  # fmt: skip
-    out = proc.stdout + proc.stderr
-    folder = tmp_path / "run" / "trace" / "profile"
-    assert sorted(p.name for p in folder.iterdir()) == ["rank00001-steps2-3.json"]
-    assert f"rank 1: profile of the steps written to {folder / 'rank00001-steps2-3.json'}" in out
-    events = json.loads((folder / "rank00001-steps2-3.json").read_text())["traceEvents"]
-    assert any(e.get("name") == "aten::mm" and "Input Dims" in e.get("args", {}) for e in events)
-    assert "USDT" not in out
-    runs = list(tmp_path.parent.glob("one*/run"))
-    assert runs and not any((r / "trace" / "profile").exists() for r in runs)
 
 
 def _wandb_records(path: Path) -> list:
