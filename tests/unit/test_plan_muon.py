@@ -147,3 +147,21 @@ def test_muon_plan_is_the_per_rank_maximum(layout):
         max(w["to_owners"] + w["from_owners"] for w in work),
         max(w["ns_flops"] for w in work),
     )
+
+
+def test_qk_clip_rejects_context_parallel_layouts(tmp_path, capsys):
+    """optim.qk_clip_tau > 0: the trainer refuses cp > 1, so the planner neither ranks nor prints
+    a command for such a layout (before: cp rows were recommended that the trainer refused)."""
+    cfg = tmp_path / "qk.toml"
+    cfg.write_text(
+        "[model]\nvocab_size = 1024\ndim = 256\nn_layers = 4\nn_heads = 4\n"
+        "[optim]\nname = 'muon'\nqk_clip_tau = 50.0\n"
+    )
+    args = ["plan", "-c", str(cfg), "--gpus", "8", "--seq", "8192", "--batch", "16"]
+    assert main([*args, "--json", "--top", "500"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layouts"] and all(r["layout"]["cp"] == 1 for r in report["layouts"])
+    reason = "QK-clip (optim.qk_clip_tau) needs cp = 1, as the trainer does"
+    assert reason in report["rejected_by_reason"]
+    assert main([*args, "--layout", "cp=2,fsdp=4,mb=2"]) == 1
+    assert reason in capsys.readouterr().err

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
         else None,
         optimizer=cfg.optim.name,
         muon_ns_steps=cfg.optim.muon_ns_steps,
+        qk_clip_tau=cfg.optim.qk_clip_tau,
     )
     if args.memory_recoverable is not None:
         request.memory_recoverable = args.memory_recoverable

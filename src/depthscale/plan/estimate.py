@@ -34,6 +34,8 @@ class Workload:
     batch: int
     """Global batch in sequences."""
     dtype: str = "bfloat16"
+    qk_clip: bool = False
+    """optim.qk_clip_tau > 0: the trainer refuses context parallelism with it (`check`)."""
 
 
 @dataclass
@@ -100,6 +102,8 @@ def check(w: Workload, c: Cluster, lay: Layout, fw: Framework, gpus: int) -> str
         return f"ends={lay.ends}: the end stages have fewer layers than that to give up"
     if w.seq % lay.degrees.seq_multiple:
         return f"2·cp = {2 * lay.cp} does not divide seq {w.seq} (zigzag halves)"
+    if w.qk_clip and lay.cp > 1:
+        return "QK-clip (optim.qk_clip_tau) needs cp = 1, as the trainer does"
     if (w.seq // lay.cp) % lay.tp:
         return f"tp {lay.tp} does not divide the local sequence {w.seq // lay.cp}"
     if w.batch % (lay.dp * lay.micro_batch):

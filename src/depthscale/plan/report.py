@@ -52,6 +52,8 @@ class PlanRequest:
     optimizer: str = "adamw"
     """The config's optim.name: 'muon' plans its states, redistribution and Newton–Schulz."""
     muon_ns_steps: int = NS_STEPS
+    qk_clip_tau: float = 0.0
+    """The config's optim.qk_clip_tau: above 0, layouts with context parallelism are rejected."""
 
 
 def run(req: PlanRequest) -> dict:
@@ -123,7 +125,7 @@ class _Rows:
         self.req = req
         self.c = cluster(req.cluster)
         self.fw = FRAMEWORKS[req.framework].with_reduce_dtype(req.grad_reduce_dtype)
-        self.w = Workload(req.spec, req.seq, req.batch, req.dtype)
+        self.w = Workload(req.spec, req.seq, req.batch, req.dtype, req.qk_clip_tau > 0)
         self.muon = req.optimizer == "muon"
         self._muon_plans: dict[tuple, MuonPlan | str] = {}
 
