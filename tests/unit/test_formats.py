@@ -65,3 +65,18 @@ def test_the_docs_example_adds_a_format_with_one_reader_and_one_row(tmp_path):
     finally:
         del FORMATS[rows:]
     assert ".csv" not in allowed()
+
+
+def test_tokenize_names_its_input_not_data_path(tmp_path):
+    """`depthscale tokenize DIR` has no data.path: a refused input is named as the input it is
+    (before: "data.path='...' is a directory with no text or token files"); training still says
+    data.path."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "rows.csv").write_text("id,text\n1,hello\n")
+    for given in (folder, tmp_path / "missing", folder / "rows.csv"):
+        with pytest.raises(DataError) as err:
+            input_files([str(given)], "text")
+        assert str(err.value).startswith(f"input {str(given)!r} ") and "data.path" not in str(err)
+    with pytest.raises(DataError, match=r"^data\.path='.*corpus' is a directory with no text"):
+        corpus_files(DataConfig(path=str(folder)))

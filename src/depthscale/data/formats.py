@@ -109,15 +109,16 @@ def allowed() -> str:
     )
 
 
-def check_needs(files: list[Path], shown: str) -> None:
-    """A format whose reader is not installed is one line naming the extra, before any work."""
+def check_needs(files: list[Path], named: str) -> None:
+    """A format whose reader is not installed is one line naming the extra, before any work
+    (`named`: what the files came from, e.g. "data.path='corpus/'")."""
     for row in FORMATS:
         if row.needs is None or importlib.util.find_spec(row.needs[0]) is not None:
             continue
         if any(format_of(f) is row for f in files):
             module, extra = row.needs
             raise DataError(
-                f"data.path={shown!r} holds {row.suffixes[0]} files, which need {module}: "
+                f"{named} holds {row.suffixes[0]} files, which need {module}: "
                 f"pip install 'depthscale[{extra}]'"
             )
 

@@ -76,7 +76,7 @@ def input_files(inputs: list[str], field: str) -> list[Path]:
     files: list[Path] = []
     empty: list[Path] = []
     for text in inputs:
-        found = corpus_files(DataConfig(path=text, jsonl_field=field))
+        found = corpus_files(DataConfig(path=text, jsonl_field=field), f"input {text!r}")
         for f in found:
             if not is_part(f, "text"):
                 raise DataError(

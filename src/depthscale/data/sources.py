@@ -51,31 +51,33 @@ def stdlib_files() -> list[Path]:
     return sorted((Path(f) for f in files), key=lambda f: f.relative_to(root).as_posix())
 
 
-def corpus_files(cfg: DataConfig) -> list[Path]:
-    """Resolve `data.path` to the files it names; a clear DataError if it names nothing usable."""
+def corpus_files(cfg: DataConfig, named: str = "") -> list[Path]:
+    """Resolve `data.path` to the files it names; a clear DataError if it names nothing usable,
+    naming it as `named` (default "data.path='...'"; `depthscale tokenize` names its input)."""
     if cfg.path == "stdlib":
         return stdlib_files()
+    named = named or f"data.path={cfg.path!r}"
     path = Path(cfg.path).expanduser()
     if path.is_dir() and (path / SHARD_MANIFEST).is_file():
         return [path / SHARD_MANIFEST]  # tokenized shards: their manifest says what they hold
     if path.is_dir():
-        files = _directory_files(path, cfg.path)
-        check_needs(files, cfg.path)
+        files = _directory_files(path, cfg.path, named)
+        check_needs(files, named)
         return files
     if not path.exists():
-        raise DataError(f"data.path={cfg.path!r} does not exist; allowed: {allowed()}")
+        raise DataError(f"{named} does not exist; allowed: {allowed()}")
     if format_of(path) is None:
         raise DataError(
-            f"data.path={cfg.path!r} has unsupported type {path.suffix or '(none)'!r}; "
-            f"allowed: {allowed()}"
+            f"{named} has unsupported type {path.suffix or '(none)'!r}; allowed: {allowed()}"
         )
-    check_needs([path], cfg.path)
+    check_needs([path], named)
     return files_of(path)
 
 
-def _directory_files(path: Path, shown: str) -> list[Path]:
+def _directory_files(path: Path, shown: str, named: str = "") -> list[Path]:
     """A directory's text files, or its token files (the parts of one token stream), in name
-    order; a directory of both, or of neither, is one line naming what it holds."""
+    order; a directory of both, or of neither, is one line naming what it holds (as `named`)."""
+    named = named or f"data.path={shown!r}"
     files = sorted(
         (f for f in path.rglob("*") if f.is_file() and not f.name.startswith(".")),
         key=lambda f: f.relative_to(path).as_posix(),
@@ -83,7 +85,7 @@ def _directory_files(path: Path, shown: str) -> list[Path]:
     shards = [f.name for f in files if _SHARD_NAME.fullmatch(f.name)]
     if shards:  # a `depthscale tokenize` output whose manifest.json is not (yet) written
         raise DataError(
-            f"data.path={shown!r} holds depthscale tokenize shards ({shards[0]}, ...) but no "
+            f"{named} holds depthscale tokenize shards ({shards[0]}, ...) but no "
             f"{SHARD_MANIFEST}: manifest missing: rerun `depthscale tokenize` with --out {shown} "
             "(the finished shards are kept)"
         )
@@ -91,14 +93,12 @@ def _directory_files(path: Path, shown: str) -> list[Path]:
     tokens = [f for f in files if is_part(f, "tokens")]
     if text and tokens:
         raise DataError(
-            f"data.path={shown!r} mixes text files ({text[0].name}) and token files "
+            f"{named} mixes text files ({text[0].name}) and token files "
             f"({tokens[0].name}); allowed: a directory of one kind (give each its own "
             "[[data.sources]] entry)"
         )
     if not text and not tokens:
-        raise DataError(
-            f"data.path={shown!r} is a directory with no text or token files; allowed: {allowed()}"
-        )
+        raise DataError(f"{named} is a directory with no text or token files; allowed: {allowed()}")
     return text or tokens
 
 
