@@ -155,3 +155,17 @@ def test_table_headers_carry_their_units():
         "ckpt_write MB/s",
         "free_disk GiB",
     ]
+
+
+def test_run_naming_a_checkpoints_directory_is_refused_before_any_work(tmp_path, capsys):
+    """`diagnose --run RUN/checkpoints` read as a run with nothing saved ("none saved") and
+    wrote checkpoints/ and diagnostics/ among the step_N folders; now one line naming RUN."""
+    from depthscale.cli import main
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_00000004").mkdir(parents=True)
+    assert main(["diagnose", "--nproc", "1", "--run", str(ckpts)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoints directory" in err
+    assert repr(str(tmp_path / "run")) in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004"]  # nothing written

@@ -19,6 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     check_output("--run", Path(args.run), directory=True)
+    _refuse_checkpoints_dir(Path(args.run))
     # --checkpoint-dir is not checked here: whether every rank can write there is one of the
     # checks (ckpt_write), which names the ranks and nodes that cannot
     report = diagnose(
@@ -42,6 +43,20 @@ def run(args: argparse.Namespace) -> int:
         said = (f"{t['tier']} {t['verified'] or 'none verified'}" for t in tiers if t["versions"])
         print(f"recovery tiers (what a restart would restore): {', '.join(said) or 'none saved'}")
     return 0 if report.healthy else 1
+
+
+def _refuse_checkpoints_dir(run: Path) -> None:
+    """--run naming a run's checkpoints directory (RUN/checkpoints) would read as a run with no
+    recovery tiers ("none saved") and gain checkpoints/ and diagnostics/ folders beside the
+    step_N ones: refused before any work, naming the run directory meant."""
+    from depthscale.train.manifest import list_checkpoints
+
+    steps = list_checkpoints(run)
+    if steps and not (run / "checkpoints").exists():
+        raise ConfigError(
+            f"--run {str(run)!r} holds checkpoints ({steps[-1].name}): it is a run's checkpoints "
+            f"directory; allowed: the run directory ({str(run.parent)!r})"
+        )
 
 
 def _recovery_tiers(run: Path) -> list[dict]:
