@@ -206,3 +206,27 @@ def test_max_bytes_caps_each_text_source_and_start_up_says_what_it_leaves_out(tm
         in (notes[0])
     )
     assert f"caps raw text only: '{paths['code']}' is tokens, all 2,000 of them used" in notes[1]
+
+
+def test_a_bad_source_or_eval_set_path_is_named_by_its_entry(tmp_path):
+    """A mixture source's or an eval set's path the readers refuse is named as the config names
+    it (data.sources[1].path, eval.sets[0].path), not as a data.path the user never wrote."""
+    import json
+
+    from depthscale.config import DataConfig, DataSource, EvalSet
+    from depthscale.data.eval_sets import attach_eval_sets
+    from depthscale.data.loader import build_data
+
+    (tmp_path / "web.jsonl").write_text(json.dumps({"text": "w" * 3000}) + "\n")
+    (tmp_path / "rows.csv").write_text("id,text\n1,hello\n")
+    good = DataSource(name="web", path=str(tmp_path / "web.jsonl"), weight=1.0)
+    bad = DataSource(name="rows", path=str(tmp_path / "rows.csv"), weight=1.0)
+    cfg = DataConfig(sources=[good, bad], seq_len=SEQ, tokenizer="byte", val_fraction=0,
+                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with pytest.raises(DataError, match=r"^data\.sources\[1\]\.path='.*rows\.csv' has unsupported"):
+        build_data(cfg, seed=0, batch_size=4)
+    cfg.sources = [good]
+    data = build_data(cfg, seed=0, batch_size=4)
+    sets = [EvalSet(name="rows", path=str(tmp_path / "rows.csv"))]
+    with pytest.raises(DataError, match=r"^eval\.sets\[0\]\.path='.*rows\.csv' has unsupported"):
+        attach_eval_sets(data, cfg, sets, seed=0, batch_size=4, ranks=1)

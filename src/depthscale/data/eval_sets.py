@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from depthscale.config import DataConfig
 from depthscale.data.loader import DataBundle, held_out_batches, tokenize_corpus
-from depthscale.data.sources import source_config
+from depthscale.data.sources import checked_source
 from depthscale.data.stream import BatchStream
 from depthscale.data.tokenizer import Tokenizer
 
@@ -26,8 +26,9 @@ def attach_eval_sets(
 ) -> DataBundle:
     """`data` with every [[eval.sets]] entry tokenized (cached, as a corpus is) into batches: an
     entry is read as a mixture's source is, any format of `data/formats.py`, and whole."""
-    for entry in sets:
-        set_cfg = dataclasses.replace(source_config(cfg, entry), max_bytes=0)  # read whole
+    for i, entry in enumerate(sets):
+        set_cfg = checked_source(cfg, entry, f"eval.sets[{i}]")
+        set_cfg = dataclasses.replace(set_cfg, max_bytes=0)  # read whole
         tokens = tokenize_corpus(set_cfg, data.tokenizer, progress)
         data.eval_sets[entry.name] = held_out_batches(
             tokens, cfg.seq_len, batch_size, ranks, seed,

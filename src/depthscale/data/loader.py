@@ -26,6 +26,7 @@ from depthscale.data.encode import encode_documents
 from depthscale.data.mixture import MixedBatches, Stage
 from depthscale.data.order import EpochCursor, rank_rows
 from depthscale.data.sources import (
+    checked_source,
     corpus_identity,
     is_pretokenized,
     iter_documents,
@@ -70,6 +71,8 @@ def build_data(
     `ranks`: data-parallel ranks that split each batch (the held-out batch is sized to divide).
     A mixture (`data.sources`) holds out the end of every source; `steps` > 0 checks its
     sources' max_epochs against the run's schedule. `progress(n)`: told as tokenizing goes on."""
+    for i, source in enumerate(cfg.sources):
+        checked_source(cfg, source, f"data.sources[{i}]")
     tokenizer = build_tokenizer(cfg, lambda: iter_documents(cfg))
     if cfg.sources:
         train, val_tokens = _mixture(cfg, tokenizer, seed, batch_size, steps, progress)

@@ -133,6 +133,14 @@ def source_config(cfg: DataConfig, source) -> DataConfig:
     )
 
 
+def checked_source(cfg: DataConfig, source, key: str) -> DataConfig:
+    """`source_config`, its files resolved now so a bad path is named as the config names it
+    (`key`: 'data.sources[1]', 'eval.sets[0]'), not as a data.path the user never wrote."""
+    sub = source_config(cfg, source)
+    corpus_files(sub, f"{key}.path={source.path!r}")
+    return sub
+
+
 def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
     """What decides the corpus's content (files, sizes, mtimes, limits): the cache key's input."""
     if cfg.sources:
