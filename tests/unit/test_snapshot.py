@@ -116,3 +116,19 @@ def test_keeper_sweeps_is_replaced_once_and_frees_or_keeps(tmp_path):
     assert (root / "step_00000003").exists() and len(logged) == 1
     Keeper(root, logged.append).close(keep=False)  # the job ended well
     assert not root.exists()
+
+
+def test_the_writer_reads_training_gone_with_a_reply_unread_as_its_end():
+    """Training stopped by a signal exits without reading the writer's last reply: the writer's
+    next read is a reset, not EOF, and means the same (before: a traceback per rank at Ctrl-C
+    of a run with snapshots)."""
+    from multiprocessing import Pipe
+
+    from depthscale.train.save_process import _next_request
+
+    training, writer = Pipe()
+    training.send("request")
+    assert _next_request(writer) == "request"
+    writer.send("reply")  # never read
+    training.close()
+    assert _next_request(writer) is None

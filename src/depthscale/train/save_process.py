@@ -404,11 +404,8 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
     writer = CheckpointWriter(spec.root, spec.cfg, spec.model)
     layout: _Layout | None = None
     views: dict[str, torch.Tensor] = {}
-    while True:
-        try:
-            new_layout, step, objects, rng_bytes, trainer_state, fail, delay_s = conn.recv()
-        except EOFError:  # training exited
-            break
+    while (request := _next_request(conn)) is not None:
+        new_layout, step, objects, rng_bytes, trainer_state, fail, delay_s = request
         if new_layout is not None:
             _, (fd,), _, _ = socket.recv_fds(fds, 1, 1)
             layout, views = new_layout, _views(_map(fd, new_layout.size), new_layout.slots)
@@ -423,9 +420,22 @@ def _serve(conn: Connection, fds: socket.socket) -> None:
             writer.write(record, state, rng, trainer_state, planner, fail, delay_s)
         except BaseException as err:  # a bug in the save: training raises it at its next wait
             error = err
-        conn.send((record, _picklable(error)))
+        try:
+            conn.send((record, _picklable(error)))
+        except (BrokenPipeError, ConnectionResetError):  # training exited during the write
+            break
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _next_request(conn: Connection) -> tuple | None:
+    """The next save training asks for, or None once training has exited: the pipe closed, or
+    reset because training exited (a stop signal) without reading this process's last reply,
+    which is no error of the save's (before: a ConnectionResetError traceback per rank)."""
+    try:
+        return conn.recv()
+    except (EOFError, ConnectionResetError):
+        return None
 
 
 def _picklable(err: BaseException | None) -> BaseException | None:
