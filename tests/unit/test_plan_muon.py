@@ -5,6 +5,7 @@ AdamW's plan untouched; a layout Muon's model does not cover is one line, not a 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +166,12 @@ def test_qk_clip_rejects_context_parallel_layouts(tmp_path, capsys):
     assert reason in report["rejected_by_reason"]
     assert main([*args, "--layout", "cp=2,fsdp=4,mb=2"]) == 1
     assert reason in capsys.readouterr().err
+
+
+def test_a_small_models_parameters_are_printed_in_millions(capsys):
+    """The header printed 0.000779B params for configs/tiny.toml; now 0.779M, and 1B+ in B."""
+    root = Path(__file__).resolve().parents[2] / "configs"
+    assert main(["plan", "-c", str(root / "tiny.toml"), "--gpus", "1"]) == 0
+    assert "tiny: 0.779M params," in capsys.readouterr().out
+    assert main(["plan", "-c", str(root / "llama-1b.toml"), "--gpus", "8", "--top", "1"]) == 0
+    assert "llama-1b: 1.04B params," in capsys.readouterr().out

@@ -295,13 +295,18 @@ def _moe_header(s: ModelShape) -> dict:
     }
 
 
+def _count(n: float) -> str:
+    """A parameter count as people write it: 1.04B, 0.78M (not 0.000779B)."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def _model_line(m: dict) -> str:
-    line = f"{m['name'] or 'model'}: {m['params'] / 1e9:.3g}B params"
+    line = f"{m['name'] or 'model'}: {_count(m['params'])} params"
     if "moe" in m:
         moe = m["moe"]
         shared = f" + {moe['shared']} shared" if moe["shared"] else ""
         line += (
-            f" ({m['active_params'] / 1e9:.3g}B active: top-{moe['top_k']} of {moe['experts']} "
+            f" ({_count(m['active_params'])} active: top-{moe['top_k']} of {moe['experts']} "
             f"experts{shared} in {moe['layers']} layers)"
         )
     line += (
