@@ -113,7 +113,8 @@ def test_batched_and_unbatched_never_pair():
 
 def test_only_p2p_posts_point_to_point_and_never_with_a_tag():
     """Every message goes through `parallel/p2p.py` (groups, tag 0): no module calls isend/irecv,
-    send/recv or builds a P2POp itself, and p2p passes no tag."""
+    send/recv or builds a P2POp itself, and p2p passes no tag. `parallel/comm_count.py` names
+    them only to count what is posted (it wraps `batch_isend_irecv` and posts nothing)."""
     import re
 
     src = Path(__file__).parents[2] / "src" / "depthscale"
@@ -125,7 +126,9 @@ def test_only_p2p_posts_point_to_point_and_never_with_a_tag():
     offenders = [
         str(path.relative_to(src))
         for path in src.rglob("*.py")
-        if path.name != "p2p.py" and pattern.search(code(path))
+        if path.name != "p2p.py"
+        and pattern.search(code(path))
+        and path.relative_to(src).as_posix() != "parallel/comm_count.py"  # observes, never posts
     ]
     assert not offenders, offenders
     assert pattern.search(code(src / "parallel" / "p2p.py"))  # the scan sees real calls
