@@ -17,6 +17,7 @@ from depthscale.model.documents import Documents
 
 BLOCK_ROWS = 128
 """Query rows per block: causal blocks skip the keys after their last row (≈ half the pairs)."""
+NEG = float("-inf")
 BLOCK_BYTES = 1 << 26
 """At most this many bytes of fp32 scores per block (64 MiB): bounds the extra memory per layer."""
 
@@ -59,6 +60,3 @@ def max_logits(
             scores.masked_fill_(~allowed, NEG)
         best = torch.maximum(best, scores.amax(dim=(3, 4)).amax(0).reshape(H))
     return best
-
-
-NEG = float("-inf")

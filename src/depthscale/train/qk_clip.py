@@ -56,6 +56,7 @@ class QKClip:
                 heads = _forward_heads(module.wq.weight, n_heads, module.head_dim)
                 self.layers.append((int(match.group(1)), module, heads))
                 module.record_max_logits()
+        self.device = next(model.parameters()).device
         self.clipped: Tensor | None = None
         """After `apply`: bool [layers, heads], the heads whose S passed tau (for tests, metrics)."""
 
@@ -66,10 +67,9 @@ class QKClip:
 
     @torch.no_grad()
     def apply(self) -> None:
-        """Rescale W_q, W_k from the maxima recorded since the last call, then forget them."""
-        if not self.layers:
-            return
-        device = self.layers[0][1].wq.weight.device
+        """Rescale W_q, W_k from the maxima recorded since the last call, then forget them. A
+        collective on every rank, attention layers or not: no rank may skip the reduction."""
+        device = self.device
         s = torch.full(self.shape, float("-inf"), device=device)
         for index, attn, heads in self.layers:
             if attn.logit_max is not None:
