@@ -56,7 +56,7 @@ def test_a_damaged_snapshot_is_named_once_and_the_next_tier_used(tmp_path, monke
     path = snaps.resolve_resume()
     assert snaps.tier(path) == "disk" and path.name == "step_00000004"
     (failed,) = snaps.failed
-    assert "snapshot step_00000006 in memory" in failed and "failed verification" in failed
+    assert "snapshot step_00000006 in the memory of node 0 failed verification" in failed
     said = [ln for ln in capsys.readouterr().out.splitlines() if "failed verification" in ln]
     assert len(said) == 1 and "next tier (checkpoint step_00000004 on disk)" in said[0]
 
@@ -84,10 +84,11 @@ def test_restart_record_names_tiers_bytes_and_failures():
     assert with_restore("t", {"a": 1}, [None], 0) == ("t", {"a": 1})
 
 
-def test_snapshot_dir_is_per_run_and_user(tmp_path):
+def test_snapshot_dir_is_per_run_user_and_node(tmp_path):
     a, b = snapshot_dir(tmp_path / "a"), snapshot_dir(tmp_path / "b")
     assert a != b and a == snapshot_dir(tmp_path / "x" / ".." / "a")
     assert a.parent == snapshot_dir(tmp_path).parent and a.name.startswith("depthscale-")
+    assert snapshot_dir(tmp_path / "a", 1) != a and a.name.endswith("-node0")
 
 
 def test_keeper_sweeps_is_replaced_once_and_frees_or_keeps(tmp_path):

@@ -426,6 +426,10 @@ class CheckpointConfig:
     up to 3x the state in host memory. Off by default: measured on the 2-core CPU box, where the
     writer competes with training for cores, every 10 steps cost 24 % of tokens/s, every 3 44 %
     (docs/fault-tolerance.md); where the host has cores to spare (GPU nodes), turn it on."""
+    replica_mb_s: float = 1000.0
+    """In a multi-node job, each node's keeper copies every snapshot to the next node's keeper
+    (the buddy replica) at most this fast, in MB/s, so the copy does not take the step's network;
+    a node lost whole is then restored from that copy."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ def _check_ranges(cfg: Config) -> None:
         "train.batch_size",
         "optim.lr",
         "model.max_seq_len",
+        "checkpoint.replica_mb_s",
     )
     _non_negative(
         cfg,

@@ -17,8 +17,11 @@ not depend on the supervisor surviving. Killed alone, nothing is lost (the files
 supervisor names it in one warning and starts another, which adopts the directory without
 sweeping (a snapshot may be in flight).
 
-Protocol, one line each on its stdin: `sweep`, `drop` (remove all and exit), `keep` (exit);
-end of input (the supervisor is gone) means `keep`.
+In a multi-node job it also serves its node's snapshots over HTTP and pushes each new one to
+the next node's keeper (the buddy replica, replica.py).
+
+Protocol, one line each on its stdin: `sweep`, `buddy URL` (push to that keeper), `drop` (remove
+all and exit), `keep` (exit); end of input (the supervisor is gone) means `keep`.
 """
 
 from __future__ import annotations
@@ -35,30 +38,45 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from depthscale.resilience.replica import REPLICATED, Pusher, replica_root, serve
+
 UNFINISHED = re.compile(r"step_\d+\.tmp")
 """A version a writer had not finished (train/manifest.py names versions `step_N`). Matched
 here, not imported: the keeper process imports no torch, so it starts in a blink."""
 SNAPSHOT_DIR_ENV = "DEPTHSCALE_SNAPSHOT_DIR"
 """Set by the supervisor for its workers: the directory its keeper owns."""
+SNAPSHOT_PEERS_ENV = "DEPTHSCALE_SNAPSHOT_PEERS"
+"""Set by a multi-node supervisor: JSON {"node": this node, "keepers": every node's keeper URL}."""
+FETCHED = ".fetched"
+"""Under a node's root: the files a restart fetched from other nodes' keepers (swept)."""
 SHM = Path("/dev/shm")
 
 
-def snapshot_dir(run_path: Path, base: Path = SHM) -> Path:
-    """The run's snapshot directory in shared memory: one per run directory and user."""
+def snapshot_dir(run_path: Path, node: int = 0, base: Path = SHM) -> Path:
+    """A node's snapshot directory in shared memory: one per run directory, user and node (on
+    one host, the simulated nodes of a multi-node drill each have their own, as real ones do)."""
     digest = hashlib.sha1(str(Path(run_path).resolve()).encode()).hexdigest()[:12]
-    return base / f"depthscale-{getpass.getuser()}-{digest}"
+    return base / f"depthscale-{getpass.getuser()}-{digest}-node{node}"
 
 
 def sweep(root: Path) -> list[str]:
-    """Remove unfinished versions (`step_N.tmp/`) under root; their names."""
+    """Remove unfinished versions (`step_N.tmp/`) under root and the files a restart fetched
+    from other nodes (`FETCHED`); their names. Not the copies held for other nodes: their
+    keepers push on whatever this node's workers do (replica.py drops a copy cut short)."""
     gone = []
     if not root.is_dir():
         return gone
     for entry in root.iterdir():
-        if UNFINISHED.fullmatch(entry.name):
+        if UNFINISHED.fullmatch(entry.name) or entry.name == FETCHED:
             shutil.rmtree(entry, ignore_errors=True)
             gone.append(entry.name)
     return gone
+
+
+def drop(root: Path) -> None:
+    """Remove a node's snapshots and the copies it holds of others'."""
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(replica_root(root), ignore_errors=True)
 
 
 def held_bytes(root: Path) -> int:
@@ -90,13 +108,24 @@ def with_restore(text: str, fields: dict, records: list[dict | None], base: int)
 
 class Keeper:
     """The supervisor's handle: start the keeper, restart it once per death with one warning, and
-    tell it how the job ended."""
+    tell it how the job ended. With `addr` (a multi-node job) the keeper serves its node's
+    snapshots there (`url`) and pushes each new one to the buddy named by `buddy`."""
 
-    def __init__(self, root: Path, log: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        log: Callable[..., None],
+        node: int = 0,
+        addr: str | None = None,
+        mb_s: float = 1000.0,
+    ) -> None:
         self.root = Path(root)
         self._log = log
         self._closing = False
         self.restarts = 0
+        self._node, self._addr, self._mb_s = node, addr, mb_s
+        self._port = 0
+        self._buddy: str | None = None
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # before any worker writes
         self._proc = self._start(fresh=True)
         self._watch = threading.Thread(target=self._watch_loop, daemon=True)
@@ -106,14 +135,26 @@ class Keeper:
     def pid(self) -> int:
         return self._proc.pid
 
+    @property
+    def url(self) -> str | None:
+        return f"http://{self._addr}:{self._port}" if self._addr else None
+
     def _start(self, fresh: bool) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "depthscale.resilience.keeper", str(self.root)]
+        serving = [] if self._addr is None else ["--serve", self._addr, str(self._port)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "depthscale.resilience.keeper", str(self.root),
+             "--node", str(self._node), "--mb-s", str(self._mb_s), *serving]
             + (["--sweep"] if fresh else []),
             stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE if serving else None,
             text=True,
             start_new_session=True,  # a Ctrl-C to the job's process group is the supervisor's
-        )
+        )  # fmt: skip
+        if serving:  # its first line: the port it serves on (its predecessor's when free)
+            self._port = int(proc.stdout.readline().split()[-1] or 0)
+        if self._buddy is not None:
+            self._send_to(proc, f"buddy {self._buddy}")
+        return proc
 
     def _watch_loop(self) -> None:
         while True:
@@ -133,10 +174,19 @@ class Keeper:
                 exit=code,
             )
 
-    def _send(self, line: str) -> None:
+    @staticmethod
+    def _send_to(proc: subprocess.Popen, line: str) -> None:
         with contextlib.suppress(OSError, ValueError):
-            self._proc.stdin.write(line + "\n")
-            self._proc.stdin.flush()
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+
+    def _send(self, line: str) -> None:
+        self._send_to(self._proc, line)
+
+    def buddy(self, url: str) -> None:
+        """Push each new snapshot to the keeper at `url` (another node's) from now on."""
+        self._buddy = url
+        self._send(f"buddy {url}")
 
     def sweep(self) -> None:
         """Between attempts: remove unfinished versions (asked of the keeper, waited for here)."""
@@ -153,25 +203,37 @@ class Keeper:
         except subprocess.TimeoutExpired:
             self._proc.kill()
         if not keep:  # a keeper that could not do it (killed just now): done here
-            shutil.rmtree(self.root, ignore_errors=True)
+            drop(self.root)
 
 
-def _serve(root: Path, fresh: bool) -> None:
+def _serve(args: list[str]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the supervisor tells it when the job ends
+    root = Path(args[0])
+    node = int(args[args.index("--node") + 1]) if "--node" in args else 0
+    mb_s = float(args[args.index("--mb-s") + 1]) if "--mb-s" in args else 1000.0
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if fresh:
+    if "--sweep" in args:
         sweep(root)
+        (root / REPLICATED).unlink(missing_ok=True)  # what a buddy held before is not known
+    pusher = None
+    if "--serve" in args:
+        at = args.index("--serve")
+        server = serve(root, args[at + 1], int(args[at + 2]))
+        print(f"port {server.server_address[1]}", flush=True)
+        pusher = Pusher(root, node, mb_s)
     for line in sys.stdin:
-        command = line.strip()
+        command, _, rest = line.strip().partition(" ")
         if command == "sweep":
             sweep(root)
+        elif command == "buddy" and pusher is not None:
+            pusher.to(rest)
         elif command == "drop":
-            shutil.rmtree(root, ignore_errors=True)
+            drop(root)
             return
         elif command == "keep":
             return
 
 
 if __name__ == "__main__":
-    _serve(Path(sys.argv[1]), "--sweep" in sys.argv[2:])
+    _serve(sys.argv[1:])

@@ -61,9 +61,15 @@ from depthscale.resilience.heartbeat import (
     SUPERVISOR_ENV,
     node_id,
 )
-from depthscale.resilience.keeper import SNAPSHOT_DIR_ENV, Keeper, snapshot_dir
+from depthscale.resilience.keeper import (
+    SNAPSHOT_DIR_ENV,
+    SNAPSHOT_PEERS_ENV,
+    Keeper,
+    snapshot_dir,
+)
 from depthscale.resilience.nodes import NodePool
 from depthscale.resilience.peers import Lost, Peers, PeersLost, Pulse
+from depthscale.resilience.replica import advertised_addr
 from depthscale.resilience.watch import Fault, Watch
 
 SUSPECT_NODES = ("dead", "hung", "slow", "bad_node")
@@ -103,6 +109,8 @@ class Supervisor:
         a node's)."""
         self.diagnostic_runs = 0
         self.keeper: Keeper | None = None
+        self.keepers: list[str] = []
+        """Each node's keeper URL (multi-node: restores fetch parts from other nodes)."""
 
     def _join_nodes(self):
         """Node 0's store (hosted here on node 0) and this node's place among the supervisors,
@@ -174,9 +182,9 @@ class Supervisor:
     def run(self) -> int:
         previous = self._catch_stop_signals()
         code = 1
-        if self.cfg.checkpoint.snapshot_every:  # the node's snapshots in memory (train/snapshot.py)
-            self.keeper = Keeper(snapshot_dir(self.run_dir), self.log)
         try:
+            if self.cfg.checkpoint.snapshot_every:  # the node's snapshots (train/snapshot.py)
+                self._start_keeper()
             code = self._loop()
         except (PeersLost, TimeoutError) as lost:  # another node is gone, between two attempts
             code = self._gave_up_waiting(lost)
@@ -188,6 +196,23 @@ class Supervisor:
             if self.keeper is not None:  # kept for a requeue (75), else freed
                 self.keeper.close(keep=code == GAVE_UP)
         return code
+
+    def _start_keeper(self) -> None:
+        """This node's keeper. In a multi-node job it serves the node's snapshots to the others
+        and copies each to its buddy, the next node: every supervisor publishes its keeper's
+        address in the store and reads the others' (`keepers`, for the workers' restores)."""
+        root = snapshot_dir(self.run_dir, self.node_rank)
+        if self.nnodes == 1:
+            self.keeper = Keeper(root, self.log)
+            return
+        addr = advertised_addr(self.addr)
+        mb_s = self.cfg.checkpoint.replica_mb_s
+        self.keeper = Keeper(root, self.log, self.node_rank, addr, mb_s)
+        self.store.set(f"depthscale/keeper/node{self.node_rank}", self.keeper.url)
+        self.keepers = [
+            self.store.get(f"depthscale/keeper/node{k}").decode() for k in range(self.nnodes)
+        ]
+        self.keeper.buddy(self.keepers[(self.node_rank + 1) % self.nnodes])
 
     def _catch_stop_signals(self) -> dict[int, Any]:
         """SIGINT / SIGTERM only set a flag: the watch forwards the same signal to the workers
@@ -294,6 +319,8 @@ class Supervisor:
 
     def _log_restart(self, attempt: int, best: int, restarts: int, stalled: int) -> None:
         newest = f" (the newest saved is of step {best})" if best else " (none yet: from the start)"
+        if self.keeper is not None:  # the workers choose, memory first, and the restart says
+            newest = " or snapshot in memory"
         self.log(
             "restart",
             f"restarting (attempt {attempt + 1}) from the newest verified checkpoint{newest}",
@@ -326,6 +353,9 @@ class Supervisor:
         }
         if self.keeper is not None:
             base[SNAPSHOT_DIR_ENV] = str(self.keeper.root)
+            if self.nnodes > 1:
+                peers = {"node": self.node_rank, "keepers": self.keepers}
+                base[SNAPSHOT_PEERS_ENV] = json.dumps(peers)
         judge = None
         if self.diagnose_next and self.nproc * self.nnodes > 1:
             base[DIAGNOSE_ENV] = str(DIAGNOSE_MB)

@@ -47,6 +47,7 @@ from depthscale.train.manifest import (
     verified,
 )
 from depthscale.train.restore import (
+    Resolve,
     RestoreStats,
     is_model_only,
     load_model,
@@ -273,9 +274,11 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         mesh: DeviceMesh | None = None,
+        resolve: Resolve | None = None,
     ) -> dict:
         """Load model (and optimizer) state in place; returns the trainer state. `path` should
         have been chosen through verification (resolve_resume). With replicas in `mesh`, one rank
-        per replica group reads and broadcasts (restore.py); `last_restore` says what was read."""
-        trainer_state, self.last_restore = restore(path, model, optimizer, mesh)
+        per replica group reads and broadcasts (restore.py); `last_restore` says what was read.
+        `resolve`: where each file is, for a version spread over nodes' memory."""
+        trainer_state, self.last_restore = restore(path, model, optimizer, mesh, resolve=resolve)
         return trainer_state

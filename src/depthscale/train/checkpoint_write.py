@@ -38,9 +38,13 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from depthscale.config import CheckpointConfig, ModelConfig
 from depthscale.errors import CheckpointError
+from depthscale.resilience.replica import replicated_step
 from depthscale.train.manifest import (
     DCP_METADATA,
+    MANIFEST,
+    SHARED_FILES,
     TRAINER_STATE,
+    _step_of,
     global_rank,
     list_checkpoints,
     manifest_entries,
@@ -164,6 +168,7 @@ class CheckpointWriter:
         self.model = model
         self.group: dist.ProcessGroup | None = None
         self._verdicts: dict[Path, str | None] = {}
+        self._roots: list[str] | None = None
 
     def write(
         self,
@@ -220,19 +225,62 @@ class CheckpointWriter:
         final = step_dir(self.root, step)
         tmp = tmp_dir_of(final)
         rank = global_rank()
+        node, leads = self._place()
         try:
-            self._agree(_attempt(_fresh_dir, tmp)[1] if rank == 0 else None, self.root)
-            mine, err = _attempt(self._write_own, state, rng, tmp, planner, fail, delay_s)
+            self._agree(_attempt(_fresh_dir, tmp)[1] if leads else None, self.root)
+            mine, err = _attempt(self._write_own, state, rng, tmp, planner, fail, delay_s, node)
             self._agree(err, self.root)
             files = _gathered(mine, self.group)
             published = None
             if rank == 0:
                 published = _attempt(self._publish, step, trainer_state, files, tmp, final)[1]
             self._agree(published, self.root)
+            if self.nodes > 1:
+                self._commit_on_every_node(step, tmp, final, leads)
         except _SaveFailed:
-            if rank == 0:
+            if leads:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def _place(self) -> tuple[int, bool]:
+        """(This rank's node, whether it writes the files its node shares), from the roots of
+        all ranks, gathered once: a root that differs between ranks is node-local memory (a
+        snapshot: train/snapshot.py), one per node, in node order; the disk's root is shared."""
+        if self._roots is None:
+            self._roots = [str(self.root)]
+            if dist.is_initialized():
+                self._roots = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(self._roots, str(self.root), group=self.group)
+        distinct = list(dict.fromkeys(self._roots))
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        node = distinct.index(self._roots[rank])
+        return node, self._roots.index(self._roots[rank]) == rank
+
+    @property
+    def nodes(self) -> int:
+        """How many node-local roots this writer's group writes (1: a shared root)."""
+        return len(set(self._roots)) if self._roots is not None else 1
+
+    def _commit_on_every_node(self, step: int, tmp: Path, final: Path, leads: bool) -> None:
+        """Node-local roots: rank 0 published the version on its node; each other node's first
+        rank now writes the files every node holds (DCP's `.metadata`, the trainer state, the
+        manifest) beside its node's parts and publishes them the same way. Then each node keeps
+        the versions a restart may still need (`_prune_node`)."""
+        shared: list[Any] = [None]
+        if global_rank() == 0:
+            shared[0] = {name: (final / name).read_bytes() for name in SHARED_FILES}
+        first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(shared, src=first, group=self.group)
+        err = None
+        if leads and global_rank() != 0:
+            err = _attempt(_publish_copy, shared[0], tmp, final)[1]
+        self._agree(err, self.root)
+        safe = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(safe, replicated_step(self.root) if leads else None, self.group)
+        if leads:
+            leaders = [r for r, root in enumerate(self._roots) if self._roots.index(root) == r]
+        if leads:
+            _prune_node(self.root, step, [safe[r] for r in leaders])
 
     def _write_own(
         self,
@@ -242,21 +290,29 @@ class CheckpointWriter:
         planner: SavePlanner | None,
         fail: bool,
         delay_s: float,
+        node: int,
     ) -> dict:
-        """This rank's shards and RNG state; returns their manifest entries."""
+        """This rank's shards and RNG state; returns their manifest entries (with the node that
+        holds them, where roots are node-local)."""
         _dcp_save(state, tmp, self.group, fail, planner)
         if delay_s:
             time.sleep(delay_s)
         torch_save_synced(rng, tmp / rng_file_name(global_rank()))
-        return manifest_entries(_own_files(tmp, global_rank()))
+        entries = manifest_entries(_own_files(tmp, global_rank()))
+        if self.nodes > 1:
+            for name, entry in entries.items():
+                if name not in SHARED_FILES:
+                    entry["node"] = node
+        return entries
 
     def _publish(self, step: int, trainer_state: dict, files: dict, tmp: Path, final: Path) -> None:
         write_synced(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1).encode())
         files |= manifest_entries([tmp / TRAINER_STATE])
         ranks = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        write_manifest(tmp, step, ranks, self.model, files)
+        write_manifest(tmp, step, ranks, self.model, files, self.nodes)
         self._replace(tmp, final)
-        self._prune()
+        if self.nodes == 1:
+            self._prune()
 
     def _verdict(self, path: Path) -> str | None:
         """verify(), once per path per run: the bytes of a checkpoint do not change under us."""
@@ -324,6 +380,30 @@ class CheckpointWriter:
                 f"checkpoint.keep: {problem}"
             )
         return problem
+
+
+def _publish_copy(shared: dict[str, bytes], tmp: Path, final: Path) -> None:
+    """Another node's version: the shared files beside its parts, the manifest last."""
+    for name in sorted(shared, key=lambda n: n == MANIFEST):
+        write_synced(tmp / name, shared[name])
+    aside = publish_checkpoint(tmp, final)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _prune_node(root: Path, step: int, replicated: list[int | None]) -> None:
+    """A node's memory keeps its newest version and, until every node's keeper has copied a
+    newer one to its buddy (`replicated`: each node's newest copied step or None,
+    resilience/replica.py), the one copied everywhere: a node lost whole mid-copy then still
+    leaves a version that every node's part survives of. At most two versions: a copy that
+    lags further (a dead keeper) costs that guarantee, not unbounded memory."""
+    versions = [_step_of(p.name) for p in list_checkpoints(root)]
+    keep_from = min([step, *(-1 if s is None else s for s in replicated)])
+    if len(versions) > 2:
+        keep_from = max(keep_from, sorted(versions)[-2])
+    for path in list_checkpoints(root):
+        if _step_of(path.name) < keep_from:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _fresh_dir(tmp: Path) -> None:

@@ -38,6 +38,8 @@ TRAINER_STATE = "trainer_state.json"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 DCP_METADATA = ".metadata"
+SHARED_FILES = (DCP_METADATA, TRAINER_STATE, MANIFEST)
+"""The files of a version that every node holds when it is written to node-local memory."""
 STEP_DIR = re.compile(r"step_(\d+)")
 ARCHITECTURE = (
     "vocab_size",
@@ -151,9 +153,16 @@ def torch_save_synced(obj: Any, file: Path) -> None:
 
 
 def write_manifest(
-    tmp: Path, step: int, rng_ranks: int, model: ModelConfig | None, files: dict
+    tmp: Path,
+    step: int,
+    rng_ranks: int,
+    model: ModelConfig | None,
+    files: dict,
+    nodes: int = 1,
 ) -> None:
-    """Written last and atomically: its presence means every file it lists was complete."""
+    """Written last and atomically: its presence means every file it lists was complete.
+    `nodes` > 1: a version in node-local memory, each file's entry naming the node that holds
+    it ("node"); the `SHARED_FILES` are on every node."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,
@@ -161,6 +170,8 @@ def write_manifest(
         "model": _architecture(model) if model is not None else None,
         "files": files,
     }
+    if nodes > 1:
+        manifest["nodes"] = nodes
     part = tmp / (MANIFEST + ".part")
     write_synced(part, json.dumps(manifest, indent=1, sort_keys=True).encode())
     part.rename(tmp / MANIFEST)
@@ -192,9 +203,10 @@ class _Damage(Exception):
     """Why a checkpoint does not verify (internal: `verify` turns it into its return value)."""
 
 
-def verify(path: Path, model: ModelConfig | None = None) -> str | None:
+def verify(path: Path, model: ModelConfig | None = None, node: int | None = None) -> str | None:
     """None if `path` is a complete, intact checkpoint (of `model`'s architecture, when given),
-    else a one-line reason. Reads and hashes every file."""
+    else a one-line reason. Reads and hashes every file; of a version in node-local memory (its
+    manifest names "nodes"), the files `node` holds and the shared ones."""
     path = Path(path)
     if path.name.endswith(".tmp"):
         return "an unfinished save (a .tmp directory left by an interrupted run)"
@@ -204,11 +216,26 @@ def verify(path: Path, model: ModelConfig | None = None) -> str | None:
         manifest = _read_manifest(path)
         _check_identity(path, manifest, model)
         _check_listed(manifest)
-        _check_files(path, manifest["files"])
+        files = part_of(manifest, node)
+        _check_files(path, files)
         _check_contents(path, manifest["files"])
     except _Damage as damage:
         return str(damage)
     return None
+
+
+def part_of(manifest: dict[str, Any], node: int | None) -> dict[str, dict]:
+    """The manifest's entries for the files a node holds of a version in node-local memory
+    (all of them for a version with one root, or `node` None on one that has none)."""
+    files = manifest["files"]
+    if manifest.get("nodes", 1) == 1:
+        return files
+    if node is None:
+        raise _Damage(
+            f"a version in the memory of {manifest['nodes']} nodes: each holds its own part "
+            "(verify it per node)"
+        )
+    return {k: e for k, e in files.items() if e.get("node", node) == node}
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -233,6 +260,7 @@ def _well_formed(m: Any) -> bool:
     return (
         isinstance(m.get("step"), int)
         and isinstance(m.get("rng_ranks"), int)
+        and isinstance(m.get("nodes", 1), int)
         and isinstance(m.get("model"), dict | None)
         and isinstance(files, dict)
         and all(

@@ -16,7 +16,7 @@ import io
 import json
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +42,9 @@ from depthscale.parallel.startup import own_group
 from depthscale.train.manifest import TRAINER_STATE, global_rank, rng_file_name
 
 SHARD_SUFFIX = ".distcp"
+Resolve = Callable[[str], Path]
+"""Where a file of a checkpoint is, by name, when not all of it is in one directory: a version
+in the memory of several nodes (train/snapshot.py) fetches another node's files on first use."""
 _BUCKET_BYTES = 64 << 20
 """Tensors are broadcast concatenated, at most this many bytes per message."""
 
@@ -116,8 +119,9 @@ class _CountingFileSystem(FileSystem):
     """DCP's local file system, logging the bytes each read gets. Unbuffered: DCP reads each
     item's byte range, and a buffer's read-ahead past it would be read again with the next item."""
 
-    def __init__(self, log: ReadLog) -> None:
+    def __init__(self, log: ReadLog, resolve: Resolve | None = None) -> None:
         self.log = log
+        self.resolve = resolve
 
     @contextmanager
     def create_stream(self, path: str | Path, mode: str) -> Iterator[io.IOBase]:
@@ -125,6 +129,7 @@ class _CountingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        path = _located(Path(path), self.resolve)
         with _CountingRaw(io.FileIO(path, "rb"), self.log, Path(path).name) as stream:
             yield stream
 
@@ -132,9 +137,13 @@ class _CountingFileSystem(FileSystem):
 class CountingReader(FileSystemReader):
     """`FileSystemReader` that logs what it reads into `log`."""
 
-    def __init__(self, path: Path, log: ReadLog) -> None:
+    def __init__(self, path: Path, log: ReadLog, resolve: Resolve | None = None) -> None:
         super().__init__(str(path))
-        self.fs = _CountingFileSystem(log)
+        self.fs = _CountingFileSystem(log, resolve)
+
+
+def _located(file: Path, resolve: Resolve | None) -> Path:
+    return resolve(file.name) if resolve is not None else file
 
 
 @dataclass
@@ -170,8 +179,8 @@ def distinct_bytes(stats: list[RestoreStats]) -> int:
     return total
 
 
-def _read_counted(file: Path, log: ReadLog) -> bytes:
-    data = file.read_bytes()
+def _read_counted(file: Path, log: ReadLog, resolve: Resolve | None = None) -> bytes:
+    data = _located(file, resolve).read_bytes()
     log.add(file.name, 0, len(data))
     return data
 
@@ -289,10 +298,10 @@ def _dcp_load(state: dict, path: Path, reader: FileSystemReader, group=None) -> 
         raise CheckpointError(f"cannot load checkpoint {path}: {cause(err)}") from err
 
 
-def _optimizer_flat(path: Path, log: ReadLog) -> bool:
+def _optimizer_flat(path: Path, log: ReadLog, resolve: Resolve | None) -> bool:
     """Whether the checkpoint's optimizer state is flattened (older checkpoints are nested)."""
     try:
-        keys = CountingReader(path, log).read_metadata().state_dict_metadata
+        keys = CountingReader(path, log, resolve).read_metadata().state_dict_metadata
     except Exception as err:
         raise CheckpointError(f"cannot read checkpoint metadata {path}: {cause(err)}") from err
     return not any(k.startswith("optim.param_groups.0.") for k in keys)
@@ -304,6 +313,7 @@ def restore(
     optimizer: torch.optim.Optimizer | None,
     mesh: DeviceMesh | None = None,
     load_once: bool = True,
+    resolve: Resolve | None = None,
 ) -> tuple[dict, RestoreStats]:
     """Load model (and optimizer) state in place; returns the trainer state and what this rank
     read. With replicas in `mesh` and `load_once`, one rank per replica group reads and
@@ -316,26 +326,26 @@ def restore(
     embedding's saved weight_decay 0 would end up on every matrix."""
     start = time.perf_counter()
     log = ReadLog()
-    trainer_state = read_trainer_state(path, log)
+    trainer_state = read_trainer_state(path, log, resolve)
     if optimizer is None or is_model_only(trainer_state):
-        load_model(path, model, log)
+        load_model(path, model, log, resolve)
         return trainer_state, RestoreStats.of(log, True, time.perf_counter() - start)
     configured = [
         {k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups
     ]
     settings = [set(g) for g in optimizer.param_groups]
-    options = StateDictOptions(flatten_optimizer_state_dict=_optimizer_flat(path, log))
+    options = StateDictOptions(flatten_optimizer_state_dict=_optimizer_flat(path, log, resolve))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     from_storage = True
     if load_once and options.flatten_optimizer_state_dict:
         from_storage = False
         for part, name in zip(_split(state), REPLICA_DIMS):
-            from_storage |= _load_part(part, path, log, replicas_of(mesh, name))
+            from_storage |= _load_part(part, path, log, replicas_of(mesh, name), resolve)
             for top, values in part.items():
                 state[top].update(values)
     else:
-        _dcp_load(state, path, CountingReader(path, log))
+        _dcp_load(state, path, CountingReader(path, log, resolve))
     set_state_dict(
         model,
         optimizer,
@@ -352,7 +362,7 @@ def restore(
         )
     for group, own in zip(optimizer.param_groups, configured):
         group.update(own)  # lr: the schedule sets it before every step
-    _restore_rng(path / rng_file_name(global_rank()), log)
+    _restore_rng(path / rng_file_name(global_rank()), log, resolve)
     return trainer_state, RestoreStats.of(log, from_storage, time.perf_counter() - start)
 
 
@@ -367,22 +377,26 @@ def _split(state: dict) -> tuple[dict, dict]:
     return sharded, plain
 
 
-def _load_part(part: dict, path: Path, log: ReadLog, replicas: Replicas | None) -> bool:
+def _load_part(
+    part: dict, path: Path, log: ReadLog, replicas: Replicas | None, resolve: Resolve | None
+) -> bool:
     """Read `part` here (every rank without replicas, else the replica group's reader) and
     broadcast it to the replicas; returns whether this rank read from storage."""
     reads = replicas is None or replicas.reads
     if reads:
-        _dcp_load(part, path, CountingReader(path, log), replicas and replicas.readers)
+        _dcp_load(part, path, CountingReader(path, log, resolve), replicas and replicas.readers)
     if replicas is not None:
         broadcast_state(part, replicas)
     return reads
 
 
-def _restore_rng(file: Path, log: ReadLog) -> None:
-    if not file.is_file():  # absent for ranks beyond the saving run's world size
+def _restore_rng(file: Path, log: ReadLog, resolve: Resolve | None = None) -> None:
+    try:
+        data = _read_counted(file, log, resolve)
+    except (FileNotFoundError, KeyError):  # absent for ranks beyond the saving run's world size
         return
     try:
-        rng = torch.load(io.BytesIO(_read_counted(file, log)), weights_only=True)
+        rng = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as err:
         raise CheckpointError(f"cannot load {file}: {cause(err)}") from err
     torch.set_rng_state(rng["torch"])
@@ -396,19 +410,23 @@ def is_model_only(trainer_state: dict) -> bool:
     return bool(trainer_state.get("model_only", False))
 
 
-def read_trainer_state(path: Path, log: ReadLog | None = None) -> dict:
+def read_trainer_state(
+    path: Path, log: ReadLog | None = None, resolve: Resolve | None = None
+) -> dict:
     file = Path(path) / TRAINER_STATE
-    if not file.is_file():
+    if resolve is None and not file.is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint: {TRAINER_STATE} is missing")
     try:
-        return json.loads(_read_counted(file, log if log is not None else ReadLog()))
+        return json.loads(_read_counted(file, log if log is not None else ReadLog(), resolve))
     except ValueError as err:
         raise CheckpointError(f"{file} is not valid JSON: {err}") from err
 
 
-def load_model(path: Path, model: nn.Module, log: ReadLog | None = None) -> None:
+def load_model(
+    path: Path, model: nn.Module, log: ReadLog | None = None, resolve: Resolve | None = None
+) -> None:
     """Load only the model weights of a checkpoint (generation, conversion, evaluation); every
     rank reads what it holds."""
     state = {"model": model.state_dict()}
-    _dcp_load(state, path, CountingReader(path, log if log is not None else ReadLog()))
+    _dcp_load(state, path, CountingReader(path, log if log is not None else ReadLog(), resolve))
     model.load_state_dict(state["model"])

@@ -154,7 +154,8 @@ class Trainer:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "data": data}
 
     def _restore(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer, self.layout.mesh)
+        resolve = self.snapshots.resolver(path)  # a version spread over several nodes' memory
+        state = self.checkpointer.load(path, self.model, self.optimizer, self.layout.mesh, resolve)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
         if not is_model_only(state):
