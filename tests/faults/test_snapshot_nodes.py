@@ -18,19 +18,19 @@ import time
 from pathlib import Path
 
 import pytest
-from supervised import assert_same_run, kill_node, node_events, start_nodes
+from supervised import assert_same_run, events, kill_node, losses, node_events, start_nodes, train
 
 from depthscale.resilience.keeper import snapshot_dir
-from depthscale.resilience.replica import replica_root
+from depthscale.resilience.replica import replica_root, replicated_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 EVERY = 3
-NODES = [
-    "--nproc", "1", "--parallel.dp_shard", "2", "--resilience.diagnose", "false",
+SNAP = [
+    "--resilience.diagnose", "false", "--resilience.slow_steps", "1000",
     "--checkpoint.snapshot_every", str(EVERY), "--checkpoint.every", "100",
-    "--resilience.slow_steps", "1000",
 ]  # fmt: skip
+NODES = ["--nproc", "1", "--parallel.dp_shard", "2", *SNAP]
 WINDOW = ["--faults", "slow@1:100:10"]
 STEP = "step_00000009"
 PART = "__1_0.distcp"
@@ -54,25 +54,22 @@ def copy(run: Path, of: int, on: int) -> Path:
 def _windowed(run: Path, *args: str) -> list:
     """The job, returned once each node's snapshot 9 is in place on the other node too."""
     procs = start_nodes(run, 2, *NODES, *args, steps=12)
-    deadline = time.monotonic() + 300
-    while not (copy(run, 1, 0).is_dir() and copy(run, 0, 1).is_dir()):
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            _end(procs)
-            pytest.fail(f"snapshot 9 was never copied: {[p.communicate() for p in procs]}")
-        time.sleep(0.05)
+    _until(lambda: copy(run, 1, 0).is_dir() and copy(run, 0, 1).is_dir(), procs)
     return procs
 
 
-def _finish(procs: list, codes=(0, 0)) -> list[str]:
-    outs = []
+def _finish(procs: list, codes=(0, 0), outs: str = "stdout") -> list:
+    """Each node's stdout (the workers' console; the supervisor's own lines are on stderr), or
+    (stdout, stderr) with outs="both", once it exited with its code."""
+    done = []
     try:
         for proc, code in zip(procs, codes):
             out, err = proc.communicate(timeout=300)
             assert proc.returncode == code, err[-4000:]
-            outs.append(out)  # the workers' console (the supervisor's own lines: stderr)
+            done.append((out, err) if outs == "both" else out)
     finally:
         _end(procs)
-    return outs
+    return done
 
 
 def _end(procs: list) -> None:
@@ -165,12 +162,76 @@ def test_both_copies_corrupt_fall_through_to_disk_named(tmp_path, reference):
     assert_same_run(run, reference)
 
 
-def _kill_keeper(root: Path) -> None:
+def test_sigkill_during_a_snapshot_restores_the_previous_version(tmp_path, reference):
+    run = tmp_path / "run"
+    # the snapshot of step 6 is written but not yet committed (30 s more) when rank 1 dies at
+    # the start of step 7: 6 steps were done, 3 are lost
+    _finish(start_nodes(run, 2, *NODES, "--faults", "slowsave@6:30,kill@1:7", steps=12))
+    for node in (0, 1):
+        record = _restore(run, node)
+        assert (record["tier"], record["step"], record["served_by"]) == ("memory", 3, node)
+    assert_same_run(run, reference)
+
+
+def test_the_keeper_killed_alone_is_replaced_and_snapshots_and_copies_go_on(tmp_path):
+    run = tmp_path / "run"
+    procs = start_nodes(run, 2, *NODES, "--faults", "slow@1:4:1", steps=30)
+    root = snapshot_dir(run, 1)
+    try:
+        _until(lambda: (replicated_step(root) or 0) >= 3, procs)  # node 1's copies are going
+        killed_after = max(int(p.name[5:]) for p in root.glob("step_*[0-9]"))
+        assert _kill_keeper(root)
+        # its replacement serves on the same port and pushes again: a newer copy goes in
+        _until(lambda: (replicated_step(root) or 0) > killed_after, procs)
+        _, err1 = _finish(procs, outs="both")[1]
+    finally:
+        _end(procs)
+    (warning,) = [ln for ln in err1.splitlines() if "snapshot keeper" in ln]
+    assert "was killed by SIGKILL; started another" in warning
+    assert not node_events(run, 0, "fault") and not node_events(run, 1, "fault")
+    _memory_freed(run)
+
+
+def test_fewer_nodes_restore_from_memory_resharded(tmp_path, reference):
+    run = tmp_path / "run"
+    # two nodes give up at their first fault (exit 75): the keepers keep their snapshots, node
+    # 1's copy included, for the requeued job, which runs on node 0 alone at dp_shard 1
+    _finish(
+        start_nodes(run, 2, *NODES, "--faults", "kill@1:11", "--resilience.max_restarts", "0"),
+        codes=(75, 75),
+    )
+    assert own(run, 0).is_dir() and copy(run, 1, 0).is_dir()
+    proc = train(run, "--nproc", "1", "--resilience.supervise", "true", *SNAP)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (record,) = events(run, "start_time")[-1]["restore"].values()
+    assert (record["tier"], record["step"]) == ("memory", 9), record
+    assert record["parts"] == {"0": ["memory", 0], "1": ["replica", 0]}  # node 1's: the copy
+    assert "node 1's part from its copy on node 0" in events(run, "start_time")[-1]["text"]
+    # resharded: the steps after it match the dp_shard=2 reference to fp32 rounding (the sums
+    # run in another order; bitwise equality is for the same layout)
+    got, want = losses(run), losses(reference)
+    for step in range(10, 13):
+        assert abs(got[step] - want[step]) < 1e-4 * abs(want[step]), (step, got[step], want[step])
+    assert not snapshot_dir(run, 0).exists()
+
+
+def _until(cond, procs: list, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            _end(procs)
+            pytest.fail(f"never happened: {[p.communicate() for p in procs]}")
+        time.sleep(0.05)
+
+
+def _kill_keeper(root: Path) -> bool:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if b"depthscale.resilience.keeper" in cmd and str(root).encode() in cmd:
                 os.kill(int(pid), signal.SIGKILL)
+                return True
+    return False
 
 
 def _flip(file: Path) -> None:

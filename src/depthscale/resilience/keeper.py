@@ -47,6 +47,9 @@ SNAPSHOT_DIR_ENV = "DEPTHSCALE_SNAPSHOT_DIR"
 """Set by the supervisor for its workers: the directory its keeper owns."""
 SNAPSHOT_PEERS_ENV = "DEPTHSCALE_SNAPSHOT_PEERS"
 """Set by a multi-node supervisor: JSON {"node": this node, "keepers": every node's keeper URL}."""
+FLUSH_S = 60.0
+"""A keeper told to keep its snapshots (the job gave up) first finishes the copy to its buddy
+in flight, for at most this long."""
 FETCHED = ".fetched"
 """Under a node's root: the files a restart fetched from other nodes' keepers (swept)."""
 SHM = Path("/dev/shm")
@@ -100,6 +103,14 @@ def with_restore(text: str, fields: dict, records: list[dict | None], base: int)
         f"{tier} (rank{'s' if len(r) > 1 else ''} {','.join(r)})" for tier, r in by_tier.items()
     )
     text += f", {read / 1e6:.2f} MB read"
+    parts = next((rec["parts"] for rec in ranks.values() if rec.get("parts")), {})
+    copies = [
+        f"node {w}'s part from its copy on node {s}"
+        for w, (t, s) in parts.items()
+        if t == "replica"
+    ]
+    if copies:
+        text += " (" + ", ".join(copies) + ")"
     failed = next((rec["failed"] for rec in ranks.values() if rec.get("failed")), None)
     if failed:
         text += f"; failed verification: {failed[0]}"
@@ -199,7 +210,7 @@ class Keeper:
         with contextlib.suppress(OSError, ValueError):
             self._proc.stdin.close()
         try:
-            self._proc.wait(10)
+            self._proc.wait(FLUSH_S + 10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
         if not keep:  # a keeper that could not do it (killed just now): done here
@@ -232,6 +243,8 @@ def _serve(args: list[str]) -> None:
             drop(root)
             return
         elif command == "keep":
+            if pusher is not None:
+                pusher.flush(FLUSH_S)
             return
 
 

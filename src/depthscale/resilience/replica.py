@@ -235,6 +235,19 @@ class Pusher:
         self.url = url.rstrip("/")
         self._wake.set()
 
+    def flush(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until the newest committed version is with the buddy: a
+        job that gives up leaves its copies complete for the requeued one."""
+        deadline = time.monotonic() + timeout
+        while self.url is not None and time.monotonic() < deadline:
+            versions = committed_versions(self.root)
+            done = replicated_step(self.root)
+            if not versions or (done is not None and done >= int(versions[-1].name[5:])):
+                return
+            if self._warned is not None:  # the buddy refuses or is gone: no use waiting
+                return
+            time.sleep(0.05)
+
     def _loop(self) -> None:
         while True:
             self._wake.wait(0.2)

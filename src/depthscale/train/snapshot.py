@@ -176,8 +176,9 @@ class Snapshots:
             "seconds": round(stats.seconds, 3) if stats is not None else None,
             "failed": self.failed,
         }
-        if self.fetcher is not None:
+        if self.fetcher is not None and self.tier(path) != "disk":
             record["served_by"] = self.fetcher.served_by
+            record["parts"] = {str(w): list(src) for w, src in self.fetcher.serve.items()}
             self._drop_fetched()
         if heartbeat is not None:
             heartbeat.update(restore=record)
