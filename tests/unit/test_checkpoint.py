@@ -15,6 +15,8 @@ from depthscale.config import CheckpointConfig, Config, ModelConfig, to_toml
 from depthscale.errors import CheckpointError
 from depthscale.interop.run_dir import load_run
 from depthscale.model.transformer import Transformer
+from depthscale.resilience.keeper import snapshot_dir
+from depthscale.resilience.replica import replica_root
 from depthscale.train import checkpoint_write
 from depthscale.train.checkpoint import Checkpointer, load_model, save_model
 from depthscale.train.manifest import list_checkpoints, newest_verified, verified, verify
@@ -438,12 +440,24 @@ def test_resume_takes_group_settings_from_the_config_and_state_from_the_checkpoi
 def test_recovery_tiers_name_a_damaged_version_and_what_a_restart_would_use(tmp_path):
     """`depthscale diagnose --run` reports each tier as a restart would try it: the newest
     version that verifies, and one line for each newer one that does not."""
-    run, memory = tmp_path / "run", tmp_path / "shm"
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    memory = snapshot_dir(run, 0, shm)
     Run(memory).save(1, 2)
     Run(run / "checkpoints").save(1)
+    snapshot_dir(run, 1, shm).mkdir()
+    copy = replica_root(snapshot_dir(run, 1, shm)) / "node0"  # node 1 holds node 0's copy
+    shutil.copytree(step_dir(memory, 2), step_dir(copy, 2))
     flip_byte(next((step_dir(memory, 2)).glob("*.distcp")))
-    tiers = {t["tier"]: t for t in recovery_tiers(run, ARCH, memory_root=memory)}
-    assert tiers["memory"]["verified"] == "step_00000001"
-    [line] = tiers["memory"]["failed"]
-    assert line.startswith("snapshot step_00000002 in memory (") and "failed verification" in line
+    tiers = {t["tier"]: t for t in recovery_tiers(run, ARCH, shm)}
+    assert list(tiers) == [
+        "memory of node 0",
+        "memory of node 1",
+        "copy of node 0 on node 1",
+        "disk",
+    ]
+    assert tiers["memory of node 0"]["verified"] == "step_00000001"
+    [line] = tiers["memory of node 0"]["failed"]
+    assert line.startswith("snapshot step_00000002 in the memory of node 0 (")
+    assert "failed verification" in line
+    assert tiers["copy of node 0 on node 1"]["verified"] == "step_00000002"
     assert tiers["disk"]["verified"] == "step_00000001" and tiers["disk"]["failed"] == []

@@ -147,3 +147,12 @@ def test_a_restart_fetches_another_nodes_part_checked_against_the_manifest(tmp_p
     with pytest.raises(KeyError):
         fetcher("__5_0.distcp")  # not in this version
     keeper0.shutdown()
+
+
+def test_the_copy_to_the_buddy_keeps_to_its_rate(tmp_path):
+    file = tmp_path / "part"
+    file.write_bytes(bytes(4 << 20))
+    pusher = Pusher(tmp_path / "root", 0, mb_s=40)  # 4 MiB at 40 MB/s: >= 0.1 s
+    start = time.monotonic()
+    assert sum(map(len, pusher._paced(file))) == 4 << 20
+    assert time.monotonic() - start >= (4 << 20) / 40e6 - 0.005

@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from depthscale.resilience.replica import REPLICATED, Pusher, replica_root, serve
+from depthscale.resilience.replica import REPLICATED, Pusher, advertised_addr, replica_root, serve
 
 UNFINISHED = re.compile(r"step_\d+\.tmp")
 """A version a writer had not finished (train/manifest.py names versions `step_N`). Matched
@@ -215,6 +215,28 @@ class Keeper:
             self._proc.kill()
         if not keep:  # a keeper that could not do it (killed just now): done here
             drop(self.root)
+
+
+def start_keeper(
+    root: Path,
+    log: Callable[..., None],
+    store,
+    node: int,
+    nnodes: int,
+    store_addr: str,
+    mb_s: float,
+) -> tuple[Keeper, list[str]]:
+    """This node's keeper, and every node's keeper URL (multi-node: restores fetch the parts
+    other nodes serve). In a multi-node job it serves its node's snapshots on the address by
+    which this node reaches node 0's store, each supervisor publishes its keeper's URL in that
+    store (a torch TCPStore) and reads the others', and the keeper pushes to the next node's."""
+    if nnodes == 1:
+        return Keeper(root, log), []
+    keeper = Keeper(root, log, node, advertised_addr(store_addr), mb_s)
+    store.set(f"depthscale/keeper/node{node}", keeper.url)
+    keepers = [store.get(f"depthscale/keeper/node{k}").decode() for k in range(nnodes)]
+    keeper.buddy(keepers[(node + 1) % nnodes])
+    return keeper, keepers
 
 
 def _serve(args: list[str]) -> None:

@@ -66,10 +66,10 @@ from depthscale.resilience.keeper import (
     SNAPSHOT_PEERS_ENV,
     Keeper,
     snapshot_dir,
+    start_keeper,
 )
 from depthscale.resilience.nodes import NodePool
 from depthscale.resilience.peers import Lost, Peers, PeersLost, Pulse
-from depthscale.resilience.replica import advertised_addr
 from depthscale.resilience.watch import Fault, Watch
 
 SUSPECT_NODES = ("dead", "hung", "slow", "bad_node")
@@ -184,7 +184,10 @@ class Supervisor:
         code = 1
         try:
             if self.cfg.checkpoint.snapshot_every:  # the node's snapshots (train/snapshot.py)
-                self._start_keeper()
+                self.keeper, self.keepers = start_keeper(
+                    snapshot_dir(self.run_dir, self.node_rank), self.log, self.store,
+                    self.node_rank, self.nnodes, self.addr, self.cfg.checkpoint.replica_mb_s,
+                )  # fmt: skip
             code = self._loop()
         except (PeersLost, TimeoutError) as lost:  # another node is gone, between two attempts
             code = self._gave_up_waiting(lost)
@@ -196,23 +199,6 @@ class Supervisor:
             if self.keeper is not None:  # kept for a requeue (75), else freed
                 self.keeper.close(keep=code == GAVE_UP)
         return code
-
-    def _start_keeper(self) -> None:
-        """This node's keeper. In a multi-node job it serves the node's snapshots to the others
-        and copies each to its buddy, the next node: every supervisor publishes its keeper's
-        address in the store and reads the others' (`keepers`, for the workers' restores)."""
-        root = snapshot_dir(self.run_dir, self.node_rank)
-        if self.nnodes == 1:
-            self.keeper = Keeper(root, self.log)
-            return
-        addr = advertised_addr(self.addr)
-        mb_s = self.cfg.checkpoint.replica_mb_s
-        self.keeper = Keeper(root, self.log, self.node_rank, addr, mb_s)
-        self.store.set(f"depthscale/keeper/node{self.node_rank}", self.keeper.url)
-        self.keepers = [
-            self.store.get(f"depthscale/keeper/node{k}").decode() for k in range(self.nnodes)
-        ]
-        self.keeper.buddy(self.keepers[(self.node_rank + 1) % self.nnodes])
 
     def _catch_stop_signals(self) -> dict[int, Any]:
         """SIGINT / SIGTERM only set a flag: the watch forwards the same signal to the workers

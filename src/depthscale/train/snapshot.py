@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
@@ -60,7 +61,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from depthscale.resilience.keeper import FETCHED, SNAPSHOT_DIR_ENV, SNAPSHOT_PEERS_ENV, snapshot_dir
+from depthscale.resilience.keeper import (
+    FETCHED,
+    SHM,
+    SNAPSHOT_DIR_ENV,
+    SNAPSHOT_PEERS_ENV,
+    snapshot_dir,
+)
 from depthscale.resilience.replica import fetch, replica_root
 from depthscale.train import console
 from depthscale.train.checkpoint import Checkpointer
@@ -219,46 +226,61 @@ class Snapshots:
 
 
 def newest_verified_version(
-    root: Path, tier: str, model: ModelConfig | None, floor: int = -1, node: int = 0
+    root: Path, what: str, model: ModelConfig | None, node: int = 0
 ) -> tuple[Path | None, list[str]]:
-    """The newest version under `root` that verifies (node `node`'s part of it, in memory), no
-    older than step `floor`, or None; and one line for each newer one that failed (what a
-    restart tries, in its order)."""
+    """The newest version under `root` that verifies (node `node`'s part of it, in memory), or
+    None; and one line for each newer one that failed, naming it as `what` ("snapshot ... in the
+    memory of node 0")."""
     failed = []
     for path in reversed(list_checkpoints(root)):
-        if _step_of(path.name) < floor:
-            break
         problem = verify(path, model, node)
         if problem is None:
             return path, failed
-        what = "snapshot" if tier == "memory" else "checkpoint"
-        where = "in memory" if tier == "memory" else f"on {tier}"
-        failed.append(f"{what} {path.name} {where} ({path}) failed verification: {problem}")
+        failed.append(f"{what.format(path.name)} ({path}) failed verification: {problem}")
     return None, failed
 
 
-def recovery_tiers(
-    run: Path, model: ModelConfig | None, memory_root: Path | None = None
-) -> list[dict[str, Any]]:
-    """What each tier of `run` would give a restart now, in the order it tries them: this
-    node's memory (its keeper's directory), then the checkpoints on disk. Per tier: its
-    directory, its versions, the newest that verifies and the lines naming newer ones that do
-    not (`depthscale diagnose --run` prints them, so a damaged tier is named before a fault
-    needs it)."""
+def recovery_tiers(run: Path, model: ModelConfig | None, base: Path = SHM) -> list[dict[str, Any]]:
+    """What each tier of `run` on this host would give a restart now: the memory of each node
+    whose keeper is here and the copies it holds of other nodes' parts, then the checkpoints on
+    disk. Per tier: its directory, its versions, the newest that verifies and the lines naming
+    newer ones that do not (`depthscale diagnose --run` prints them, so a damaged tier is named
+    before a fault needs it)."""
+    sources = []
+    for root in node_dirs(run, base):
+        node = int(root.name.rsplit("-node", 1)[1])
+        memory = f"snapshot {{}} in the memory of node {node}"
+        sources.append((f"memory of node {node}", root, node, memory))
+        for of, held in copies_held(root):
+            sources.append(
+                (f"copy of node {of} on node {node}", held, of,
+                 f"the copy of node {of}'s snapshot {{}} on node {node}")
+            )  # fmt: skip
+    sources.append(("disk", Path(run) / "checkpoints", 0, "checkpoint {} on disk"))
     rows = []
-    memory_root = memory_root if memory_root is not None else snapshot_dir(run)
-    for tier, root in (("memory", memory_root), ("disk", Path(run) / "checkpoints")):
-        good, failed = newest_verified_version(root, tier, model)
+    for tier, root, node, what in sources:
+        good, failed = newest_verified_version(root, what, model, node)
+        versions = [p.name for p in list_checkpoints(root)]
+        verified = good.name if good is not None else None
         rows.append(
-            {
-                "tier": tier,
-                "root": str(root),
-                "versions": [p.name for p in list_checkpoints(root)],
-                "verified": good.name if good is not None else None,
-                "failed": failed,
-            }
-        )
+            {"tier": tier, "root": str(root), "versions": versions, "verified": verified,
+             "failed": failed}
+        )  # fmt: skip
     return rows
+
+
+def node_dirs(run: Path, base: Path = SHM) -> list[Path]:
+    """The snapshot directories of `run`'s nodes on this host (one, on a node of a cluster)."""
+    stem = snapshot_dir(run, 0, base).name.rsplit("-node", 1)[0]
+    found = [p for p in base.glob(f"{stem}-node*") if p.name.rsplit("-node", 1)[1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.rsplit("-node", 1)[1]))
+
+
+def copies_held(root: Path) -> list[tuple[int, Path]]:
+    """(node, directory) of each copy of another node's snapshots that `root`'s keeper holds."""
+    held = replica_root(root)
+    found = [p for p in held.iterdir() if re.fullmatch(r"node\d+", p.name)] if held.is_dir() else []
+    return sorted((int(p.name[4:]), p) for p in found)
 
 
 # ---------------------------------------------------------------------------- across nodes
@@ -280,11 +302,7 @@ def node_report(root: Path, node: int, model: ModelConfig | None, floor: int) ->
         step = _step_of(version.name)
         if step >= floor:
             own[step], writers[step] = verify(version, model, node), _writers(version)
-    held = replica_root(root)
-    for of in sorted(held.iterdir()) if held.is_dir() else []:
-        if not of.name.startswith("node") or not of.name[4:].isdigit():
-            continue
-        source = int(of.name[4:])
+    for source, of in copies_held(root):
         for version in list_checkpoints(of):
             step = _step_of(version.name)
             if step >= floor:
