@@ -261,7 +261,7 @@ def _mean_step(ends: dict, window: tuple[int, int]) -> float:
 def interval_for(cost_s: float, step_s: float, goal: float) -> int:
     """The smallest snapshot interval, in steps, at which `cost_s` per snapshot is <= `goal` of
     the step time."""
-    return max(1, math.ceil(cost_s / (goal * step_s)))
+    return max(1, math.ceil(round(cost_s / (goal * step_s), 9)))  # 30.000000000000004 is 30
 
 
 def summarise(raw: dict, judge_every: int) -> dict:
