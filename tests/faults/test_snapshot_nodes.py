@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from supervised import assert_same_run, events, kill_node, losses, node_events, start_nodes, train
 
-from depthscale.resilience.keeper import snapshot_dir
+from depthscale.resilience.keeper import drop, snapshot_dir
 from depthscale.resilience.replica import replica_root, replicated_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -35,6 +35,15 @@ WINDOW = ["--faults", "slow@1:100:10"]
 STEP = "step_00000009"
 PART = "__1_0.distcp"
 """Node 1's part of a version: the DCP shard file of its one rank."""
+
+
+@pytest.fixture(autouse=True)
+def _free_memory(tmp_path):
+    """Whatever a drill leaves in /dev/shm (a node that gave up keeps its snapshots for a
+    requeue that, in a test, never comes) goes with it."""
+    yield
+    for node in (0, 1):
+        drop(snapshot_dir(tmp_path / "run", node))
 
 
 @pytest.fixture

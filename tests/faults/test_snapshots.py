@@ -15,13 +15,20 @@ from pathlib import Path
 import pytest
 from supervised import assert_same_run, events, train
 
-from depthscale.resilience.keeper import snapshot_dir
+from depthscale.resilience.keeper import drop, snapshot_dir
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 EVERY = 3
 DP2 = ["--nproc", "2", "--parallel.dp_shard", "2", "--resilience.diagnose", "false"]
 SNAP = [*DP2, "--checkpoint.snapshot_every", str(EVERY), "--checkpoint.every", "100"]
+
+
+@pytest.fixture(autouse=True)
+def _free_memory(tmp_path):
+    """A drill that fails leaves nothing in /dev/shm."""
+    yield
+    drop(snapshot_dir(tmp_path / "run"))
 
 
 @pytest.fixture

@@ -312,7 +312,7 @@ class CheckpointWriter:
         write_manifest(tmp, step, ranks, self.model, files, self.nodes)
         self._replace(tmp, final)
         if self.nodes == 1:
-            self._prune()
+            self._prune(final)
 
     def _verdict(self, path: Path) -> str | None:
         """verify(), once per path per run: the bytes of a checkpoint do not change under us."""
@@ -335,14 +335,16 @@ class CheckpointWriter:
                 f"kept the damaged checkpoint that {final.name} replaces, as {aside}: {problem}"
             )
 
-    def _prune(self) -> None:
+    def _prune(self, fresh: Path) -> None:
         """Keep the newest `keep` checkpoints that verify *now*; delete older verified ones.
 
         A verdict cached at save time is not trusted for this: bytes can change after they were
         written (a flipped bit, another process, a failing disk), and a checkpoint that no longer
         verifies must not stand in for the one about to be deleted. So before anything is deleted,
         the ones relied on instead are re-hashed; one that fails is named, kept for inspection and
-        not counted. At least one checkpoint that verifies now always remains. The cost, reading
+        not counted. At least one checkpoint that verifies now always remains. The one this save
+        just published (`fresh`) is not read again: its hashes were taken from its files as
+        written, a moment ago (a second read doubled a snapshot's cost). The cost, reading
         `keep` checkpoints once per save that deletes one, is paid on rank 0 inside the save
         (the background writer for async saves). Damaged ones (another model's included) are
         neither counted nor deleted; each is named in a warning once."""
@@ -359,7 +361,7 @@ class CheckpointWriter:
                     shutil.rmtree(old, ignore_errors=True)
                     del self._verdicts[old]
                 return
-            problem = verify(path, self.model)
+            problem = None if path == fresh else verify(path, self.model)
             if problem is None:
                 relied.append(path)
             else:
