@@ -130,10 +130,10 @@ class Snapshots:
 
     def _choose_across_nodes(self) -> Path | None:
         """The newest snapshot every rank can have, verified, and not older than the newest
-        checkpoint on disk; or None. Every node's first rank reports what its memory holds, verified (its own versions and
-        the copies it keeps of its predecessor's); every rank then makes the same choice from the
-        same reports (`choose_version`): the newest version of which each node's part can be
-        had, from its node's memory or its buddy's copy."""
+        checkpoint on disk; or None. Every node's first rank reports what its memory holds,
+        verified (its own versions and the copies it keeps of its predecessor's); every rank
+        then makes the same choice from the same reports (`choose_version`): the newest version
+        of which each node's part can be had, from its node's memory or its buddy's copy."""
         on_disk = list_checkpoints(self.disk.root)
         floor = _step_of(on_disk[-1].name) if on_disk else -1
         node = self.peers["node"] if self.peers is not None else 0
@@ -164,7 +164,7 @@ class Snapshots:
     def tier(self, path: Path | None) -> str | None:
         if path is None:
             return None
-        if self.fetcher is not None:  # this node's part: its own memory, or its buddy's copy
+        if self.resolver(path) is not None:  # this node's part: its memory, or a buddy's copy
             return self.fetcher.tier
         return "memory" if self.root is not None and path.parent == self.root else "disk"
 
