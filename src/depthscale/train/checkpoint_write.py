@@ -251,10 +251,14 @@ class CheckpointWriter:
             if dist.is_initialized():
                 self._roots = [None] * dist.get_world_size(self.group)
                 dist.all_gather_object(self._roots, str(self.root), group=self.group)
-        distinct = list(dict.fromkeys(self._roots))
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        node = distinct.index(self._roots[rank])
-        return node, self._roots.index(self._roots[rank]) == rank
+        node = list(dict.fromkeys(self._roots)).index(self._roots[rank])
+        return node, rank in self._leaders
+
+    @property
+    def _leaders(self) -> list[int]:
+        """The first rank of each root (of each node, for node-local memory), in node order."""
+        return [r for r, root in enumerate(self._roots) if self._roots.index(root) == r]
 
     @property
     def nodes(self) -> int:
@@ -278,9 +282,7 @@ class CheckpointWriter:
         safe = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(safe, replicated_step(self.root) if leads else None, self.group)
         if leads:
-            leaders = [r for r, root in enumerate(self._roots) if self._roots.index(root) == r]
-        if leads:
-            _prune_node(self.root, step, [safe[r] for r in leaders])
+            _prune_node(self.root, step, [safe[r] for r in self._leaders])
 
     def _write_own(
         self,
